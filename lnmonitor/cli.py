@@ -1,0 +1,35 @@
+"""The ``lnmonitor`` command line. Bad input exits with code 2 and one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lnmonitor.errors import UsageError
+
+# Each module under lnmonitor.commands registers one subcommand.
+COMMANDS = ("train_tiny",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lnmonitor", description="Watch what LayerNorm does to a transformer while it trains."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"lnmonitor.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as err:
+        print(f"lnmonitor {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

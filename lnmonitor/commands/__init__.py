@@ -1,0 +1,1 @@
+"""Subcommands of the ``lnmonitor`` command line; each module has ``register(subparsers)``."""

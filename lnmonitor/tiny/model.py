@@ -1,0 +1,148 @@
+"""A configurable pre-norm character GPT (plain PyTorch, no Lightning).
+
+The default configuration is the reference model of DESIGN.md section 2: 4 blocks,
+4 heads, width 128, context 64, GELU MLP (4x), pre-norm blocks
+``x + attn(ln1(x))`` and ``x + mlp(ln2(x))``, a final norm ``lnf``, bias-free
+attention projections and head: 816,128 parameters at a 65-symbol vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORMS = ("layer", "rms")
+ATTENTIONS = ("sdpa", "explicit")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`TinyGPT`. ``norm`` is ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm)."""
+
+    vocab_size: int = 65
+    width: int = 128
+    depth: int = 4
+    heads: int = 4
+    context: int = 64
+    mlp_ratio: int = 4
+    norm: Literal["layer", "rms"] = "layer"
+    eps: float = 1e-5
+    attention: Literal["sdpa", "explicit"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "width", "depth", "heads", "context", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.width % self.heads:
+            raise ValueError(
+                f"width {self.width} is not divisible by heads {self.heads}: "
+                "choose a width that is a multiple of the number of heads"
+            )
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "layer":
+        return nn.LayerNorm(config.width, eps=config.eps)
+    return nn.RMSNorm(config.width, eps=config.eps)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.explicit = config.attention == "explicit"
+        self.qkv = nn.Linear(config.width, 3 * config.width, bias=False)
+        self.proj = nn.Linear(config.width, config.width, bias=False)
+        mask = torch.ones(config.context, config.context, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            scores = scores.masked_fill(~self.causal_mask[:time, :time], float("-inf"))
+            out = scores.softmax(dim=-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, time, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.width, config.mlp_ratio * config.width)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(config.mlp_ratio * config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Character GPT. ``forward(idx, targets=None)`` returns ``(logits, loss)``; loss is
+    the mean cross-entropy in nats per character, or ``None`` without targets."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.width)
+        self.pos_emb = nn.Embedding(config.context, config.width)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.lnf = make_norm(config)
+        self.head = nn.Linear(config.width, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        time = idx.shape[1]
+        if time > self.config.context:
+            raise ValueError(f"sequence length {time} exceeds the context {self.config.context}")
+        positions = torch.arange(time, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.lnf(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss

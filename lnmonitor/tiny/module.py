@@ -1,0 +1,60 @@
+"""The train-tiny recipe as a LightningModule."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lnmonitor.tiny.data import CharVocab
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+
+class TinyGPTModule(L.LightningModule):
+    """A :class:`TinyGPT` with the recipe's optimiser: AdamW (weight decay on the
+    matrices only), a one-cycle learning rate peaking at ``lr`` over ``max_steps``.
+
+    ``forward(x, y=None)`` returns ``(logits, loss)``. The vocabulary is a
+    hyperparameter, so it travels with every checkpoint.
+    """
+
+    def __init__(
+        self, vocab: str, width: int = 128, depth: int = 4, heads: int = 4,
+        context: int = 64, norm: str = "layer", eps: float = 1e-5,
+        attention: str = "sdpa", lr: float = 3e-3, weight_decay: float = 0.1,
+        max_steps: int = 3000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.vocab = CharVocab(vocab)
+        self.config = GPTConfig(
+            vocab_size=len(self.vocab), width=width, depth=depth, heads=heads,
+            context=context, norm=norm, eps=eps, attention=attention,
+        )
+        self.model = TinyGPT(self.config)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        return self.model(x, y)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        _, loss = self(*batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        _, loss = self(*batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].shape[0])
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        others = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": matrices, "weight_decay": self.hparams.weight_decay},
+                {"params": others, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+        )
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.hparams.lr, total_steps=self.hparams.max_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

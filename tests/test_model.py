@@ -1,0 +1,69 @@
+import math
+
+import pytest
+import torch
+
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+
+def test_default_config_has_the_reference_parameter_count():
+    model = TinyGPT(GPTConfig())
+    assert sum(p.numel() for p in model.parameters()) == 816_128
+
+
+def test_rms_variant_drops_only_the_norm_biases():
+    layer = sum(p.numel() for p in TinyGPT(GPTConfig()).parameters())
+    rms = sum(p.numel() for p in TinyGPT(GPTConfig(norm="rms")).parameters())
+    assert layer - rms == 9 * 128  # nine norms, one bias vector each
+
+
+def test_sdpa_and_explicit_attention_compute_the_same_function():
+    torch.manual_seed(0)
+    sdpa = TinyGPT(GPTConfig(width=32, heads=4, depth=2, context=16)).double()
+    explicit = TinyGPT(GPTConfig(width=32, heads=4, depth=2, context=16, attention="explicit"))
+    explicit = explicit.double()
+    explicit.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 65, (3, 16))
+    torch.testing.assert_close(sdpa(idx)[0], explicit(idx)[0], rtol=0, atol=1e-12)
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(width=32, heads=2, depth=2, context=16)).eval()
+    idx = torch.randint(0, 65, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 65
+    before, after = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_loss_at_initialisation_is_near_the_uniform_guess():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig())
+    idx = torch.randint(0, 65, (8, 64))
+    _, loss = model(idx, idx)
+    assert abs(loss.item() - math.log(65)) < 0.1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"width": 130, "heads": 4}, "not divisible by heads"),
+        ({"eps": 0.0}, "eps must be"),
+        ({"eps": -1e-5}, "eps must be"),
+        ({"eps": float("nan")}, "eps must be"),
+        ({"norm": "batch"}, "norm must be"),
+        ({"depth": 0}, "depth must be a positive integer"),
+        ({"attention": "flash"}, "attention must be"),
+    ],
+)
+def test_bad_configurations_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_too_long_input_is_rejected():
+    model = TinyGPT(GPTConfig(width=16, heads=2, depth=1, context=8))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        model(torch.zeros(1, 9, dtype=torch.long))

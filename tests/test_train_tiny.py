@@ -1,0 +1,97 @@
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lnmonitor.cli import main
+from lnmonitor.tiny.data import load_corpus
+from lnmonitor.tiny.train import Recipe, fit, load_module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short train-tiny run through the command line, shared by the tests below."""
+    out = tmp_path_factory.mktemp("runs")
+    code = main(["train-tiny", "--max-steps", "80", "--val-every", "40", "--out", str(out)])
+    assert code == 0
+    return out
+
+
+def test_short_run_learns_far_below_the_uniform_guess(trained, capsys):
+    checkpoint = trained / "train-tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    module = load_module(checkpoint)
+    vocab = len(module.vocab)
+    losses = []
+    from lnmonitor.tiny.data import CharDataModule
+
+    data = CharDataModule(load_corpus(), vocab=module.vocab)
+    with torch.no_grad():
+        for x, y in data.val_batches():
+            losses.append(module(x, y)[1].item())
+    val_loss = sum(losses) / len(losses)
+    assert val_loss < math.log(vocab) - 1.0  # 4.63 nats for the default corpus
+
+
+def test_run_writes_tensorboard_events_and_a_loadable_checkpoint(trained):
+    run = trained / "train-tiny" / "version_0"
+    assert list(run.glob("events.out.tfevents.*"))
+    module = load_module(run / "checkpoints" / "last.ckpt")
+    assert module.hparams.eps == 1e-5 and module.hparams.max_steps == 80
+    assert not module.training
+
+
+def test_checkpoint_round_trip_reproduces_the_logits(tmp_path):
+    recipe = Recipe(width=32, heads=2, depth=1, context=16, max_steps=3, val_every=3)
+    text = load_corpus()
+    result = fit(recipe, text, tmp_path, progress=False)
+    assert result.steps == 3
+    module = load_module(result.checkpoint)
+    state = torch.load(result.checkpoint, weights_only=True)["state_dict"]
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    idx = module.vocab.encode("def f(x): return")[None]
+    again = load_module(result.checkpoint)
+    assert torch.equal(module(idx)[0], again(idx)[0])
+
+
+def test_resume_continues_to_max_steps_without_retraining(tmp_path):
+    text = load_corpus()
+    short = Recipe(width=32, heads=2, depth=1, context=16, max_steps=4, val_every=2)
+    fit(short, text, tmp_path, progress=False)
+    longer = Recipe(width=32, heads=2, depth=1, context=16, max_steps=4, val_every=2)
+    again = fit(longer, text, tmp_path, progress=False)
+    assert again.steps == 4  # resumed at step 4: nothing left to do
+
+
+def run_cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "lnmonitor.cli", *args], cwd=cwd, capture_output=True, text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eps", "0"], "eps must be a finite number > 0"),
+        (["--eps=-1e-5"], "eps must be a finite number > 0"),
+        (["--width", "130"], "not divisible by heads"),
+        (["--max-steps", "0"], "max-steps must be a positive integer"),
+        (["--max-steps=-5"], "max-steps must be a positive integer"),
+        (["--data", "missing.txt"], "does not exist"),
+        (["--data", "empty.txt"], "is empty"),
+        (["--data", "latin1.txt"], "is not UTF-8"),
+        (["--data", "short.txt"], "fewer than"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_leaves_out_untouched(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("café olé ".encode("latin-1") * 300)
+    (tmp_path / "short.txt").write_text("tiny")
+    result = run_cli("train-tiny", *args, "--out", "out", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
