@@ -53,7 +53,7 @@ def test_resumed_stream_continues_where_it_stopped():
     full = [x for x, _ in RandomWindows(tokens, 8, 4, seed=0, total=6)]
     resumed = [x for x, _ in RandomWindows(tokens, 8, 4, seed=0, total=6, start=4)]
     assert len(resumed) == 2
-    assert all(torch.equal(p, q) for p, q in zip(full[4:], resumed))
+    assert all(torch.equal(p, q) for p, q in zip(full[4:], resumed, strict=True))
 
 
 def test_validation_windows_are_fixed_and_held_out():
@@ -62,7 +62,7 @@ def test_validation_windows_are_fixed_and_held_out():
     two = CharDataModule(text, seed=7)
     first, second = one.val_batches(), two.val_batches()
     assert len(first) == len(second) and len(first) > 1
-    assert all(torch.equal(p[0], q[0]) for p, q in zip(first, second))
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(first, second, strict=True))
     assert one.val_tokens.numel() == pytest.approx(0.1 * len(text), abs=1)
 
 

@@ -160,7 +160,7 @@ class CharDataModule(L.LightningDataModule):
         count = min(self.val_windows, high // self.context + 1)
         offsets = torch.linspace(0, high, count).long()
         inputs, targets = windows_at(self.val_tokens, offsets, self.context)
-        return list(zip(inputs.split(self.batch_size), targets.split(self.batch_size)))
+        return list(zip(inputs.split(self.batch_size), targets.split(self.batch_size), strict=True))
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_batches(), batch_size=None)
