@@ -138,7 +138,7 @@ def fit(
         # RandomWindows knows its exact length; the warning is about worker sharding.
         warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    trainer.save_checkpoint(last)
+    trainer.save_checkpoint(last, weights_only=False)  # full state: resumable
     val_loss = trainer.callback_metrics.get("val/loss")
     if val_loss is None or trainer.global_step % recipe.val_every:
         val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
