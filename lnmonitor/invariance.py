@@ -1,0 +1,391 @@
+"""Final-norm invariance (DESIGN.md section 1), in plain torch: no Lightning.
+
+The final norm has no residual after it, so with ``h`` its input the loss is invariant
+to ``h + c 1`` exactly and to ``a h`` (a > 0) up to ``eps/v``.  :func:`final_norm_invariance`
+checks this on one batch by transforming the final norm's input inside the forward:
+
+* cases (:data:`CASES`): ``shift_5`` (h + 5), ``shift_1000`` (h + 1000), ``scale_3`` (3h),
+  ``scale_3_shift_5`` (3h + 5) and the control ``axis_5`` (h + 5 e_0, coordinate 0 only,
+  which must move the loss);
+* the scale sweep over ``a`` in :data:`SWEEP_SCALES`: per-``a`` delta-loss and median
+  ``eps/v`` at that scale (``eps / (a^2 v)``), a least-squares fit of ``log|dloss|``
+  against ``log(eps/v)`` over the points with ``1e-5 < eps/v < 10`` and a non-zero
+  delta-loss (``slope``; ``constant = exp(intercept)``), and the points with
+  ``eps/v <= 1e-5`` whose loss moved flagged as float32 rounding, not eps.
+
+How the input is transformed.  A forward hook on the final norm takes its input ``h``,
+applies the transform in float64 and replaces the norm's output by a float64 copy of
+the norm evaluated there, cast back to the output's dtype; the untransformed baseline
+goes through the same float64 path.  The delta-loss is therefore what the
+*transformation* does to the loss through the rest of the model at the model's own
+precision, without the float32 rounding of ``h + 1000`` or of the norm's own
+arithmetic (which would otherwise swamp the eps effect at small ``sigma``).  So the
+shift cases are zero to the last bit in float32 unless something after the final norm
+reads ``h`` directly.
+
+The norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is computed per row in
+float64 on ``xhat`` (before the gain and bias), so for ``T h = a h + c 1`` it equals
+``|a sigma / sigma_a - 1|`` with ``sigma_a = sqrt(a^2 v + eps)`` exactly (RMSNorm: ``v``
+is the mean square, and shifts are not an invariance).  Reported as the median over
+rows, with the maximum alongside.
+
+The module's train/eval flags and the torch RNG state (CPU and the batch's CUDA
+device) are restored afterwards; everything runs under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.geometry import row_stats
+from lnmonitor.taps import describe_norm, find_norms
+
+__all__ = [
+    "CASES",
+    "CaseResult",
+    "FIT_RANGE",
+    "InvarianceResult",
+    "SWEEP_SCALES",
+    "SweepPoint",
+    "default_loss",
+    "final_norm_invariance",
+    "find_final_norm",
+    "split_output",
+]
+
+CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
+SWEEP_SCALES = (1e3, 1e1, 1.0, 1e-1, 1e-2, 3e-3, 1e-3, 1e-4)
+FIT_RANGE = (1e-5, 10.0)
+ROUNDING_BELOW = 1e-5
+
+# (scale a, shift c, single axis?) of each case: T h = a h + c (1 or e_0)
+_CASE_TRANSFORMS = {
+    "shift_5": (1.0, 5.0, False),
+    "shift_1000": (1.0, 1000.0, False),
+    "scale_3": (3.0, 0.0, False),
+    "scale_3_shift_5": (3.0, 5.0, False),
+    "axis_5": (1.0, 5.0, True),
+}
+
+LossFn = Callable[[nn.Module, object], object]
+
+
+@dataclass
+class CaseResult:
+    """One transformation of the final norm's input."""
+
+    case: str
+    scale: float
+    shift: float
+    dloss: float  # loss(T h) - loss(h), nats
+    max_dlogit: float | None  # max |logits(T h) - logits(h)|; None without logits
+    out_residual: float  # median over rows of |xhat(T h) - xhat(h)| / |xhat(h)| (float64)
+    out_residual_max: float
+    expected_residual: float | None  # median of |a sigma/sigma_a - 1|; None when not a*h + c*1
+
+
+@dataclass
+class SweepPoint:
+    """One scale ``a`` of the sweep."""
+
+    scale: float
+    dloss: float
+    eps_over_var: float  # median over rows of eps / (a^2 v)
+    in_fit: bool
+    rounding: bool  # eps/v <= 1e-5 and the loss moved: float32 rounding, not eps
+
+
+@dataclass
+class InvarianceResult:
+    """Everything :func:`final_norm_invariance` measured."""
+
+    final_norm: str
+    kind: str
+    eps: float
+    rows: int
+    base_loss: float
+    cases: dict[str, CaseResult] = field(default_factory=dict)
+    sweep: list[SweepPoint] = field(default_factory=list)
+    slope: float = math.nan
+    constant: float = math.nan
+
+    @property
+    def rounding_scales(self) -> list[float]:
+        return [p.scale for p in self.sweep if p.rounding]
+
+    def metrics(self, prefix: str = "lnmonitor/invariance") -> dict[str, float]:
+        """The DESIGN.md metric names and values (cases without logits omit max_dlogit)."""
+        out: dict[str, float] = {}
+        for name, c in self.cases.items():
+            out[f"{prefix}/{name}/dloss"] = c.dloss
+            if c.max_dlogit is not None:
+                out[f"{prefix}/{name}/max_dlogit"] = c.max_dlogit
+            out[f"{prefix}/{name}/out_residual"] = c.out_residual
+        if self.sweep:
+            out[f"{prefix}/scale_slope"] = self.slope
+            out[f"{prefix}/scale_constant"] = self.constant
+            out[f"{prefix}/scale_rounding_points"] = float(len(self.rounding_scales))
+        return out
+
+
+def split_output(out) -> tuple[Tensor, Tensor | None]:
+    """``(loss, logits)`` from a forward output: a scalar loss, ``(logits, loss)``, or a
+    mapping with ``"loss"`` (and optionally ``"logits"``)."""
+    if isinstance(out, Tensor):
+        if out.numel() != 1:
+            raise ValueError(
+                f"the forward returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
+                "pass loss_fn(module, batch) returning the loss or (logits, loss)"
+            )
+        return out, None
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"], out.get("logits")
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        logits, loss = out
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            return loss, logits if isinstance(logits, Tensor) else None
+    raise ValueError(
+        f"cannot find a loss in a forward output of type {type(out).__name__}: the default "
+        "expects module(x, y) to return a loss or (logits, loss); pass loss_fn(module, batch)"
+    )
+
+
+def default_loss(module: nn.Module, batch):
+    """``module(*batch)`` for a tuple/list batch (``module(**batch)`` for a dict, else
+    ``module(batch)``): a loss or ``(logits, loss)`` as :func:`split_output` reads it."""
+    if isinstance(batch, dict):
+        out = module(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = module(*batch)
+    else:
+        out = module(batch)
+    return out
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str:
+    for name, sub in root.named_modules():
+        if sub is target:
+            return name
+    raise ValueError("the final norm is not a submodule of the module")
+
+
+def find_final_norm(module: nn.Module, batch, loss_fn: LossFn | None = None) -> str:
+    """Qualified name of the last normalisation layer to run in ``module``'s forward on
+    ``batch`` (found with temporary forward hooks, under ``no_grad``, in eval mode)."""
+    norms = find_norms(module)
+    if not norms:
+        raise ValueError("the module has no normalisation layer (see lnmonitor.taps.find_norms)")
+    order: list[str] = []
+    handles = [
+        info.module.register_forward_hook(lambda m, a, o, n=info.name: order.append(n))
+        for info in norms
+    ]
+    try:
+        with _restored(module, batch), torch.no_grad():
+            (loss_fn or default_loss)(module, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    if not order:
+        raise ValueError(
+            "no normalisation layer ran in the forward: name the final norm explicitly"
+        )
+    return order[-1]
+
+
+class _restored:
+    """Eval mode for the duration, then every submodule's train flag and the RNG back."""
+
+    def __init__(self, module: nn.Module, batch) -> None:
+        self.module = module
+        devices = []
+        for t in _tensors(batch):
+            if t.device.type == "cuda" and t.device.index not in devices:
+                devices.append(t.device.index if t.device.index is not None else 0)
+        self.devices = devices
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.module.modules()]
+        self.rng = torch.random.fork_rng(devices=self.devices)
+        self.rng.__enter__()
+        self.module.eval()
+        return self
+
+    def __exit__(self, *exc):
+        for m, flag in self.flags:
+            m.training = flag
+        return self.rng.__exit__(*exc)
+
+
+def _tensors(batch):
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _float64_copy(norm: nn.Module, eps: float, eps_attr: str | None) -> nn.Module:
+    twin = copy.deepcopy(norm)
+    for m in twin.modules():
+        for attr in (
+            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+            "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        ):
+            if hasattr(m, attr):
+                getattr(m, attr).clear()
+    twin = twin.to(torch.float64)
+    if eps_attr and getattr(twin, eps_attr, 0) is None:
+        setattr(twin, eps_attr, eps)  # nn.RMSNorm's eps=None means finfo(input dtype).eps
+    return twin
+
+
+def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:
+    out = h * scale if scale != 1.0 else h.clone()
+    if shift:
+        if axis:
+            out[..., 0] += shift
+        else:
+            out += shift
+    return out
+
+
+def _xhat(h: Tensor, eps: float, kind: str) -> Tensor:
+    return row_stats(h, eps, kind).xhat
+
+
+def final_norm_invariance(
+    module: nn.Module,
+    batch,
+    final_norm: nn.Module | str | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    cases: Sequence[str] = CASES,
+    scales: Sequence[float] = SWEEP_SCALES,
+    autocast: Callable[[], object] | None = None,
+) -> InvarianceResult:
+    """Run the invariance cases and the scale sweep of the final norm on ``batch``.
+
+    ``final_norm``: the module or its qualified name; ``None`` finds the last norm to run
+    (:func:`find_final_norm`).  ``loss_fn(module, batch)`` returns the loss or
+    ``(logits, loss)``; the default calls ``module(*batch)`` (see :func:`default_loss`).
+    ``autocast``: an optional context-manager factory entered around every forward (e.g.
+    a Lightning precision plugin's ``forward_context``).  Returns plain dataclasses.
+    """
+    unknown = [c for c in cases if c not in _CASE_TRANSFORMS]
+    if unknown:
+        raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")
+    scales = [float(a) for a in scales]
+    if any(not (math.isfinite(a) and a > 0) for a in scales):
+        raise ValueError(f"sweep scales must be finite and > 0, got {scales}")
+    loss_fn = loss_fn or default_loss
+    if final_norm is None:
+        final_norm = find_final_norm(module, batch, loss_fn)
+    if isinstance(final_norm, str):
+        name = final_norm
+        norm = module.get_submodule(final_norm)
+    else:
+        norm, name = final_norm, _module_name(module, final_norm)
+    info = describe_norm(norm, name)
+    if info is None:
+        raise ValueError(f"{name!r} ({type(norm).__name__}) is not a normalisation layer")
+    ctx = autocast or nullcontext
+
+    state: dict = {"t": None, "h": None, "twin": None, "eps": None}
+
+    def hook(mod, args, output):
+        h = args[0].detach()
+        if state["twin"] is None:
+            state["eps"] = info.eps(h.dtype)
+            state["twin"] = _float64_copy(norm, state["eps"], info.adapter.eps)
+        if state["h"] is None:
+            state["h"] = h
+        h64 = h.to(torch.float64)
+        if state["t"] is not None:
+            h64 = _transform(h64, *state["t"])
+        with torch.autocast(h.device.type, enabled=False):
+            out = state["twin"](h64)
+        return out.to(output.dtype)
+
+    def run(t):
+        state["t"] = t
+        with ctx():
+            loss, logits = split_output(loss_fn(module, batch))
+        return loss.detach().float(), None if logits is None else logits.detach()
+
+    handle = norm.register_forward_hook(hook)
+    try:
+        with _restored(module, batch), torch.no_grad():
+            base_loss, base_logits = run(None)
+            if state["h"] is None:
+                raise ValueError(f"the final norm {name!r} did not run in the forward")
+            results: dict[str, tuple] = {}
+            for c in cases:
+                results[c] = run(_CASE_TRANSFORMS[c])
+            sweep_losses = {}
+            for a in scales:
+                sweep_losses[a] = base_loss if a == 1.0 else run((a, 0.0, False))[0]
+    finally:
+        handle.remove()
+
+    eps = float(state["eps"])
+    h = state["h"]
+    d = h.shape[-1]
+    h64 = h.reshape(-1, d).to(torch.float64)
+    st = row_stats(h64, eps, info.kind)
+    v = st.var
+    xhat = st.xhat
+    xnorm = torch.linalg.vector_norm(xhat, dim=-1)
+    base = float(base_loss)
+
+    res = InvarianceResult(name, info.kind, eps, int(h64.shape[0]), base)
+    for c in cases:
+        scale, shift, axis = _CASE_TRANSFORMS[c]
+        loss, logits = results[c]
+        xt = _xhat(_transform(h64, scale, shift, axis), eps, info.kind)
+        resid = torch.linalg.vector_norm(xt - xhat, dim=-1) / xnorm
+        resid = resid[torch.isfinite(resid)]
+        expected = None
+        if not axis and (shift == 0.0 or info.kind == "layer"):
+            sigma = torch.sqrt(v + eps)
+            sigma_a = torch.sqrt(scale * scale * v + eps)
+            expected = float(torch.nanmedian((scale * sigma / sigma_a - 1.0).abs()))
+        dlogit = None
+        if logits is not None and base_logits is not None and logits.shape == base_logits.shape:
+            dlogit = float((logits.float() - base_logits.float()).abs().max())
+        res.cases[c] = CaseResult(
+            case=c, scale=scale, shift=shift, dloss=float(loss) - base, max_dlogit=dlogit,
+            out_residual=float(resid.median()) if resid.numel() else math.nan,
+            out_residual_max=float(resid.max()) if resid.numel() else math.nan,
+            expected_residual=expected,
+        )
+
+    v_med = float(torch.nanmedian(v[v > 0])) if bool((v > 0).any()) else math.nan
+    fx, fy = [], []
+    for a in scales:
+        dl = float(sweep_losses[a]) - base
+        ratio = eps / (a * a * v_med) if v_med > 0 else math.nan
+        moved = dl != 0.0 and math.isfinite(dl)
+        in_fit = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]
+        res.sweep.append(
+            SweepPoint(a, dl, ratio, in_fit, bool(moved and ratio <= ROUNDING_BELOW))
+        )
+        if in_fit:
+            fx.append(math.log(ratio))
+            fy.append(math.log(abs(dl)))
+    if len(set(fx)) >= 2:
+        slope, intercept = np.polyfit(np.asarray(fx), np.asarray(fy), 1)
+        res.slope, res.constant = float(slope), float(math.exp(intercept))
+    return res
