@@ -566,8 +566,8 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
     ``every_n_steps`` (before that step's update) and after each validation (not the
     sanity check), run :func:`lnmonitor.invariance.final_norm_invariance`: the five
     cases of DESIGN.md and the scale sweep.  The input is transformed in float64 inside
-    a forward hook and the final norm evaluated in float64, so the shift cases are
-    exactly zero unless something after the final norm reads its input.  The model's
+    a forward hook and the final norm evaluated in float64 there (only the final norm sees
+    the transformed input), so for a LayerNorm the shift cases are exactly zero.  The model's
     train/eval mode and the RNG state are restored; only rank zero computes (no
     collectives, the other ranks go on training).
 

@@ -20,8 +20,10 @@ goes through the same float64 path.  The delta-loss is therefore what the
 *transformation* does to the loss through the rest of the model at the model's own
 precision, without the float32 rounding of ``h + 1000`` or of the norm's own
 arithmetic (which would otherwise swamp the eps effect at small ``sigma``).  So the
-shift cases are zero to the last bit in float32 unless something after the final norm
-reads ``h`` directly.
+shift cases are zero to the last bit in float32 for a true LayerNorm, and non-zero for
+a norm that is not shift-invariant (an RMSNorm, or a custom norm that forgets to
+centre).  Only the final norm sees the transformed input (the hook replaces its
+output): a path that reads ``h`` around the final norm is not transformed.
 
 The norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is computed per row in
 float64 on ``xhat`` (before the gain and bias), so for ``T h = a h + c 1`` it equals

@@ -49,6 +49,7 @@ __all__ = [
     "hist_quantile",
     "merge",
     "read",
+    "row_values",
     "summarise",
 ]
 
@@ -109,6 +110,25 @@ def _to_device(values: list, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def row_values(
+    data: Tensor, d: Tensor | float, layer: Tensor | float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-row ``(share, share_ok, var, ms, stat_ok)`` from the ``(5, rows)`` reductions of
+    :func:`lnmonitor.taps.row_reductions`; ``d`` is the width and ``layer`` 1.0 for
+    LayerNorm rows and 0.0 for RMSNorm rows (scalars or per-row tensors).
+
+    ``share^2 = (layer * sw^2 / d + wx^2 / (d var)) / ww``; ``stat_ok`` marks rows with a
+    finite, positive ``var`` and ``ms``; ``share_ok`` additionally a finite, non-zero
+    ``w``.  ``share`` is 0 where not ``share_ok``.
+    """
+    var, ms, sw, ww, wx = data.unbind(0)
+    stat_ok = torch.isfinite(var) & (var > 0) & torch.isfinite(ms) & (ms > 0)
+    share2 = (layer * sw * sw / d + wx * wx / (d * var)) / ww
+    share_ok = stat_ok & torch.isfinite(share2) & torch.isfinite(ww) & (ww > 0)
+    share = torch.where(share_ok, share2, 0.0).clamp_(0.0, 1.0).sqrt_()
+    return share, share_ok, var, ms, stat_ok
+
+
 def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Tensor:
     """The flat float32 summary vector of one process's rows, on ``device``, no host sync."""
     device = torch.device(device)
@@ -128,13 +148,7 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         reps = _to_device(counts, device).long()
         per_row = torch.repeat_interleave(consts, reps, dim=0, output_size=m)
     nid = per_row[:, 0].long()
-    dd, layer = per_row[:, 1], per_row[:, 3]
-    var, ms, sw, ww, wx = data.unbind(0)
-
-    stat_ok = torch.isfinite(var) & (var > 0) & torch.isfinite(ms) & (ms > 0)
-    share2 = (layer * sw * sw / dd + wx * wx / (dd * var)) / ww
-    share_ok = stat_ok & torch.isfinite(share2) & torch.isfinite(ww) & (ww > 0)
-    share = torch.where(share_ok, share2, 0.0).clamp_(0.0, 1.0).sqrt_()
+    share, share_ok, var, ms, stat_ok = row_values(data, per_row[:, 1], per_row[:, 3])
 
     one = torch.ones((), dtype=var.dtype, device=device)
     base = nid * layout.per_norm
