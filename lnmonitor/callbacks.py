@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _TensorBoardLogger
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -126,7 +127,9 @@ def _tb_add_layout(logger, categories: dict[str, dict[str, list]]) -> None:
     experiment = logger.experiment
     state = _tb_state(experiment)
     state["layout"].update(categories)
-    experiment.add_custom_scalars(state["layout"])
+    order = ["lnmonitor: 1/sigma ladder", "lnmonitor: dead-plane share"]
+    keys = sorted(state["layout"], key=lambda k: (order.index(k) if k in order else len(order), k))
+    experiment.add_custom_scalars({k: state["layout"][k] for k in keys})
 
 
 def _hparam_value(value):
@@ -137,31 +140,61 @@ def _hparam_value(value):
     return str(value)
 
 
-def _tb_add_hparams(logger, params: dict[str, Any], metric_names: Sequence[str]) -> None:
-    """Write the HPARAMS-tab session with the run's own hyperparameters plus ``params``,
-    listing ``metric_names`` (their values are the logged scalars; nothing is duplicated)."""
+def _module_hparams(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if getattr(pl_module, "_log_hyperparams", True):
+        params.update(dict(pl_module.hparams_initial))
+    dm = trainer.datamodule
+    if dm is not None and getattr(dm, "_log_hyperparams", True):
+        params.update(dict(getattr(dm, "hparams_initial", {}) or {}))
+    params.pop("_class_path", None)
+    return params
+
+
+def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        key = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{key}/"))
+        else:
+            out[key] = _hparam_value(value)
+    return out
+
+
+def _tb_write_hparams(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Write the HPARAMS-tab session once per TensorBoard run, at setup.
+
+    TensorBoard keeps the *first* hparams summary of a run, and Lightning writes the
+    module's own right after the callbacks' ``setup``; so the first monitor to set up
+    writes one session for every lnmonitor monitor of the Trainer: the module's (and
+    datamodule's) hyperparameters plus the monitors' (norm kind, eps, width, final norm),
+    listing the monitors' headline metrics (their values are the logged scalars).
+    """
     try:
         from torch.utils.tensorboard.summary import hparams
     except ImportError:  # pragma: no cover - tensorboardX-only installs
         from tensorboardX.summary import hparams
-    experiment = logger.experiment
-    state = _tb_state(experiment)
-    state["params"].update(params)
-    for name in metric_names:
-        if name not in state["metrics"]:
-            state["metrics"].append(name)
-    base = {}
-    for key, value in dict(getattr(logger, "hparams", {}) or {}).items():
-        base[str(key)] = _hparam_value(value)
-    merged = {**base, **state["params"]}
-    if "hp_metric" not in state["metrics"] and getattr(logger, "_default_hp_metric", False):
-        names = ["hp_metric", *state["metrics"]]
-    else:
-        names = list(state["metrics"])
-    exp, ssi, sei = hparams(merged, {name: 0.0 for name in names})
-    writer = experiment._get_file_writer()
-    for summary in (exp, ssi, sei):
-        writer.add_summary(summary)
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, _Logged)]
+    for logger in trainer.loggers:
+        if not _is_tb(logger):
+            continue
+        state = _tb_state(logger.experiment)
+        if state.get("hparams_written"):
+            continue
+        params, names = {}, []
+        for cb in monitors:
+            p, n = cb._hparams(trainer, pl_module)
+            params.update(p)
+            names += [x for x in n if x not in names]
+        if getattr(logger, "_default_hp_metric", False):
+            names.insert(0, "hp_metric")
+        merged = {**_flat(_module_hparams(trainer, pl_module)), **params}
+        exp, ssi, sei = hparams(merged, {name: 0.0 for name in names})
+        writer = logger.experiment._get_file_writer()
+        for summary in (exp, ssi, sei):
+            writer.add_summary(summary)
+        state["hparams_written"] = True
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
@@ -178,7 +211,12 @@ class _Logged:
         self._last_logged_step = -1
         self._tb_ready: set[int] = set()
 
-    def _setup_logging(self, trainer: Trainer) -> None:
+    def _hparams(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict, list[str]]:
+        return {}, []
+
+    def _setup_logging(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            _tb_write_hparams(trainer, pl_module)
         if self._keep_history_arg is None:
             self._keep_history = not trainer.loggers
         if not trainer.loggers and trainer.is_global_zero:
@@ -324,9 +362,8 @@ class LayerNormMonitor(_Logged, Callback):
         names = [n.name for n in found]
         if not selected:
             raise MisconfigurationException(
-                f"LayerNormMonitor: include={list(self.include or [])} "
-                f"exclude={list(self.exclude or [])} select none of the {len(found)} "
-                f"normalisation layers found: {', '.join(names)}. Fix the patterns "
+                f"LayerNormMonitor: include={self.include} exclude={self.exclude} select none "
+                f"of the {len(found)} normalisation layers found: {', '.join(names)}. Fix the patterns "
                 "(fnmatch globs over these names)."
             )
         for info in selected:
@@ -347,7 +384,7 @@ class LayerNormMonitor(_Logged, Callback):
         self._tap = NormTap(selected)
         self._layout = Layout(len(selected))
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
-        self._setup_logging(trainer)
+        self._setup_logging(trainer, pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
@@ -447,6 +484,26 @@ class LayerNormMonitor(_Logged, Callback):
                 )
         return out
 
+    def _hparams(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict, list[str]]:
+        norms = self.norms or select_norms(find_norms(pl_module), self.include, self.exclude)
+        if not norms:
+            return {}, []
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
+        kinds = sorted({n.kind for n in norms})
+        epss = sorted({n.eps(dtype) for n in norms})
+        widths = sorted({n.width for n in norms if n.width is not None})
+        p = PREFIX
+        every = self._every_arg or max(int(trainer.log_every_n_steps), 1)
+        params = {
+            f"{p}/norm_kind": ",".join(kinds),
+            f"{p}/eps": epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
+            f"{p}/width": widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
+            f"{p}/n_norms": len(norms),
+            f"{p}/every_n_steps": every,
+        }
+        last = self.final_norm or norms[-1].name
+        return params, [f"{p}/ladder/attenuation", f"{p}/ladder/growth", f"{p}/share_median/{last}"]
+
     # -- TensorBoard extras ------------------------------------------------------
 
     def _tb_extra(self, logger, step: int, first: bool, summaries, eps) -> None:
@@ -474,20 +531,6 @@ class LayerNormMonitor(_Logged, Callback):
                     "skipped rows": ["Multiline", _tags([f"{p}/skipped_rows/{n}" for n in order])],
                 },
             })
-            kinds = sorted({n.kind for n in self.norms})
-            epss = sorted({float(e) for e in eps.values()})
-            widths = sorted({n.width for n in self.norms if n.width is not None})
-            params = {
-                f"{p}/norm_kind": ",".join(kinds),
-                f"{p}/eps": epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
-                f"{p}/width": widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
-                f"{p}/n_norms": len(self.norms),
-                f"{p}/every_n_steps": self.every_n_steps,
-            }
-            _tb_add_hparams(logger, params, [
-                f"{p}/ladder/attenuation", f"{p}/ladder/growth",
-                *(f"{p}/share_median/{n}" for n in order[-1:]),
-            ])
         if self.histograms:
             experiment = logger.experiment
             for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
@@ -687,7 +730,7 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
                 f"normalisation layer; found: {', '.join(n.name for n in found)}."
             )
         if stage == "fit":
-            self._setup_logging(trainer)
+            self._setup_logging(trainer, pl_module)
         self._enabled = True
 
     def on_train_batch_start(
@@ -766,8 +809,13 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
             charts["scale sweep: slope and constant"] = ["Multiline", _tags(
                 [f"{p}/scale_slope", f"{p}/scale_constant"])]
         _tb_add_layout(logger, {"lnmonitor: final-norm invariance": charts})
-        names = [f"{p}/scale_slope"] if self.scales else [f"{p}/{self.cases[0]}/dloss"]
-        _tb_add_hparams(logger, {f"{PREFIX}/final_norm": self._final_name or ""}, names)
+
+    def _hparams(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict, list[str]]:
+        p = f"{PREFIX}/invariance"
+        names = [f"{p}/{c}/dloss" for c in ("scale_3", "axis_5") if c in self.cases]
+        if self.scales:
+            names.append(f"{p}/scale_slope")
+        return {f"{PREFIX}/final_norm": self._final_name or "auto"}, names
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_logged_step": self._last_logged_step, "final_norm": self._final_name}
