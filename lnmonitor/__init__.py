@@ -2,12 +2,13 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["FinalNormInvarianceMonitor", "LayerNormMonitor", "register_norm"]
+__all__ = ["FinalNormInvarianceMonitor", "LayerNormMonitor", "StructureProbe", "register_norm"]
 
 _LAZY = {
     "LayerNormMonitor": "lnmonitor.callbacks",
     "FinalNormInvarianceMonitor": "lnmonitor.callbacks",
     "register_norm": "lnmonitor.taps",
+    "StructureProbe": "lnmonitor.probe_callback",
 }
 
 
