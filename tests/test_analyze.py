@@ -1,0 +1,184 @@
+"""``lnmonitor analyze``: tables, the three files, and one-line errors for bad checkpoints."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lnmonitor.analysis import analyze, load_checkpoint, summary_rows, to_markdown
+from lnmonitor.cli import main
+from lnmonitor.errors import UsageError
+from lnmonitor.tiny.data import load_corpus
+from lnmonitor.tiny.train import Recipe, fit
+
+FIGURES = ("spectrum", "shares", "ladder", "sweep")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A freshly trained tiny GPT (40 steps) and its last.ckpt."""
+    recipe = Recipe(width=32, depth=2, heads=2, context=16, max_steps=40, val_every=40)
+    result = fit(recipe, load_corpus(), tmp_path_factory.mktemp("run"), progress=False)
+    return result.checkpoint
+
+
+@pytest.fixture(scope="module")
+def analyzed(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("analysis")
+    code = main(["analyze", str(checkpoint), "--batches", "2", "--out", str(out)])
+    assert code == 0
+    return out
+
+
+def test_analyze_writes_markdown_json_and_figures(analyzed):
+    names = sorted(p.name for p in analyzed.iterdir())
+    assert names == sorted(["analysis.md", "analysis.json"] + [f"analysis_{f}.png" for f in FIGURES])
+    for fig in FIGURES:
+        assert (analyzed / f"analysis_{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (analyzed / "analysis.md").read_text()
+    for heading in ("## Summary, next to the study", "## Norm Jacobians at one row",
+                    "## Block versus branch rank at one position", "## Dead-plane shares",
+                    "## The 1/sigma ladder", "## Final-norm invariance", "### Scale sweep"):
+        assert heading in md
+    assert "![shares](analysis_shares.png)" in md
+
+
+def test_analysis_json_is_strict_and_carries_the_findings(analyzed):
+    data = json.loads((analyzed / "analysis.json").read_text(),
+                      parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert data["config"]["width"] == 32 and data["step"] == 40
+    assert data["rows"] == 2 * 32 * 16
+    assert len(data["norms"]) == 5 and len(data["shares"]) == 5 and len(data["ladder"]) == 5
+    for norm in data["norms"]:
+        assert norm["max_abs_error"] <= 1e-13 * norm["max_abs_entry"]
+        assert math.isfinite(norm["gain_spread"]) and norm["gain_spread"] >= 1.0
+    for block in data["blocks"]:
+        assert block["block_rank"] == 32 > block["branch_rank"]
+        assert "numpy" in block["rank_rule"]
+    assert [r["point"] for r in data["ladder"]] == [
+        "embedding", "after block 0 attention", "after block 0 MLP", "after block 1 attention",
+        "after block 1 MLP",
+    ]
+    assert set(data["invariance"]["cases"]) == {"shift_5", "shift_1000", "scale_3", "scale_3_shift_5",
+                                                "axis_5"}
+    assert data["invariance"]["cases"]["axis_5"]["dloss"] != 0.0  # the control moves the loss
+    assert data["summary"][0]["quantity"].startswith("validation loss")
+
+
+def test_analyze_prints_the_compact_table(checkpoint, tmp_path, capsys):
+    code = main(["analyze", str(checkpoint), "--batches", "1", "--out", str(tmp_path), "--no-figures",
+                 "--position", "5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "study (DESIGN.md 2)" in out and "block rank at one position" in out
+    assert "block vs branch Jacobian at position 5" in out and "numpy matrix_rank default" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis.json", "analysis.md"]
+    assert len(out.splitlines()) < 45
+
+
+def test_analyze_defaults_to_the_checkpoint_folder(checkpoint, tmp_path):
+    local = tmp_path / "last.ckpt"
+    local.write_bytes(checkpoint.read_bytes())
+    assert main(["analyze", str(local), "--batches", "1", "--no-figures"]) == 0
+    assert (tmp_path / "analysis.md").is_file() and (tmp_path / "analysis.json").is_file()
+
+
+def test_summary_rows_and_markdown_from_the_api(checkpoint):
+    module, step = load_checkpoint(checkpoint)
+    a = analyze(module, load_corpus(), batches=1, step=step, invariance=False)
+    assert a.invariance is None and a.step == 40
+    quantities = [q for q, _, _ in summary_rows(a)]
+    assert "block rank at one position" in quantities and "dloss: shift 5 / scale 3" not in quantities
+    assert "## Final-norm invariance" not in to_markdown(a)
+    assert a.val_loss < math.log(len(module.vocab))
+
+
+# ---------------------------------------------------------------------------
+# bad input: exit code 2 and one line
+# ---------------------------------------------------------------------------
+
+
+def bad_checkpoints(checkpoint, tmp_path):
+    ckpt = torch.load(checkpoint, weights_only=True)
+    raw = checkpoint.read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "noise.ckpt").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "text.ckpt").write_text("not a checkpoint\n")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    torch.save(ckpt["state_dict"], tmp_path / "state_dict.ckpt")
+    torch.save([1, 2, 3], tmp_path / "list.ckpt")
+    wrong = dict(ckpt, hyper_parameters=dict(ckpt["hyper_parameters"], width=64))
+    torch.save(wrong, tmp_path / "wrong_width.ckpt")
+    invalid = dict(ckpt, hyper_parameters=dict(ckpt["hyper_parameters"], heads=3))
+    torch.save(invalid, tmp_path / "invalid_hparams.ckpt")
+    novocab = dict(ckpt, hyper_parameters={k: v for k, v in ckpt["hyper_parameters"].items() if k != "vocab"})
+    torch.save(novocab, tmp_path / "no_vocab.ckpt")
+    nan = dict(ckpt, state_dict={k: v.clone() for k, v in ckpt["state_dict"].items()})
+    nan["state_dict"]["model.lnf.weight"][0] = float("nan")
+    torch.save(nan, tmp_path / "diverged.ckpt")
+    torch.save({"obj": Recipe()}, tmp_path / "pickled_object.ckpt")  # refused by weights_only
+    (tmp_path / "folder.ckpt").mkdir()
+    return {
+        "missing.ckpt": "does not exist",
+        "folder.ckpt": "is not a file",
+        "empty.ckpt": "is empty",
+        "truncated.ckpt": "is truncated or corrupted",
+        "noise.ckpt": "is not a PyTorch checkpoint",
+        "text.ckpt": "is not a PyTorch checkpoint",
+        "pickled_object.ckpt": "holds a Python object (lnmonitor.tiny.train.Recipe) that safe loading",
+        "state_dict.ckpt": "not a train-tiny checkpoint",
+        "list.ckpt": "not a train-tiny checkpoint",
+        "wrong_width.ckpt": "do not match the configuration",
+        "invalid_hparams.ckpt": "invalid hyperparameters",
+        "no_vocab.ckpt": "no vocabulary",
+        "diverged.ckpt": "non-finite weights (model.lnf.weight): the run diverged",
+    }
+
+
+def test_bad_checkpoints_exit_2_with_one_line(checkpoint, tmp_path, capsys):
+    for name, message in bad_checkpoints(checkpoint, tmp_path).items():
+        code = main(["analyze", str(tmp_path / name), "--no-figures"])
+        err = capsys.readouterr().err
+        assert code == 2, name
+        assert err.startswith("lnmonitor analyze: error: checkpoint ") and message in err, (name, err)
+        assert err.count("\n") == 1, (name, err)
+    assert not (tmp_path / "analysis.md").exists()
+
+
+def test_corrupted_checkpoint_from_the_shell_is_one_line_not_a_traceback(checkpoint, tmp_path):
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(checkpoint.read_bytes()[:5000])
+    proc = subprocess.run([sys.executable, "-m", "lnmonitor.cli", "analyze", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lnmonitor")]
+    assert lines and "is truncated or corrupted" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--position", "16"], "position must be an integer in [-16, 16)"),
+        (["--batches", "0"], "--batches must be a positive integer"),
+        (["--rtol", "2"], "--rtol must be in (0, 1)"),
+    ],
+)
+def test_bad_options_exit_2(checkpoint, tmp_path, capsys, args, message):
+    assert main(["analyze", str(checkpoint), "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_text_outside_the_vocabulary_exits_2(checkpoint, tmp_path, capsys):
+    data = tmp_path / "greek.txt"
+    data.write_text("αβγδε " * 400, encoding="utf-8")
+    assert main(["analyze", str(checkpoint), "--data", str(data), "--out", str(tmp_path)]) == 2
+    assert "not in the model's vocabulary" in capsys.readouterr().err
+
+
+def test_load_checkpoint_raises_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.ckpt")
