@@ -1,0 +1,1 @@
+"""Experiments built on the tiny recipe: the eps comparison and its report."""

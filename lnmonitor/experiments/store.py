@@ -1,0 +1,211 @@
+"""Files of an eps comparison: atomic writes, per-run records and the merged results.
+
+Layout under ``<out>``::
+
+    results.json                     merged view: configuration, grid, runs, aggregates
+    report.md, *.png                 rebuilt from results.json and the event files
+    eps=<eps>/seed=<seed>/result.json    one record per finished run (its presence = finished)
+    eps=<eps>/seed=<seed>/checkpoints/last.ckpt, events.out.tfevents.*
+
+Every file is written to a temporary name in the same folder and moved into place with
+``os.replace``, so a reader (or a process killed mid-write) sees the old file or the new
+one, never half of one. Concurrent shards write only their own run records; the merged
+``results.json`` is rebuilt from whatever records are on disk.
+
+This module imports only the standard library: ``lnmonitor report`` needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from lnmonitor.errors import UsageError
+
+RESULTS_NAME = "results.json"
+RECORD_NAME = "result.json"
+RESULTS_FORMAT = "lnmonitor.eps-compare.results/1"
+RECORD_FORMAT = "lnmonitor.eps-compare.run/1"
+
+_EPS_DIR = re.compile(r"^eps=(.+)$")
+_SEED_DIR = re.compile(r"^seed=(\d+)$")
+
+
+def eps_label(eps: float) -> str:
+    """Canonical text of an eps: the shortest repr that round-trips (``1e-05``, ``0.1``)."""
+    return repr(float(eps))
+
+
+def run_dir(out: Path, eps: float, seed: int) -> Path:
+    return Path(out) / f"eps={eps_label(eps)}" / f"seed={int(seed)}"
+
+
+def record_path(out: Path, eps: float, seed: int) -> Path:
+    return run_dir(out, eps, seed) / RECORD_NAME
+
+
+# ---------------------------------------------------------------------------
+# atomic writes
+# ---------------------------------------------------------------------------
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def to_json(obj) -> str:
+    """Strict JSON (no NaN/Infinity tokens: non-finite floats become null), sorted keys."""
+    return json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, to_json(obj))
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Parse a JSON object, or raise :class:`UsageError` saying which file is corrupt."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(
+            f"{what} {str(path)!r} is unreadable or corrupt ({type(err).__name__}: {err}); "
+            "move it away or choose another --out"
+        ) from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{what} {str(path)!r} is corrupt (not a JSON object); move it away")
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# configuration guard
+# ---------------------------------------------------------------------------
+
+
+def _flatten(obj, prefix: str = "") -> dict:
+    if not isinstance(obj, dict):
+        return {prefix: obj}
+    out = {}
+    for key, value in obj.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_differences(expected: dict, found: dict) -> list[str]:
+    """``key=<there> there, <now> now`` for each (dotted) key whose values differ."""
+    want, have = _flatten(expected), _flatten(found)
+    lines = []
+    for key in sorted(set(want) | set(have)):
+        a, b = have.get(key, "<absent>"), want.get(key, "<absent>")
+        if a != b:
+            lines.append(f"{key}={a!r} there, {b!r} now")
+    return lines
+
+
+def check_config(found: dict | None, expected: dict, where: Path) -> None:
+    if found != expected:
+        diffs = config_differences(expected, found or {})
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise UsageError(
+            f"{str(where)!r} is from a different configuration ({shown}): "
+            "use the same options, or pass another --out"
+        )
+
+
+def load_results(out: Path) -> dict | None:
+    """The merged ``results.json`` under ``out``, None when absent; UsageError when corrupt."""
+    path = Path(out) / RESULTS_NAME
+    if not path.exists():
+        return None
+    results = read_json(path, "results file")
+    if results.get("format") != RESULTS_FORMAT or not isinstance(results.get("config"), dict):
+        raise UsageError(
+            f"results file {str(path)!r} is not an eps-compare results file (format "
+            f"{results.get('format')!r}, expected {RESULTS_FORMAT!r}); move it away or choose another --out"
+        )
+    grid = results.get("grid")
+    if not (isinstance(grid, dict) and all(isinstance(grid.get(k), list) for k in ("eps", "seeds"))):
+        raise UsageError(f"results file {str(path)!r} is corrupt (no eps/seed grid); move it away")
+    return results
+
+
+# ---------------------------------------------------------------------------
+# per-run records
+# ---------------------------------------------------------------------------
+
+
+def read_record(path: Path, config: dict) -> dict:
+    """A run record, checked against the experiment's configuration."""
+    record = read_json(path, "run record")
+    if record.get("format") != RECORD_FORMAT:
+        raise UsageError(
+            f"run record {str(path)!r} has format {record.get('format')!r}, expected {RECORD_FORMAT!r}; "
+            "move it away (the run will be redone)"
+        )
+    check_config(record.get("config"), config, path)
+    for key in ("eps", "seed", "steps", "val_loss"):
+        if key not in record:
+            raise UsageError(f"run record {str(path)!r} is corrupt (no {key!r}); move it away to redo it")
+    eps, seed = record["eps"], record["seed"]
+    if path.parent != run_dir(path.parent.parent.parent, eps, seed):
+        raise UsageError(
+            f"run record {str(path)!r} says eps={eps!r} seed={seed!r}, which is not its folder; move it away"
+        )
+    return record
+
+
+def scan_records(out: Path, config: dict) -> dict[tuple[float, int], dict]:
+    """Every run record under ``out`` (any eps, any seed), keyed by ``(eps, seed)``."""
+    records: dict[tuple[float, int], dict] = {}
+    out = Path(out)
+    if not out.is_dir():
+        return records
+    for eps_dir in sorted(out.iterdir()):
+        if not (eps_dir.is_dir() and _EPS_DIR.match(eps_dir.name)):
+            continue
+        for seed_dir in sorted(eps_dir.iterdir()):
+            path = seed_dir / RECORD_NAME
+            if seed_dir.is_dir() and _SEED_DIR.match(seed_dir.name) and path.is_file():
+                record = read_record(path, config)
+                records[(float(record["eps"]), int(record["seed"]))] = record
+    return records
+
+
+def grid_pairs(eps: Iterable[float], seeds: Iterable[int]) -> list[tuple[float, int]]:
+    """All (eps, seed) pairs, eps-major, in the order given."""
+    seeds = list(seeds)
+    return [(float(e), int(s)) for e in eps for s in seeds]
