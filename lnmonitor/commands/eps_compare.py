@@ -1,0 +1,66 @@
+"""``lnmonitor eps-compare``: train the recipe at several eps and seeds, measure, report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lnmonitor.commands.train_tiny import add_recipe_arguments, recipe_from_args
+from lnmonitor.experiments.eps_compare import (
+    DEFAULT_EPS,
+    DEFAULT_OUT,
+    DEFAULT_SEEDS,
+    Experiment,
+    RunInterrupted,
+    parse_eps,
+    parse_seeds,
+    parse_shard,
+    run_experiment,
+)
+from lnmonitor.tiny.data import DEFAULT_CORPUS_NAME, CharDataModule, load_corpus
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eps-compare", help="train the tiny GPT at several eps and seeds and report the difference",
+        description="Train the tiny character GPT once per (eps, seed) with the monitors attached, "
+        "measure each finished model on held-out text (validation loss, final-norm invariance, "
+        "1/sigma ladder, dead-plane shares) and write results.json, report.md and figures to --out. "
+        "Finished runs are skipped, interrupted ones resume from their last checkpoint.",
+    )
+    parser.add_argument("--eps", nargs="*", default=[str(e) for e in DEFAULT_EPS], metavar="EPS",
+                        help="eps values to compare (default: %(default)s)")
+    parser.add_argument("--seeds", nargs="*", default=[str(s) for s in DEFAULT_SEEDS], metavar="SEED",
+                        help="seeds per eps (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="folder for runs, results.json, report.md and figures (default: %(default)s)")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="run only every N-th (eps, seed) pair starting at pair I (I counts from 0), "
+                        "e.g. --shard $SLURM_ARRAY_TASK_ID/4; the report merges whatever is finished")
+    parser.add_argument("--force", action="store_true",
+                        help="redo this invocation's runs from scratch even if they finished")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar during each fit")
+    add_recipe_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the input is checked before --out is touched.
+    eps = parse_eps(args.eps)
+    seeds = parse_seeds(args.seeds)
+    shard = parse_shard(args.shard)
+    recipe = recipe_from_args(args)
+    text = load_corpus(args.data)
+    CharDataModule(text, context=recipe.context)
+    experiment = Experiment(recipe, eps, seeds)
+    try:
+        run_experiment(
+            experiment, text, args.out, shard=shard, force=args.force, monitor=not args.no_monitor,
+            progress=not args.no_progress,
+            data_name=str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME,
+        )
+    except RunInterrupted as err:
+        print(f"lnmonitor eps-compare: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,387 @@
+"""lnmonitor eps-compare and lnmonitor report: orchestration, resume, shards, statistics, report."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from lnmonitor.cli import main
+from lnmonitor.errors import UsageError
+from lnmonitor.experiments import report, store
+from lnmonitor.experiments.eps_compare import (
+    Experiment,
+    experiment_config,
+    parse_eps,
+    parse_seeds,
+    parse_shard,
+    run_experiment,
+)
+from lnmonitor.tiny.data import load_corpus
+from lnmonitor.tiny.train import Recipe
+
+TINY = ["--width", "32", "--heads", "2", "--depth", "1", "--context", "16"]
+TINY_RECIPE = dict(width=32, heads=2, depth=1, context=16)
+
+
+def cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under ``folder`` with its bytes and modification time."""
+    return {
+        p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+# ---------------------------------------------------------------------------
+# the whole pipeline, once: two eps, one seed, a few dozen steps
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eps") / "cmp"
+    code, stdout, stderr = cli(
+        "eps-compare", "--eps", "1e-5", "1e-1", "--seeds", "0", "--max-steps", "30", "--val-every", "10",
+        *TINY, "--out", str(out), "--no-progress",
+    )
+    assert code == 0, stderr
+    return out, stdout
+
+
+def test_end_to_end_writes_results_report_and_figures(compared):
+    out, stdout = compared
+    assert stdout.count("starting (30 steps)") == 2 and stdout.count(": done, val loss") == 2
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["eps"], r["seed"], r["steps"]) for r in results["runs"]] == [(1e-5, 0, 30), (0.1, 0, 30)]
+    assert results["missing"] == []
+    for run in results["runs"]:
+        head = run["headline"]
+        assert 0 < head["val_loss"] < math.log(len(set(load_corpus())))
+        for key in ("scale_slope", "scale_constant", "dloss_scale_3", "dloss_scale_0.01",
+                    "out_residual_scale_3", "final_eps_over_var", "final_transmission",
+                    "attenuation", "growth", "final_share_median"):
+            assert key in head and head[key] is not None and math.isfinite(head[key]), key
+        assert run["norm_order"][-1] == "model.lnf" and len(run["norms"]) == 3
+        assert {"shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5"} <= set(
+            run["invariance"]["cases"]
+        )
+        assert run["train_seconds"] > 0 and run["measure_seconds"] > 0
+        assert (out / f"eps={store.eps_label(run['eps'])}" / "seed=0" / "result.json").is_file()
+    # eps/var at the final norm grows with eps (same seed, same data)
+    small, large = (r["headline"]["final_eps_over_var"] for r in results["runs"])
+    assert large > small
+    text = (out / "report.md").read_text()
+    assert "## eps = 1e-05" in text and "## eps = 0.1" in text
+    assert "no difference is resolved at this number of seeds" in text  # one seed: no interval
+    assert "undefined (one seed)" in text
+    for name in report.FIGURES.values():
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name})" in text
+
+
+def test_eps_and_seed_sit_in_the_hparams_tab_next_to_the_final_metrics(compared):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    out, _ = compared
+    acc = EventAccumulator(str(out / "eps=0.1" / "seed=0"))
+    acc.Reload()  # keeps a run's first hparams session, as TensorBoard's HPARAMS tab does
+    tags = acc.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(tags["_hparams_/session_start_info"])
+    hparams = session.session_start_info.hparams
+    assert hparams["eps"].number_value == 0.1 and hparams["seed"].number_value == 0
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(tags["_hparams_/experiment"]).experiment
+    columns = {m.name.tag for m in experiment.metric_infos}
+    assert {"final/val_loss", "final/scale_slope", "final/dloss_scale_3", "val/loss"} <= columns
+    record = json.loads((out / "eps=0.1" / "seed=0" / "result.json").read_text())
+    (final,) = acc.Scalars("final/val_loss")  # the value the HPARAMS tab shows in that column
+    assert final.step == 30 and math.isclose(final.value, record["val_loss"], rel_tol=1e-6)
+    curve = report.read_scalar_curve(out / "eps=0.1" / "seed=0")
+    assert [step for step, _ in curve] == [9, 19, 29]
+
+
+def test_second_invocation_skips_both_runs_and_rewrites_no_run_file(compared):
+    out, _ = compared
+    runs_before = {k: v for k, v in snapshot(out).items() if str(k).startswith("eps=")}
+    code, stdout, stderr = cli(
+        "eps-compare", "--eps", "1e-5", "1e-1", "--seeds", "0", "--max-steps", "30", "--val-every", "10",
+        *TINY, "--out", str(out), "--no-progress",
+    )
+    assert code == 0, stderr
+    assert stdout.count("skipped, finished before") == 2 and "starting" not in stdout
+    runs_after = {k: v for k, v in snapshot(out).items() if str(k).startswith("eps=")}
+    assert runs_after == runs_before  # no retraining, no new event file, records untouched
+
+
+def test_report_command_rebuilds_report_and_figures_without_training(compared):
+    out, _ = compared
+    (out / "report.md").unlink()
+    for name in report.FIGURES.values():
+        (out / name).unlink()
+    code, stdout, stderr = cli("report", str(out))
+    assert code == 0, stderr
+    assert "2 of 2 runs finished" in stdout
+    assert (out / "report.md").is_file()
+    assert all((out / name).is_file() for name in report.FIGURES.values())
+
+
+# ---------------------------------------------------------------------------
+# killed halfway: resumed from the checkpoint, not restarted
+# ---------------------------------------------------------------------------
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from lightning.pytorch.callbacks import Callback
+    from lnmonitor.experiments.eps_compare import Experiment, run_experiment
+    from lnmonitor.tiny.data import load_corpus
+    from lnmonitor.tiny.train import Recipe
+
+    class Kill(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 25:  # after the checkpoint at step 20
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    recipe = Recipe(width=32, heads=2, depth=1, context=16, max_steps=40, val_every=10)
+    run_experiment(Experiment(recipe, (1e-5,), (0,)), load_corpus(), sys.argv[1], callbacks=[Kill()],
+                   progress=False)
+    """
+)
+
+
+def test_a_run_killed_halfway_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "cmp"
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    folder = out / "eps=1e-05" / "seed=0"
+    assert (folder / "checkpoints" / "last.ckpt").is_file()
+    assert not (folder / "result.json").exists()  # not finished: no record
+    assert json.loads((out / "results.json").read_text())["missing"] == [{"eps": 1e-5, "seed": 0}]
+
+    lines: list[str] = []
+    recipe = Recipe(**TINY_RECIPE, max_steps=40, val_every=10)
+    results = run_experiment(Experiment(recipe, (1e-5,), (0,)), load_corpus(), out, progress=False,
+                             echo=lines.append)
+    assert any("resuming from step 20 of 40" in line for line in lines), lines
+    assert not any("starting" in line for line in lines)
+    (record,) = results["runs"]
+    assert record["resumed_from_step"] == 20 and record["steps"] == 40
+    # the second attempt's event file starts after the checkpoint, and the merged curve has each
+    # validation step once: nothing lost, nothing duplicated
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(folder.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns)
+    acc = EventAccumulator(str(events[1]))
+    acc.Reload()
+    assert min(e.step for e in acc.Scalars("train/loss")) >= 20
+    assert [step for step, _ in report.read_scalar_curve(folder)] == [9, 19, 29, 39]
+
+
+# ---------------------------------------------------------------------------
+# shards, force
+# ---------------------------------------------------------------------------
+
+
+def test_shards_split_the_grid_and_the_report_names_what_is_missing(tmp_path):
+    out, text = tmp_path / "cmp", load_corpus()
+    experiment = Experiment(Recipe(**TINY_RECIPE, max_steps=8, val_every=4), (1e-5, 1e-2), (0,))
+    assert experiment.shard(0, 2) == [(1e-5, 0)] and experiment.shard(1, 2) == [(1e-2, 0)]
+    first = run_experiment(experiment, text, out, shard=(0, 2), progress=False, echo=lambda s: None)
+    assert [r["eps"] for r in first["runs"]] == [1e-5]
+    assert first["missing"] == [{"eps": 1e-2, "seed": 0}]
+    written = (out / "report.md").read_text()
+    assert "**Missing**" in written and "eps=0.01 seed=0" in written
+    second = run_experiment(experiment, text, out, shard=(1, 2), progress=False, echo=lambda s: None)
+    assert [r["eps"] for r in second["runs"]] == [1e-5, 1e-2] and second["missing"] == []
+
+    before = json.loads((out / "eps=0.01" / "seed=0" / "result.json").read_text())
+    lines: list[str] = []
+    run_experiment(experiment, text, out, shard=(1, 2), force=True, progress=False, echo=lines.append)
+    after = json.loads((out / "eps=0.01" / "seed=0" / "result.json").read_text())
+    assert any("starting" in line for line in lines) and after["finished"] >= before["finished"]
+    assert after["resumed_from_step"] is None
+    assert json.loads((out / "eps=1e-05" / "seed=0" / "result.json").read_text())["seed"] == 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_shards_are_disjoint_and_cover_the_grid(count):
+    experiment = Experiment(Recipe(**TINY_RECIPE), (1e-5, 1e-3, 1e-1), (0, 1))
+    parts = [experiment.shard(i, count) for i in range(count)]
+    flat = [p for part in parts for p in part]
+    assert sorted(flat) == sorted(experiment.pairs()) and len(flat) == len(set(flat)) == 6
+
+
+# ---------------------------------------------------------------------------
+# bad input: one line, exit 2, nothing written or overwritten
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eps", "0"], "eps must be a finite number > 0"),
+        (["--eps=-1e-5"], "eps must be a finite number > 0"),
+        (["--eps", "1e-5", "nan"], "eps must be a finite number > 0"),
+        (["--eps", "1e-5", "abc"], "is not a number"),
+        (["--eps", "1e-5", "0.00001"], "given twice"),
+        (["--eps"], "needs at least one value"),
+        (["--seeds"], "needs at least one seed"),
+        (["--seeds", "0", "0"], "given twice"),
+        (["--seeds", "x"], "is not an integer"),
+        (["--shard", "2/2"], "0 <= i < n"),
+        (["--shard", "1"], "must look like i/n"),
+        (["--max-steps", "0"], "max-steps must be a positive integer"),
+        (["--data", "missing.txt"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2_and_write_nothing(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = cli("eps-compare", *args, "--out", "out")
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _previous(out: Path, **recipe) -> None:
+    """A results.json as an earlier invocation with ``recipe`` would have left it."""
+    config = experiment_config(Recipe(**{**TINY_RECIPE, **recipe}), load_corpus())
+    out.mkdir(parents=True)
+    store.atomic_write_json(out / "results.json", report.merge_results(out, config, [1e-5], [0]))
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda out: (out / "results.json").write_text('{"format": "lnmonitor.eps-comp'), "corrupt"),
+        (lambda out: (out / "results.json").write_text('{"format": "something else"}'), "not an eps-compare"),
+        (lambda out: None, "different configuration (recipe.max_steps=30 there, 20 now)"),
+        (lambda out: (out / "eps=1e-05" / "seed=0").mkdir(parents=True)
+         or (out / "eps=1e-05" / "seed=0" / "result.json").write_text("{oops"), "run record"),
+    ],
+)
+def test_a_corrupt_or_foreign_results_file_is_refused_and_left_alone(tmp_path, spoil, message):
+    out = tmp_path / "cmp"
+    _previous(out, max_steps=30)
+    spoil(out)
+    before = snapshot(out)
+    max_steps = "20" if "different" in message else "30"
+    code, _, stderr = cli("eps-compare", "--eps", "1e-5", "--seeds", "0", "--max-steps", max_steps, *TINY,
+                          "--out", str(out))
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
+    assert snapshot(out) == before
+    if "different" not in message:
+        code, _, stderr = cli("report", str(out))
+        assert code == 2 and message in stderr and snapshot(out) == before
+
+
+def test_a_results_file_from_other_data_is_refused(tmp_path):
+    out = tmp_path / "cmp"
+    _previous(out, max_steps=30)
+    data = tmp_path / "other.txt"
+    data.write_text("some other text, long enough for both splits. " * 100)
+    code, _, stderr = cli("eps-compare", "--eps", "1e-5", "--seeds", "0", "--max-steps", "30", *TINY,
+                          "--data", str(data), "--out", str(out))
+    assert code == 2 and "data.sha256" in stderr
+
+
+def test_parsers_keep_order_and_canonical_values():
+    assert parse_eps(["1e-5", "0.1", 3]) == (1e-5, 0.1, 3.0)
+    assert parse_seeds(["2", "0"]) == (2, 0)
+    assert parse_shard(None) == (0, 1) and parse_shard("2/5") == (2, 5)
+    assert store.eps_label(1e-5) == "1e-05" and store.eps_label(0.1) == "0.1"
+    with pytest.raises(UsageError):
+        parse_seeds(["-1"])
+
+
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    store.atomic_write_json(path, {"a": 1})
+
+    def boom(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        store.atomic_write_json(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary left behind
+
+
+def test_json_is_strict_non_finite_floats_become_null(tmp_path):
+    store.atomic_write_json(tmp_path / "x.json", {"a": math.nan, "b": [math.inf, 1.5]})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": [None, 1.5]}
+
+
+# ---------------------------------------------------------------------------
+# statistics and the verdict
+# ---------------------------------------------------------------------------
+
+
+def test_interval_is_the_student_t_interval():
+    values = [1.50, 1.54, 1.57, 1.49]
+    got = report.interval(values)
+    lo, hi = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 4, scale=stats.sem(values))
+    assert got["n"] == 4 and math.isclose(got["lo"], lo) and math.isclose(got["hi"], hi)
+    one = report.interval([1.5])
+    assert one["mean"] == 1.5 and one["half_width"] is None and one["lo"] is None
+    assert report.interval([])["mean"] is None
+    assert report.interval([1.0, None, math.nan, 3.0])["n"] == 2
+
+
+def _records(losses: dict) -> dict:
+    return {(e, s): {"eps": e, "seed": s, "headline": {"val_loss": v}} for (e, s), v in losses.items()}
+
+
+def test_the_difference_is_paired_by_seed():
+    # seeds differ a lot, the eps effect is a constant +0.02 within each seed: pairing resolves it
+    base = {0: 1.50, 1: 1.70, 2: 1.60}
+    recs = _records({
+        **{(1e-5, s): v for s, v in base.items()}, **{(0.1, s): v + 0.02 for s, v in base.items()}
+    })
+    diff = report.paired_difference(recs, 0.1, 1e-5)
+    assert diff["n"] == 3 and math.isclose(diff["mean"], 0.02) and diff["half_width"] < 1e-9
+    assert diff["verdict"].startswith("eps=0.1 is worse than eps=1e-05 by 0.0200 +/- 0.0000")
+
+
+@pytest.mark.parametrize(
+    "deltas, start",
+    [
+        ([0.05, 0.06, 0.04], "eps=0.1 is worse than eps=1e-05 by 0.0500 +/- "),
+        ([-0.05, -0.06, -0.04], "eps=0.1 is better than eps=1e-05 by 0.0500 +/- "),
+        ([0.05, -0.04, 0.01], "No difference resolved at this number of seeds"),
+        ([0.05], "eps=0.1 minus eps=1e-05: +0.0500 nats/char from a single seed"),
+    ],
+)
+def test_the_verdict_claims_no_more_than_the_interval(deltas, start):
+    recs = _records({
+        **{(1e-5, s): 1.5 for s in range(len(deltas))},
+        **{(0.1, s): 1.5 + d for s, d in enumerate(deltas)},
+    })
+    diff = report.paired_difference(recs, 0.1, 1e-5)
+    assert diff["verdict"].startswith(start), diff["verdict"]
+    if diff["half_width"] is not None and "worse" in start:
+        assert diff["lo"] > 0
+    if "No difference" in start:
+        assert diff["lo"] <= 0 <= diff["hi"] and "includes 0" in diff["verdict"]
+
+
+def test_unpaired_seeds_are_left_out_of_the_difference():
+    recs = _records({(1e-5, 0): 1.5, (1e-5, 1): 1.6, (0.1, 1): 1.7, (0.1, 2): 1.9})
+    diff = report.paired_difference(recs, 0.1, 1e-5)
+    assert diff["seeds"] == [1] and math.isclose(diff["mean"], 0.1)
