@@ -170,6 +170,12 @@ def probe_norm_jacobian(
         name = norm.name
     module, kind, eps, weight = _norm_info(norm, kind, eps)
     geometry.dead_dim(kind)
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None and not isinstance(shape, int) and len(tuple(shape)) > 1:
+        raise ValueError(
+            f"norm {name!r} normalises over {tuple(shape)}: the probes handle norms over the last "
+            "dimension only"
+        )
     with torch.inference_mode(False), torch.enable_grad():
         row = x.detach().reshape(-1).to("cpu", _F64).clone()
         d = row.shape[0]
