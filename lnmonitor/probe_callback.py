@@ -151,6 +151,12 @@ class StructureProbe(Callback):
         self._measuring = False
         self._capture: SequenceCapture | None = None
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_validations=self.every_n_validations, position=self.position, blocks=self.blocks
+        )
+
     # -- setup ---------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -358,9 +358,24 @@ def test_probe_cadence_sanity_check_and_no_hooks_left():
     steps = [s for s, m in logger.logged if "lnmonitor/probe/block_rank/model.blocks.0" in m]
     assert steps == [1, 3]  # validations after steps 1..4, every second one; not the sanity check
     assert probe.state_dict() == {"validations": 4}
+    assert probe.state_key == "StructureProbe{'every_n_validations': 2, 'position': 3, 'blocks': None}"
     for m in module.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
     assert probe.last.blocks[0].position == 3
+
+
+def test_probe_resumes_its_cadence_from_a_checkpoint(tmp_path):
+    first = StructureProbe(every_n_validations=2)
+    t = trainer(callbacks=[first], max_steps=3, val_check_interval=1, check_val_every_n_epoch=None,
+                num_sanity_val_steps=0)
+    t.fit(small_module(), small_loader(4), small_loader())
+    t.save_checkpoint(tmp_path / "three.ckpt")
+    resumed, logger = StructureProbe(every_n_validations=2), MemoryLogger()
+    t = trainer(callbacks=[resumed], logger=logger, max_steps=4, val_check_interval=1,
+                check_val_every_n_epoch=None, num_sanity_val_steps=0, log_every_n_steps=1)
+    t.fit(small_module(), small_loader(4), small_loader(), ckpt_path=tmp_path / "three.ckpt")
+    steps = [s for s, m in logger.logged if "lnmonitor/probe/block_rank/model.blocks.0" in m]
+    assert resumed.state_dict() == {"validations": 4} and steps == []  # 4th validation: not due
 
 
 def test_probe_runs_under_trainer_validate_inference_mode():
