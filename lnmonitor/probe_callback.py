@@ -222,7 +222,7 @@ class StructureProbe(Callback):
             return
         if not capture.blocks:
             rank_zero_warn(
-                "StructureProbe: no residual block ran on a (batch, time, width) input during "
+                "StructureProbe: no residual block ran on a (..., time, width) input during "
                 "validation; nothing was probed"
             )
             return

@@ -161,9 +161,10 @@ def probe_norm_jacobian(
     """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd.
 
     ``norm`` is a ``NormInfo`` from :func:`lnmonitor.taps.find_norms` or a norm module
-    (``kind``/``eps`` read from it when :mod:`lnmonitor.taps` recognises it).  A float64 copy of the module is
-    differentiated on the CPU; the model is not touched.  ``eps`` defaults to the one the
-    module applies to float32 input (an ``eps`` of None means float32's machine epsilon).
+    (``kind``/``eps`` read from it when :mod:`lnmonitor.taps` recognises it).  A float64
+    copy of the module is differentiated on the CPU; the model is not touched.  ``eps``
+    defaults to the one the module applies to float32 input (an ``eps`` of None means
+    float32's machine epsilon, which the float64 copy keeps).
     """
     rtol = _check_rtol(rtol)
     if hasattr(norm, "name") and not name:
@@ -184,8 +185,9 @@ def probe_norm_jacobian(
             raise ValueError(f"norm {name!r}: gain has {g.shape[0]} entries, the row has {d}")
         closed = geometry.jacobian(row, eps, kind, g)
         twin = copy.deepcopy(module).to("cpu", _F64)
-        if getattr(twin, "eps", 0.0) is None:
-            twin.eps = eps  # None means "machine eps of the dtype": keep the float32 value
+        for attr in ("eps", "variance_epsilon", "epsilon"):
+            if hasattr(twin, attr) and getattr(twin, attr) is None:
+                setattr(twin, attr, eps)  # None means "machine eps of the dtype": keep float32's
         for p in twin.parameters():
             p.requires_grad_(False)
         auto = torch.autograd.functional.jacobian(lambda r: twin(r[None])[0], row)
