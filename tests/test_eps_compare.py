@@ -246,6 +246,7 @@ def test_shards_are_disjoint_and_cover_the_grid(count):
         (["--shard", "2/2"], "0 <= i < n"),
         (["--shard", "1"], "must look like i/n"),
         (["--max-steps", "0"], "max-steps must be a positive integer"),
+        (["--devices", "2"], "one shard per device"),
         (["--data", "missing.txt"], "does not exist"),
     ],
 )

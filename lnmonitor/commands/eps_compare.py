@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lnmonitor.commands.train_tiny import add_recipe_arguments, recipe_from_args
+from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps_compare import (
     DEFAULT_EPS,
     DEFAULT_OUT,
@@ -29,10 +30,10 @@ def register(subparsers) -> None:
         "1/sigma ladder, dead-plane shares) and write results.json, report.md and figures to --out. "
         "Finished runs are skipped, interrupted ones resume from their last checkpoint.",
     )
-    parser.add_argument("--eps", nargs="*", default=[str(e) for e in DEFAULT_EPS], metavar="EPS",
-                        help="eps values to compare (default: %(default)s)")
+    parser.add_argument("--eps", nargs="*", default=[f"{e:g}" for e in DEFAULT_EPS], metavar="EPS",
+                        help=f"eps values to compare (default: {' '.join(f'{e:g}' for e in DEFAULT_EPS)})")
     parser.add_argument("--seeds", nargs="*", default=[str(s) for s in DEFAULT_SEEDS], metavar="SEED",
-                        help="seeds per eps (default: %(default)s)")
+                        help=f"seeds per eps (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for runs, results.json, report.md and figures (default: %(default)s)")
     parser.add_argument("--shard", default=None, metavar="I/N",
@@ -50,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     eps = parse_eps(args.eps)
     seeds = parse_seeds(args.seeds)
     shard = parse_shard(args.shard)
+    if str(args.devices) == "auto":
+        args.devices = "1"  # one process per run; a multi-GPU "auto" would start DDP
+    elif str(args.devices) != "1":
+        raise UsageError(
+            f"eps-compare trains each run on one device, got --devices {args.devices}: to use several "
+            "devices, start one shard per device (e.g. CUDA_VISIBLE_DEVICES=i ... --shard i/n)"
+        )
     recipe = recipe_from_args(args)
     text = load_corpus(args.data)
     CharDataModule(text, context=recipe.context)

@@ -118,7 +118,7 @@ def verdict(diff: dict) -> str:
             f"eps={e} minus eps={b}: {d:+.4f} nats/char from a single seed. A 95% interval needs at "
             "least two seeds, so no difference is resolved at this number of seeds."
         )
-    pct = f" ({abs(diff['relative']) * 100:.1f}% of the eps={b} loss)" if diff.get("relative") else ""
+    pct = f", {abs(diff['relative']) * 100:.1f}% of the eps={b} loss" if diff.get("relative") else ""
     span = f"95% interval {diff['lo']:+.4f} to {diff['hi']:+.4f}, {n} paired seeds"
     if diff["lo"] > 0:
         return f"eps={e} is worse than eps={b} by {d:.4f} +/- {h:.4f} nats/char{pct} ({span})."
@@ -315,7 +315,8 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
         drawn = True
     if not drawn:
         return False
-    ax.set_ylabel("1/sigma of the norm's input (median row)")
+    ax.set_yscale("log")
+    ax.set_ylabel("1/sigma of the norm's input (median row, log scale)")
     ax.set_title("The 1/sigma ladder on held-out text, one line per seed")
     ax.grid(alpha=0.3)
     ax.legend()
