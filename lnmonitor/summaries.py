@@ -9,27 +9,29 @@ laid out by :class:`Layout`:
     quantile is resolved to ``SHARE_RESOLUTION`` = 1/4096 = 2.4e-4;
   - the norm's variance ``var`` (layer: ``mean((x-mu)^2)``; rms: ``mean(x^2)``) and the
     stream's mean square ``ms = mean(x^2)``: ``LOG_BINS_PER_DECADE`` = 400 log-spaced
-    bins per decade on [1e-10, 1e10] (out-of-range rows go to the end bins, and the
-    exact minimum and maximum are kept), a relative resolution of
+    bins per decade on [1e-10, 1e10] (rows out of that range count in the end bins and
+    read as the range's ends), a relative resolution of
     ``VAR_RESOLUTION`` = 10^(1/400) - 1 = 0.58% on ``var`` and ``eps/var``, half that
     (0.29%, ``SIGMA_RESOLUTION``) on ``sigma = sqrt(var + eps)``, ``1/sigma`` and
     ``rms = sqrt(ms)``.  Quantiles of sigma, 1/sigma, eps/var and the transmission
     ``eps/(var+eps)`` are read from the ``var`` histogram, since each is a monotone
     function of ``var`` (the median of sigma is ``sqrt(median(var) + eps)``).
 
-* per norm, sums: rows seen, sum and sum of squares of the share;
-* per norm, maxima: share max, var max, ms max, -var min, -ms min (exact).
+* per norm, sums: rows seen and the sum of the shares;
+* per norm, the exact maximum share.
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
 adding the histogram and sum part and taking the maximum of the max part
 (:func:`merge`), so across DDP ranks the whole step is reduced with one
-``all_gather`` of this vector followed by a local sum/max.  The host sees the result
-once per logging step.
+``all_gather`` of this vector followed by a local sum/max on the device.  :func:`read`
+brings the merged vector to the host (the step's one synchronisation) and reads the
+quantiles of all norms at once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +49,7 @@ __all__ = [
     "SIGMA_RESOLUTION",
     "VAR_RESOLUTION",
     "hist_quantile",
+    "hist_quantiles",
     "merge",
     "read",
     "row_values",
@@ -60,8 +63,8 @@ SHARE_RESOLUTION = 1.0 / SHARE_BINS
 VAR_RESOLUTION = 10 ** (1.0 / LOG_BINS_PER_DECADE) - 1.0
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 3  # rows, share sum, share sum of squares
-N_MAX = 5  # share max, var max, ms max, -var min, -ms min
+N_SUMS = 2  # rows, share sum
+N_MAX = 1  # share max
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,14 @@ def row_values(
     ``w``.  ``share`` is 0 where not ``share_ok``.
     """
     var, ms, sw, ww, wx = data.unbind(0)
-    stat_ok = torch.isfinite(var) & (var > 0) & torch.isfinite(ms) & (ms > 0)
-    share2 = (layer * sw * sw / d + wx * wx / (d * var)) / ww
-    share_ok = stat_ok & torch.isfinite(share2) & torch.isfinite(ww) & (ww > 0)
+    inf = math.inf
+    # comparisons with nan are False, so these also reject nan
+    stat_ok = (var > 0) & (var < inf) & (ms < inf)
+    if isinstance(layer, Tensor) or layer:
+        share2 = (layer * sw * sw + wx * wx / var) / (d * ww)
+    else:
+        share2 = wx * wx / (var * (d * ww))
+    share_ok = stat_ok & (ww > 0) & (ww < inf) & (share2 < inf)
     share = torch.where(share_ok, share2, 0.0).clamp_(0.0, 1.0).sqrt_()
     return share, share_ok, var, ms, stat_ok
 
@@ -133,80 +141,137 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
     """The flat float32 summary vector of one process's rows, on ``device``, no host sync."""
     device = torch.device(device)
     n = layout.n_norms
+    flat = torch.zeros(layout.size + 1, dtype=torch.float32, device=device)
     if rows.data is None or rows.data.shape[1] == 0:
-        out = torch.zeros(layout.size, dtype=torch.float32, device=device)
-        out[layout.sum_end :] = -math.inf
-        return out
+        flat[layout.sum_end :] = -math.inf
+        return flat[: layout.size]
     data = rows.data
     device = data.device
+    flat = flat.to(device)
     m = data.shape[1]
-    counts = [r[1] for r in rows.records]
-    consts = _to_device([[r[0], r[2], r[3], float(r[4] == 2)] for r in rows.records], device)
-    if len(counts) == 1:
-        per_row = consts.expand(m, 4)
+    recs = rows.records
+    counts = [r[1] for r in recs]
+    if len({(r[2], r[4]) for r in recs}) == 1:  # one width and kind: python scalars
+        d, layer = float(recs[0][2]), float(recs[0][4] == 2)
     else:
-        reps = _to_device(counts, device).long()
-        per_row = torch.repeat_interleave(consts, reps, dim=0, output_size=m)
-    nid = per_row[:, 0].long()
-    share, share_ok, var, ms, stat_ok = row_values(data, per_row[:, 1], per_row[:, 3])
+        table = _to_device([[r[2], float(r[4] == 2)] for r in recs], device)
+        per = torch.repeat_interleave(table, _to_device(counts, device).long(), dim=0, output_size=m)
+        d, layer = per[:, 0], per[:, 1]
+    if len(recs) == 1:
+        nid = torch.full((m,), recs[0][0], dtype=torch.long, device=device)
+    else:
+        ids = torch.tensor([r[0] for r in recs], dtype=torch.long)
+        reps = torch.tensor(counts, dtype=torch.long)
+        if device.type == "cuda":
+            ids, reps = ids.pin_memory().to(device, True), reps.pin_memory().to(device, True)
+        nid = torch.repeat_interleave(ids.to(device), reps.to(device), output_size=m)
+    share, share_ok, var, ms, stat_ok = row_values(data, d, layer)
 
+    sb, lb, per_norm = layout.share_bins, layout.log_bins, layout.per_norm
+    dump = layout.size  # one spare slot past the end collects the rows without a value
+    base = nid * per_norm
+    ones = torch.ones((), dtype=torch.float32, device=device).expand(m)
+    i_share = (share * sb).clamp_(max=sb - 1).long().add_(base)
+    flat.index_add_(0, torch.where(share_ok, i_share, dump), ones)
     one = torch.ones((), dtype=var.dtype, device=device)
-    base = nid * layout.per_norm
-    dump = layout.hist_size
-    sb, lb = layout.share_bins, layout.log_bins
-    i_share = (share * sb).long().clamp_(0, sb - 1)
-    lvar = torch.where(stat_ok, var, one).log10_().sub_(layout.log_lo).mul_(layout.per_decade)
-    lms = torch.where(stat_ok, ms, one).log10_().sub_(layout.log_lo).mul_(layout.per_decade)
-    i_var = lvar.floor_().clamp_(0, lb - 1).long()
-    i_ms = lms.floor_().clamp_(0, lb - 1).long()
-    index = torch.cat(
-        (
-            torch.where(share_ok, base + i_share, dump),
-            torch.where(stat_ok, base + sb + i_var, dump),
-            torch.where(stat_ok, base + sb + lb + i_ms, dump),
-        )
-    )
-    if device.type == "cpu":
-        hist = torch.bincount(index, minlength=layout.hist_size + 1).to(torch.float32)
-    else:  # bincount synchronises on accelerators (it needs the max); index_add_ does not
-        hist = torch.zeros(layout.hist_size + 1, dtype=torch.float32, device=device)
-        hist.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    scale, shift = float(layout.per_decade), -layout.log_lo * layout.per_decade
+    for values, offset in ((var, sb), (ms, sb + lb)):
+        lv = torch.where(stat_ok, values, one).log10_().mul_(scale).add_(shift).clamp_(0, lb - 1)
+        flat.index_add_(0, torch.where(stat_ok, lv.long().add_(base + offset), dump), ones)
 
     per_norm_rows = [0.0] * n
-    for r in rows.records:
+    for r in recs:
         per_norm_rows[r[0]] += r[1]
-    sums = torch.zeros(n, N_SUMS, dtype=torch.float32, device=device)
+    sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
     sums[:, 0] = _to_device(per_norm_rows, device)
-    sums[:, 1:].index_add_(0, nid, torch.stack((share, share * share), dim=1))
-
-    ninf = torch.full((), -math.inf, dtype=var.dtype, device=device)
-    vals = torch.stack(
-        (
-            torch.where(share_ok, share, ninf),
-            torch.where(stat_ok, var, ninf),
-            torch.where(stat_ok, ms, ninf),
-            torch.where(stat_ok, -var, ninf),
-            torch.where(stat_ok, -ms, ninf),
-        ),
-        dim=1,
-    )
-    maxes = torch.full((n, N_MAX), -math.inf, dtype=torch.float32, device=device)
-    maxes.scatter_reduce_(0, nid.unsqueeze(1).expand(m, N_MAX), vals, "amax", include_self=True)
-    return torch.cat((hist[:-1], sums.flatten(), maxes.flatten()))
+    flat.index_add_(0, nid * N_SUMS + (layout.hist_size + 1), share)
+    maxes = flat[layout.sum_end : layout.size]
+    maxes.fill_(-math.inf)
+    maxes.scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
+    return flat[: layout.size]
 
 
-def merge(gathered: Tensor | np.ndarray, layout: Layout) -> np.ndarray:
-    """Merge summary vectors stacked as ``(processes, size)`` (or one ``(size,)``) into
-    one float64 vector: histograms and sums add, maxima take the maximum."""
-    if isinstance(gathered, Tensor):
-        gathered = gathered.detach().cpu().double().numpy()
-    g = np.asarray(gathered, dtype=np.float64)
-    if g.ndim == 1:
-        g = g[None]
+def merge(gathered: Tensor | np.ndarray, layout: Layout) -> Tensor:
+    """Merge summary vectors stacked as ``(processes, size)`` (or one ``(size,)``) into one
+    vector on the same device: histograms and sums add, maxima take the maximum."""
+    g = torch.as_tensor(gathered)
     if g.shape[-1] != layout.size:
         raise ValueError(f"summary vectors have {g.shape[-1]} entries, the layout {layout.size}")
     g = g.reshape(-1, layout.size)
-    return np.concatenate((g[:, : layout.sum_end].sum(0), g[:, layout.sum_end :].max(0)))
+    if g.shape[0] == 1:
+        return g[0]
+    return torch.cat((g[:, : layout.sum_end].sum(0), g[:, layout.sum_end :].amax(0)))
+
+
+def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per row ``i``: the first index ``j`` with ``cum[i, j] >= values[i, :]`` (rows of
+    ``cum`` non-decreasing and non-negative), by one flat search over shifted rows."""
+    n, width = cum.shape
+    total = cum[:, -1:]
+    offset = np.concatenate(([0.0], np.cumsum(total[:, 0] + 1.0)[:-1]))[:, None]
+    j = np.searchsorted((cum + offset).ravel(), (values + offset).ravel(), side="left")
+    return np.clip(j.reshape(values.shape) - (np.arange(n) * width)[:, None], 0, width - 1)
+
+
+def hist_quantiles(
+    counts: np.ndarray,
+    edges: np.ndarray,
+    qs: Sequence[float],
+    lo: np.ndarray,
+    hi: np.ndarray,
+    log: bool = False,
+    block: int = 64,
+) -> np.ndarray:
+    """:func:`hist_quantile` for many histograms at once (vectorised over rows):
+    ``counts`` is ``(n, bins)``, ``edges`` ``(bins + 1,)``, ``lo``/``hi`` ``(n,)``;
+    returns ``(n, len(qs))``, nan for empty histograms.  Two-level search (blocks of
+    ``block`` bins, then bins) so only block sums are accumulated over the whole range."""
+    counts = np.asarray(counts)
+    n, bins = counts.shape
+    if bins % block:
+        block = 1
+    nb = bins // block
+    bsum = counts.reshape(n, nb, block).sum(2, dtype=np.float64)
+    bcum = np.cumsum(bsum, axis=1)
+    total = bcum[:, -1:]
+    last = np.maximum(total - 1, 0)
+    pos = np.asarray(qs, dtype=np.float64)[None, :] * last
+    r0 = np.floor(pos)
+    t = pos - r0
+    r1 = np.minimum(r0 + 1, last)
+    lo, hi = np.asarray(lo, dtype=np.float64)[:, None], np.asarray(hi, dtype=np.float64)[:, None]
+    rows = np.arange(n)[:, None]
+
+    def order_stat(r: np.ndarray) -> np.ndarray:
+        target = r + 0.5
+        jb = _batched_searchsorted(bcum, target)  # block holding order statistic r
+        before_block = np.take_along_axis(bcum, jb, 1) - np.take_along_axis(bsum, jb, 1)
+        inner = counts.reshape(n, nb, block)[rows, jb].astype(np.float64)  # (n, k, block)
+        icum = np.cumsum(inner, axis=2) + before_block[..., None]
+        jj = (icum < target[..., None]).sum(2).clip(max=block - 1)
+        i = jb * block + jj
+        ci = np.take_along_axis(inner, jj[..., None], 2)[..., 0]
+        before = np.take_along_axis(icum, jj[..., None], 2)[..., 0] - ci
+        frac = np.clip((r - before + 0.5) / np.maximum(ci, 1.0), 0.0, 1.0)
+        v = edges[i] + frac * (edges[i + 1] - edges[i])
+        if log:
+            v = 10.0**v
+        return np.minimum(np.maximum(v, lo), hi)
+
+    v0 = order_stat(r0)
+    with np.errstate(invalid="ignore"):
+        out = np.where(t > 0, (1 - t) * v0 + t * order_stat(r1), v0)
+    return np.where(total > 0, out, np.nan)
+
+
+_EDGES: dict = {}
+
+
+def _edges(layout: Layout, which: str) -> np.ndarray:
+    key = (layout.share_bins, layout.log_lo, layout.log_hi, layout.per_decade, which)
+    if key not in _EDGES:
+        _EDGES[key] = layout.share_edges() if which == "share" else layout.log_edges()
+    return _EDGES[key]
 
 
 def hist_quantile(
@@ -250,32 +315,51 @@ def hist_quantile(
 
 @dataclass
 class NormSummary:
-    """The merged statistics of one norm for one step (all ranks, all micro-batches)."""
+    """The merged statistics of one norm for one step (all ranks, all micro-batches).
+
+    Quantiles: ``share_median``, ``share_p90`` (resolution ``SHARE_RESOLUTION``),
+    ``var_median`` and ``ms_median`` (relative resolution ``VAR_RESOLUTION``).  The
+    histograms themselves (``*_counts``) are present only when read with ``counts=True``;
+    then ``share_quantile``/``var_quantile``/``ms_quantile`` give any other quantile.
+    """
 
     rows: int
     measured_rows: int
     share_rows: int
-    share_counts: np.ndarray
-    var_counts: np.ndarray
-    ms_counts: np.ndarray
+    share_median: float
+    share_p90: float
+    var_median: float
+    ms_median: float
     share_sum: float
-    share_sq_sum: float
     share_max: float
-    var_min: float
-    var_max: float
+    var_min: float  # lower edge of the lowest occupied var bin
+    var_max: float  # upper edge of the highest occupied var bin
     ms_min: float
     ms_max: float
     layout: Layout
+    share_counts: np.ndarray | None = None
+    var_counts: np.ndarray | None = None
+    ms_counts: np.ndarray | None = None
 
     @property
     def skipped_rows(self) -> int:
         """Rows without a share: zero or non-finite gradient or input, constant row."""
         return self.rows - self.share_rows
 
+    @property
+    def share_mean(self) -> float:
+        return self.share_sum / self.share_rows if self.share_rows else math.nan
+
+    def _need_counts(self) -> None:
+        if self.share_counts is None:
+            raise ValueError("this summary was read without its histograms: read(..., counts=True)")
+
     def share_quantile(self, q: float) -> float:
+        self._need_counts()
         return hist_quantile(self.share_counts, self.layout.share_edges(), q, 0.0, self.share_max)
 
     def var_quantile(self, q: float) -> float:
+        self._need_counts()
         if not self.measured_rows:
             return math.nan
         return hist_quantile(
@@ -283,45 +367,74 @@ class NormSummary:
         )
 
     def ms_quantile(self, q: float) -> float:
+        self._need_counts()
         if not self.measured_rows:
             return math.nan
         return hist_quantile(
             self.ms_counts, self.layout.log_edges(), q, self.ms_min, self.ms_max, log=True
         )
 
-    @property
-    def share_mean(self) -> float:
-        return self.share_sum / self.share_rows if self.share_rows else math.nan
+
+def _occupied(counts: np.ndarray, log_edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower edge of the first and upper edge of the last occupied bin of each row (linear
+    units); nan for empty rows."""
+    occupied = counts > 0
+    first = occupied.argmax(1)
+    last = counts.shape[1] - 1 - occupied[:, ::-1].argmax(1)
+    empty = ~occupied.any(1)
+    lo = np.where(empty, np.nan, 10.0 ** log_edges[first])
+    hi = np.where(empty, np.nan, 10.0 ** log_edges[last + 1])
+    return lo, hi
 
 
-def read(merged: np.ndarray, layout: Layout) -> list[NormSummary]:
-    """Split a merged vector (see :func:`merge`) into one :class:`NormSummary` per norm."""
-    n = layout.n_norms
+def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> list[NormSummary]:
+    """One :class:`NormSummary` per norm from a merged vector (see :func:`merge`).
+
+    The vector comes to the host in one transfer (the step's only synchronisation) and
+    the quantiles of all norms are read from it at once, vectorised.  ``counts`` keeps
+    the histograms in the summaries (for TensorBoard histograms or other quantiles).
+    """
+    if isinstance(merged, Tensor):
+        merged = merged.detach().cpu().numpy()
+    merged = np.asarray(merged)
+    n, sb, lb = layout.n_norms, layout.share_bins, layout.log_bins
     hist = merged[: layout.hist_size].reshape(n, layout.per_norm)
-    sums = merged[layout.hist_size : layout.sum_end].reshape(n, N_SUMS)
-    maxes = merged[layout.sum_end :].reshape(n, N_MAX)
-    sb, lb = layout.share_bins, layout.log_bins
+    sums = merged[layout.hist_size : layout.sum_end].reshape(n, N_SUMS).astype(np.float64)
+    maxes = merged[layout.sum_end : layout.size].reshape(n, N_MAX).astype(np.float64)
+    share_c, var_c, ms_c = hist[:, :sb], hist[:, sb : sb + lb], hist[:, sb + lb :]
+    log_edges = _edges(layout, "log")
+    var_lo, var_hi = _occupied(var_c, log_edges)
+    ms_lo, ms_hi = _occupied(ms_c, log_edges)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q_share = hist_quantiles(share_c, _edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[:, 0])
+        q_both = hist_quantiles(np.concatenate((var_c, ms_c)), log_edges, (0.5,),
+                                np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)),
+                                log=True)
+        q_var, q_ms = q_both[:n], q_both[n:]
+    share_rows = share_c.sum(1, dtype=np.float64)
+    var_rows = var_c.sum(1, dtype=np.float64)
     out = []
     for i in range(n):
-        share_counts = hist[i, :sb]
-        var_counts = hist[i, sb : sb + lb]
         share_max = float(maxes[i, 0])
         out.append(
             NormSummary(
                 rows=int(round(sums[i, 0])),
-                measured_rows=int(round(var_counts.sum())),
-                share_rows=int(round(share_counts.sum())),
-                share_counts=share_counts,
-                var_counts=var_counts,
-                ms_counts=hist[i, sb + lb :],
+                measured_rows=int(round(var_rows[i])),
+                share_rows=int(round(share_rows[i])),
+                share_median=float(q_share[i, 0]),
+                share_p90=float(q_share[i, 1]),
+                var_median=float(q_var[i, 0]),
+                ms_median=float(q_ms[i, 0]),
                 share_sum=float(sums[i, 1]),
-                share_sq_sum=float(sums[i, 2]),
                 share_max=share_max if math.isfinite(share_max) else math.nan,
-                var_min=float(-maxes[i, 3]),
-                var_max=float(maxes[i, 1]),
-                ms_min=float(-maxes[i, 4]),
-                ms_max=float(maxes[i, 2]),
+                var_min=float(var_lo[i]),
+                var_max=float(var_hi[i]),
+                ms_min=float(ms_lo[i]),
+                ms_max=float(ms_hi[i]),
                 layout=layout,
+                share_counts=share_c[i].astype(np.float64) if counts else None,
+                var_counts=var_c[i].astype(np.float64) if counts else None,
+                ms_counts=ms_c[i].astype(np.float64) if counts else None,
             )
         )
     return out

@@ -26,8 +26,10 @@ Tapping
 :class:`NormTap` registers a forward hook on each selected norm only while a step is
 being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
 exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
-(autograd saves that tensor for the backward anyway, so nothing is copied) and puts a
-gradient hook on the output.  When the gradient ``dL/dy`` arrives, five per-row float32
+(autograd saves that tensor for the backward anyway, so nothing is copied) -- and, for
+``nn.LayerNorm``, to the per-row mean and ``1/sqrt(var + eps)`` that
+``native_layer_norm`` saved for its backward, so the input need not be reduced again
+-- and puts a gradient hook on the output.  When the gradient ``dL/dy`` arrives, five per-row float32
 reductions are computed on the device and the reference is dropped:
 
 * ``var``: ``mean((x - mu)^2)`` (layer) or ``mean(x^2)`` (rms): the norm's own variance;
@@ -36,9 +38,10 @@ reductions are computed on the device and the reference is dropped:
   with ``w = gain * dL/dy``.
 
 From these, ``share^2 = (sw^2/d [layer only] + wx^2 / (d var)) / ww`` (DESIGN.md 1:
-``u1 = 1/sqrt(d)``, ``u2 = (x - mu)/|x - mu|``, ``|x - mu|^2 = d var``).  At most two
-transient ``(rows, d)`` float32 temporaries exist at a time, inside the backward, and
-no ``.item()``/``.cpu()`` is called.  Forward passes without gradient (validation,
+``u1 = 1/sqrt(d)``, ``u2 = (x - mu)/|x - mu|``, ``|x - mu|^2 = d var``).  The two
+``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) live in two scratch
+buffers allocated at the first gradient of the step and shared by every norm (freed by
+:meth:`NormTap.collect`); no ``.item()``/``.cpu()`` is called.  Forward passes without gradient (validation,
 probes) are ignored.  Rows are kept as these five numbers per row until
 :meth:`NormTap.collect` at the end of the step: nothing survives the step.
 
@@ -236,12 +239,25 @@ FIELDS = ("var", "ms", "sw", "ww", "wx")
 
 
 def row_reductions(
-    x: Tensor, grad_output: Tensor, kind: str, weight: Tensor | None = None
+    x: Tensor,
+    grad_output: Tensor,
+    kind: str,
+    weight: Tensor | None = None,
+    workspace: tuple[Tensor, Tensor] | None = None,
+    saved: tuple[Tensor, Tensor, float] | None = None,
 ) -> Tensor:
     """The five per-row reductions of :data:`FIELDS` as a float32 ``(5, rows)`` tensor.
 
     ``x`` and ``grad_output`` have shape ``(..., d)``; rows are all leading dimensions.
-    Low-precision inputs are promoted to float32; no host synchronisation.
+    Low-precision inputs are promoted to float32; no host synchronisation.  The two
+    ``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) are written into
+    ``workspace`` (two flat float32 tensors of at least ``rows * d`` elements) when given,
+    which spares an allocation and its page faults per call.
+
+    ``saved = (mean, rstd, eps)``: a LayerNorm's own per-row mean and ``1/sqrt(var + eps)``
+    (what ``native_layer_norm`` saves for its backward); then ``x`` is not re-reduced:
+    ``var = 1/rstd^2 - eps`` (relative error ~1e-7 (1 + eps/var)) and ``w . (x - mu) =
+    w . x - mu sum(w)`` (relative error ~1e-7 sqrt(1 + mu^2/var) / share).
     """
     d = x.shape[-1]
     x = x.detach().reshape(-1, d)
@@ -250,22 +266,33 @@ def row_reductions(
         x = x.float()
     if g.dtype != torch.float32:
         g = g.float()
+    n = x.shape[0]
+    if workspace is not None and workspace[0].numel() >= n * d:
+        buf_w, buf_x = (t[: n * d].view(n, d) for t in workspace)
+    else:
+        buf_w = buf_x = None
     if weight is not None:
-        w = g * weight.detach().reshape(-1).to(torch.float32)
+        w = torch.mul(g, weight.detach().reshape(-1).to(torch.float32), out=buf_w)
     else:
         w = g
     sw = w.sum(dim=-1)
     ww = torch.linalg.vector_norm(w, dim=-1).square_()
-    if kind == "layer":
+    if kind == "layer" and saved is not None:
+        mean, rstd, eps = saved
+        mu = mean.detach().reshape(-1).to(torch.float32)
+        var = rstd.detach().reshape(-1).to(torch.float32).square().reciprocal_().sub_(eps)
+        ms = var + mu * mu
+        wx = torch.mul(x, w, out=buf_x).sum(dim=-1).sub_(mu * sw)
+    elif kind == "layer":
         mu = x.sum(dim=-1).div_(d)
-        xc = x - mu.unsqueeze(-1)
+        xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
         var = torch.linalg.vector_norm(xc, dim=-1).square_().div_(d)
         ms = var + mu * mu
         wx = xc.mul_(w).sum(dim=-1)
     else:
         ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(d)
         var = ms
-        wx = (x * w).sum(dim=-1)
+        wx = torch.mul(x, w, out=buf_x).sum(dim=-1)
     return torch.stack((var, ms, sw, ww, wx))
 
 
@@ -282,6 +309,26 @@ class StepRows:
     records: list[tuple[int, int, int, float, int]]
     order: list[int]
     eps: dict[int, float]
+
+
+def _saved_stats(output: Tensor, x: Tensor, info: NormInfo) -> tuple[Tensor, Tensor] | None:
+    """The per-row mean and rstd that ``native_layer_norm`` saved for its backward, when
+    ``output`` came straight from it over the last dimension (else None)."""
+    if info.kind != "layer":
+        return None
+    fn = output.grad_fn
+    if fn is None or fn.name() != "NativeLayerNormBackward0":
+        return None
+    try:
+        if len(fn._saved_normalized_shape) != 1:
+            return None
+        mean, rstd = fn._saved_result1, fn._saved_result2
+    except (AttributeError, RuntimeError):
+        return None
+    rows = x.numel() // max(x.shape[-1], 1)
+    if mean.numel() != rows or rstd.numel() != rows:
+        return None
+    return mean, rstd
 
 
 class NormTap:
@@ -301,6 +348,7 @@ class NormTap:
         self._seen: set[int] = set()
         self._eps: dict[int, float] = {}
         self._pending: list[list] = []
+        self._workspace: tuple[Tensor, Tensor] | None = None
 
     @property
     def attached(self) -> bool:
@@ -332,7 +380,7 @@ class NormTap:
             if index not in self._seen:
                 self._seen.add(index)
                 self._order.append(index)
-            box = [x]  # the only reference we hold; cleared when the gradient arrives
+            box = [(x, _saved_stats(output, x, info))]  # cleared when the gradient arrives
             self._pending.append(box)
             output.register_hook(self._grad_hook(index, info, box))
 
@@ -342,7 +390,7 @@ class NormTap:
         def hook(grad: Tensor) -> None:
             if not box:
                 return
-            x = box.pop()
+            x, saved = box.pop()
             try:
                 self._pending.remove(box)
             except ValueError:
@@ -353,11 +401,23 @@ class NormTap:
             eps = info.eps(x.dtype)
             self._eps[index] = eps
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                red = row_reductions(x.reshape(-1, d), grad.reshape(-1, d), info.kind, info.weight())
+                red = row_reductions(
+                    x.reshape(-1, d), grad.reshape(-1, d), info.kind, info.weight(),
+                    self._scratch(x.numel(), x.device),
+                    None if saved is None else (*saved, eps),
+                )
             self._chunks.append(red)
             self._records.append((index, red.shape[1], d, eps, info.dead_dim))
 
         return hook
+
+    def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Two flat float32 buffers reused by every norm of the step (freed by collect)."""
+        ws = self._workspace
+        if ws is None or ws[0].numel() < numel or ws[0].device != device:
+            ws = tuple(torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2))
+            self._workspace = ws
+        return ws
 
     def collect(self) -> StepRows:
         data = None
@@ -366,4 +426,5 @@ class NormTap:
         rows = StepRows(data, self._records, self._order, dict(self._eps))
         self._chunks, self._records, self._order = [], [], []
         self._seen, self._eps = set(), {}
+        self._workspace = None
         return rows
