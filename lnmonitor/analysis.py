@@ -377,7 +377,8 @@ def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
         rows += [
             (
                 "dloss: shift 5 / scale 3",
-                f"{_f(shift.dloss) if shift else '-'} / {_f(scale.dloss) if scale else '-'}",
+                f"{_f(shift.dloss) if shift else '-'} / {_f(scale.dloss) if scale else '-'} "
+                f"(float32 ulp of the loss {_f(float(np.spacing(np.float32(inv.base_loss))), 2)})",
                 REFERENCE["shift_scale"],
             ),
             ("scale error vs eps/v: slope / constant", f"{_f(inv.slope, 2)} / {_f(inv.constant)}",
