@@ -220,38 +220,32 @@ def hist_quantiles(
     lo: np.ndarray,
     hi: np.ndarray,
     log: bool = False,
-    block: int = 64,
 ) -> np.ndarray:
     """:func:`hist_quantile` for many histograms at once (vectorised over rows):
     ``counts`` is ``(n, bins)``, ``edges`` ``(bins + 1,)``, ``lo``/``hi`` ``(n,)``;
-    returns ``(n, len(qs))``, nan for empty histograms.  Two-level search (blocks of
-    ``block`` bins, then bins) so only block sums are accumulated over the whole range."""
+    returns ``(n, len(qs))``, nan for empty histograms.  Only the span of bins occupied
+    in some row is accumulated."""
     counts = np.asarray(counts)
-    n, bins = counts.shape
-    if bins % block:
-        block = 1
-    nb = bins // block
-    bsum = counts.reshape(n, nb, block).sum(2, dtype=np.float64)
-    bcum = np.cumsum(bsum, axis=1)
-    total = bcum[:, -1:]
+    n = counts.shape[0]
+    cols = np.flatnonzero(counts.any(axis=0))
+    if cols.size == 0:
+        return np.full((n, len(qs)), np.nan)
+    first, stop = int(cols[0]), int(cols[-1]) + 1
+    counts = counts[:, first:stop].astype(np.float64)
+    edges = np.asarray(edges, dtype=np.float64)[first : stop + 1]
+    cum = np.cumsum(counts, axis=1)
+    total = cum[:, -1:]
     last = np.maximum(total - 1, 0)
     pos = np.asarray(qs, dtype=np.float64)[None, :] * last
     r0 = np.floor(pos)
     t = pos - r0
     r1 = np.minimum(r0 + 1, last)
     lo, hi = np.asarray(lo, dtype=np.float64)[:, None], np.asarray(hi, dtype=np.float64)[:, None]
-    rows = np.arange(n)[:, None]
 
     def order_stat(r: np.ndarray) -> np.ndarray:
-        target = r + 0.5
-        jb = _batched_searchsorted(bcum, target)  # block holding order statistic r
-        before_block = np.take_along_axis(bcum, jb, 1) - np.take_along_axis(bsum, jb, 1)
-        inner = counts.reshape(n, nb, block)[rows, jb].astype(np.float64)  # (n, k, block)
-        icum = np.cumsum(inner, axis=2) + before_block[..., None]
-        jj = (icum < target[..., None]).sum(2).clip(max=block - 1)
-        i = jb * block + jj
-        ci = np.take_along_axis(inner, jj[..., None], 2)[..., 0]
-        before = np.take_along_axis(icum, jj[..., None], 2)[..., 0] - ci
+        i = _batched_searchsorted(cum, r + 0.5)
+        ci = np.take_along_axis(counts, i, 1)
+        before = np.take_along_axis(cum, i, 1) - ci
         frac = np.clip((r - before + 0.5) / np.maximum(ci, 1.0), 0.0, 1.0)
         v = edges[i] + frac * (edges[i + 1] - edges[i])
         if log:
