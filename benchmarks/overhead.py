@@ -19,11 +19,14 @@ logging).  Per round:
 * ``every step, paired``: in ``alternate``, the median over measured steps of the
   measured step / the mean of its two unmeasured neighbours -- the same ratio from
   steps a few hundred ms apart, so it is far less exposed to other processes' load;
-* ``defaults, unmeasured``: median step of ``defaults`` (no hook registered) / plain;
-* ``defaults, amortised``: ``(t_unmeasured + (paired - 1) t_plain / 50 + t_probe / 250)
+* ``defaults, unmeasured``: median step of ``defaults`` (no hook registered) / plain:
+  across two fits, so it shows the fit-to-fit noise of this machine as much as anything;
+* ``idle us``: the time actually spent inside the two monitors' Lightning hooks on a
+  step where neither measures (every hook method wrapped with a timer);
+* ``defaults, amortised``: ``1 + (t_idle + (paired - 1) t_plain / 50 + t_probe / 250)
   / t_plain``, with ``t_probe`` the wall time of one invariance run (timed inside the
   callback, its steady-state run): a short benchmark cannot hold 50 or 250 steps of
-  every width, so the rare events are measured and amortised at the recipe's cadence.
+  every width, so each part is measured directly and amortised at the recipe's cadence.
 
 Reported: medians over rounds of these per-round ratios.
 
@@ -130,6 +133,28 @@ class StepMemory(Callback):
         self.peak = peak
 
 
+HOOKS = (
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+)
+
+
+def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
+    """Wrap the callback's per-step hooks; ``sink[step]`` accumulates seconds inside them."""
+    for name in HOOKS:
+        method = getattr(callback, name)
+
+        def timed(trainer, *args, _method=method, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _method(trainer, *args, **kwargs)
+            finally:
+                step = trainer.global_step
+                sink[step] = sink.get(step, 0.0) + time.perf_counter() - t0
+
+        setattr(callback, name, timed)
+
+
 def callbacks_for(config: str, cadence: int | None = None) -> list[Callback]:
     if config == "plain":
         return []
@@ -156,6 +181,7 @@ class WidthResult:
     every: list[float] = field(default_factory=list)
     paired: list[float] = field(default_factory=list)
     unmeasured: list[float] = field(default_factory=list)
+    idle_us: list[float] = field(default_factory=list)
     defaults: list[float] = field(default_factory=list)
     measured_extra_ms: list[float] = field(default_factory=list)
     probe_ms: list[float] = field(default_factory=list)
@@ -178,8 +204,12 @@ def bench_width(width: int, args, text: str) -> WidthResult:
         for config in CONFIGS[k:] + CONFIGS[:k]:  # rotate who goes first
             timer = StepTimer()
             cbs = callbacks_for(config)
+            hook_time: dict[int, float] = {}
+            if config == "defaults":
+                for cb in cbs:
+                    time_hooks(cb, hook_time)
             run_fit(recipe, text, [*cbs, timer])
-            times[config] = (gaps(timer.starts, args.warmup), cbs)
+            times[config] = (gaps(timer.starts, args.warmup), cbs, hook_time)
         plain = statistics.median(times["plain"][0])
         every = statistics.median(times["every"][0])
         alt = times["alternate"][0]  # gap i is step warmup + i; even steps are measured
@@ -190,18 +220,24 @@ def bench_width(width: int, args, text: str) -> WidthResult:
         unmeasured = statistics.median(times["defaults"][0])  # steps >= warmup: none measured
         probe = times["defaults"][1][1].run_seconds
         t_probe = probe[-1] if probe else 0.0
+        hooks = times["defaults"][2]
+        # steps whose start and end both lie in the run (the hooks of step s fire partly
+        # after global_step has become s + 1), excluding step 0 where both monitors run
+        idle = statistics.median(hooks[k] for k in range(args.warmup + 1, args.steps - 1))
         res.plain_ms.append(1000 * plain)
         res.every.append(every / plain)
         res.paired.append(paired)
         res.unmeasured.append(unmeasured / plain)
         res.measured_extra_ms.append(1000 * (paired - 1) * plain)
         res.probe_ms.append(1000 * t_probe)
+        res.idle_us.append(1e6 * idle)
         res.defaults.append(
-            (unmeasured + (paired - 1) * plain / LN_CADENCE + t_probe / PROBE_CADENCE) / plain
+            1 + (idle + (paired - 1) * plain / LN_CADENCE + t_probe / PROBE_CADENCE) / plain
         )
         print(f"  width {width} round {rnd + 1}: plain {1000 * plain:.1f} ms, every x{every / plain:.3f}, "
               f"paired x{paired:.3f}, defaults x{res.defaults[-1]:.4f} (unmeasured "
-              f"x{unmeasured / plain:.3f}, probe {1000 * t_probe:.0f} ms)", file=sys.stderr, flush=True)
+              f"x{unmeasured / plain:.3f}, idle {1e6 * idle:.0f} us, probe {1000 * t_probe:.0f} ms)",
+              file=sys.stderr, flush=True)
     mem_recipe = Recipe(width=width, heads=heads, max_steps=3, batch_size=args.batch_size,
                         val_every=250, seed=0, trainer_kwargs=quick)
     for config in MEMORY_CONFIGS:
@@ -222,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < args.warmup + 5:
         parser.error("--steps must be at least --warmup + 5 (the paired estimate needs them)")
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (step 0 is where the default monitors run)")
     if args.threads:
         torch.set_num_threads(args.threads)
     text = load_corpus()
@@ -230,15 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntrain-tiny recipe, batch {args.batch_size} x context 64, {args.steps} steps per fit "
           f"({args.warmup} warm-up), {args.rounds} interleaved rounds, torch threads "
           f"{torch.get_num_threads()}; ratios are medians over rounds of per-round ratios.\n")
-    print("| width | plain ms/step | every step, direct | every step, paired | defaults (amortised) "
-          "| defaults, unmeasured step | measured-step extra ms | invariance run ms "
-          "| step peak MB plain | peak: every step | peak: defaults, both monitors firing |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| width | plain ms/step | every step, paired | every step, direct | defaults (amortised) "
+          "| defaults, unmeasured step, direct | idle hooks us/step | measured-step extra ms "
+          "| invariance run ms | step peak MB plain | peak: every step "
+          "| peak: defaults, both monitors firing |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         mem = r.memory
-        print(f"| {r.width} | {med(r.plain_ms):.1f} | {med(r.every):.3f}x | {med(r.paired):.3f}x "
-              f"| {med(r.defaults):.4f}x "
-              f"| {med(r.unmeasured):.3f}x | {med(r.measured_extra_ms):.1f} | {med(r.probe_ms):.0f} "
+        print(f"| {r.width} | {med(r.plain_ms):.1f} | {med(r.paired):.3f}x | {med(r.every):.3f}x "
+              f"| {med(r.defaults):.4f}x | {med(r.unmeasured):.3f}x | {med(r.idle_us):.0f} "
+              f"| {med(r.measured_extra_ms):.1f} | {med(r.probe_ms):.0f} "
               f"| {mem['plain'] / 2**20:.1f} | {mem['every'] / mem['plain']:.3f}x "
               f"| {mem['defaults'] / mem['plain']:.3f}x |")
     return 0

@@ -229,6 +229,7 @@ class _Logged:
         self._keep_history = bool(keep_history)
         self._last_logged_step = -1
         self._tb_ready: set[int] = set()
+        self._warned_no_logger = False
 
     def _hparams(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict, list[str]]:
         return {}, []
@@ -238,7 +239,8 @@ class _Logged:
             _tb_write_hparams(trainer, pl_module)
         if self._keep_history_arg is None:
             self._keep_history = not trainer.loggers
-        if not trainer.loggers and trainer.is_global_zero:
+        if not trainer.loggers and trainer.is_global_zero and not self._warned_no_logger:
+            self._warned_no_logger = True
             rank_zero_warn(
                 f"{type(self).__name__}: the Trainer has no logger, so the metrics stay in "
                 f"`{type(self).__name__}.history` (a list of dicts with a 'step' key). "
@@ -750,8 +752,7 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
                 f"FinalNormInvarianceMonitor: final_norm={self.final_norm!r} is not a "
                 f"normalisation layer; found: {', '.join(n.name for n in found)}."
             )
-        if stage == "fit":
-            self._setup_logging(trainer, pl_module)
+        self._setup_logging(trainer, pl_module)
         self._enabled = True
 
     def on_train_batch_start(

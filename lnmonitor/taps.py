@@ -396,8 +396,8 @@ class NormTap:
             except ValueError:
                 pass
             d = x.shape[-1] if info.width is None else info.width
-            if x.numel() % d or grad.shape != x.shape:
-                return
+            if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
+                return  # not rows of this norm, or no room outside the dead subspace
             eps = info.eps(x.dtype)
             self._eps[index] = eps
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):

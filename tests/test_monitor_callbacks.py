@@ -462,3 +462,22 @@ def test_layernorm_monitor_bad_arguments(kwargs):
 def test_invariance_monitor_bad_arguments(kwargs):
     with pytest.raises(MisconfigurationException):
         FinalNormInvarianceMonitor(**kwargs)
+
+
+def test_bf16_autocast_and_fallback_probe_batch():
+    """bf16-mixed training: statistics still in float32 and finite; a module without
+    validation data is probed on its first training batch, with a warning."""
+    module = RowsModule(d=16, norm=nn.LayerNorm(16))
+    ln = LayerNormMonitor(every_n_steps=1, keep_history=True)
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+                                     loss_fn=lambda m, b: m.training_step(b, 0), scales=())
+    trainer = make_trainer(2, [ln, inv], precision="bf16-mixed", limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert any("probes the first training batch" in str(w.message) for w in caught)
+    assert [h["step"] for h in ln.history] == [0, 1]
+    assert all(math.isfinite(v) for h in ln.history for v in h.values())
+    assert 0 < ln.history[-1]["lnmonitor/share_median/norm"] < 1
+    assert inv.history[0]["lnmonitor/invariance/shift_5/dloss"] == 0.0
+    assert abs(inv.history[0]["lnmonitor/invariance/axis_5/dloss"]) > 0
