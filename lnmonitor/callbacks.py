@@ -258,8 +258,12 @@ class _Logged:
             return True
         for logger in trainer.loggers:
             if _is_tb(logger):
-                tb_extra(logger, step, id(logger) not in self._tb_ready)
+                first = id(logger) not in self._tb_ready
                 self._tb_ready.add(id(logger))
+                try:
+                    tb_extra(logger, step, first)
+                except Exception as err:  # noqa: BLE001 - extras must never stop training
+                    rank_zero_warn(f"{type(self).__name__}: TensorBoard extras skipped: {err!r}")
                 if _tb_log_scalars(logger, metrics, step):
                     continue
             logger.log_metrics(metrics, step=step)

@@ -120,18 +120,19 @@ def row_values(
     :func:`lnmonitor.taps.row_reductions`; ``d`` is the width and ``layer`` 1.0 for
     LayerNorm rows and 0.0 for RMSNorm rows (scalars or per-row tensors).
 
-    ``share^2 = (layer * sw^2 / d + wx^2 / (d var)) / ww``; ``stat_ok`` marks rows with a
-    finite, positive ``var`` and ``ms``; ``share_ok`` additionally a finite, non-zero
-    ``w``.  ``share`` is 0 where not ``share_ok``.
+    ``share^2 = (layer * sw^2 + wx2v) / (d ww)`` (DESIGN.md 1: ``u1 = 1/sqrt(d)``,
+    ``u2 = (x - mu)/|x - mu|``, ``|x - mu|^2 = d var``, ``wx2v = (w.(x - mu))^2 / var``);
+    ``stat_ok`` marks rows with a finite, positive ``var`` and finite ``ms``; ``share_ok``
+    additionally a finite, non-zero ``w``.  ``share`` is 0 where not ``share_ok``.
     """
-    var, ms, sw, ww, wx = data.unbind(0)
+    var, ms, sw, ww, wx2v = data.unbind(0)
     inf = math.inf
     # comparisons with nan are False, so these also reject nan
     stat_ok = (var > 0) & (var < inf) & (ms < inf)
     if isinstance(layer, Tensor) or layer:
-        share2 = (layer * sw * sw + wx * wx / var) / (d * ww)
+        share2 = (layer * sw * sw + wx2v) / (d * ww)
     else:
-        share2 = wx * wx / (var * (d * ww))
+        share2 = wx2v / (d * ww)
     share_ok = stat_ok & (ww > 0) & (ww < inf) & (share2 < inf)
     share = torch.where(share_ok, share2, 0.0).clamp_(0.0, 1.0).sqrt_()
     return share, share_ok, var, ms, stat_ok

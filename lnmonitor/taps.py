@@ -26,22 +26,23 @@ Tapping
 :class:`NormTap` registers a forward hook on each selected norm only while a step is
 being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
 exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
-(autograd saves that tensor for the backward anyway, so nothing is copied) -- and, for
-``nn.LayerNorm``, to the per-row mean and ``1/sqrt(var + eps)`` that
-``native_layer_norm`` saved for its backward, so the input need not be reduced again
--- and puts a gradient hook on the output.  When the gradient ``dL/dy`` arrives, five per-row float32
-reductions are computed on the device and the reference is dropped:
+(autograd saves that tensor for the backward anyway, so nothing is copied) and hooks
+the backward; when it fires, five per-row float32 numbers (:data:`FIELDS`) are computed
+on the device and the reference is dropped:
 
 * ``var``: ``mean((x - mu)^2)`` (layer) or ``mean(x^2)`` (rms): the norm's own variance;
 * ``ms``: ``mean(x^2)``, the squared rms of the stream the norm reads;
-* ``sw = sum(w)``, ``ww = |w|^2``, ``wx = w . (x - mu)`` (layer) or ``w . x`` (rms),
-  with ``w = gain * dL/dy``.
+* ``sw = sum(w)``, ``ww = |w|^2`` and ``wx2v = (w . (x - mu))^2 / var`` (rms: ``w . x``),
+  with ``w = gain * dL/dy``; then ``share^2 = (sw^2 [layer only] + wx2v) / (d ww)``.
 
-From these, ``share^2 = (sw^2/d [layer only] + wx^2 / (d var)) / ww`` (DESIGN.md 1:
-``u1 = 1/sqrt(d)``, ``u2 = (x - mu)/|x - mu|``, ``|x - mu|^2 = d var``).  The two
-``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) live in two scratch
-buffers allocated at the first gradient of the step and shared by every norm (freed by
-:meth:`NormTap.collect`); no ``.item()``/``.cpu()`` is called.  Forward passes without gradient (validation,
+For ``nn.LayerNorm`` the hook sits on its backward node and reads what that backward
+has anyway -- the mean and ``1/sqrt(var + eps)`` saved in the forward, ``dL/dy`` and the
+gradient it passes to its input -- so the input activation is not read again
+(:func:`layernorm_backward_reductions`); other norms get a gradient hook on their
+output and reduce the input (:func:`row_reductions`).  The one ``(rows, d)`` float32
+temporary (``w``, and the centred input on the second path) lives in scratch buffers
+shared by every norm of the step and freed by :meth:`NormTap.collect`; no
+``.item()``/``.cpu()`` is called.  Forward passes without gradient (validation,
 probes) are ignored.  Rows are kept as these five numbers per row until
 :meth:`NormTap.collect` at the end of the step: nothing survives the step.
 
@@ -69,6 +70,7 @@ __all__ = [
     "find_norms",
     "norm_eps",
     "register_norm",
+    "layernorm_backward_reductions",
     "row_reductions",
     "select_norms",
     "unregister_norm",
@@ -235,7 +237,13 @@ def select_norms(
 # per-row reductions (the hot path)
 # ---------------------------------------------------------------------------
 
-FIELDS = ("var", "ms", "sw", "ww", "wx")
+FIELDS = ("var", "ms", "sw", "ww", "wx2v")
+
+
+def _buffers(workspace, n: int, d: int):
+    if workspace is not None and workspace[0].numel() >= n * d:
+        return workspace[0][: n * d].view(n, d), workspace[1][: n * d].view(n, d)
+    return None, None
 
 
 def row_reductions(
@@ -244,20 +252,17 @@ def row_reductions(
     kind: str,
     weight: Tensor | None = None,
     workspace: tuple[Tensor, Tensor] | None = None,
-    saved: tuple[Tensor, Tensor, float] | None = None,
 ) -> Tensor:
-    """The five per-row reductions of :data:`FIELDS` as a float32 ``(5, rows)`` tensor.
+    """The five per-row reductions of :data:`FIELDS` as a float32 ``(5, rows)`` tensor:
+    ``var`` (LayerNorm: ``mean((x-mu)^2)``; RMSNorm: ``mean(x^2)``), ``ms = mean(x^2)``,
+    ``sw = sum(w)``, ``ww = |w|^2`` and ``wx2v = (w . (x - mu))^2 / var`` (RMSNorm:
+    ``(w . x)^2 / var``), with ``w = weight * grad_output``.
 
     ``x`` and ``grad_output`` have shape ``(..., d)``; rows are all leading dimensions.
     Low-precision inputs are promoted to float32; no host synchronisation.  The two
     ``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) are written into
     ``workspace`` (two flat float32 tensors of at least ``rows * d`` elements) when given,
     which spares an allocation and its page faults per call.
-
-    ``saved = (mean, rstd, eps)``: a LayerNorm's own per-row mean and ``1/sqrt(var + eps)``
-    (what ``native_layer_norm`` saves for its backward); then ``x`` is not re-reduced:
-    ``var = 1/rstd^2 - eps`` (relative error ~1e-7 (1 + eps/var)) and ``w . (x - mu) =
-    w . x - mu sum(w)`` (relative error ~1e-7 sqrt(1 + mu^2/var) / share).
     """
     d = x.shape[-1]
     x = x.detach().reshape(-1, d)
@@ -266,24 +271,14 @@ def row_reductions(
         x = x.float()
     if g.dtype != torch.float32:
         g = g.float()
-    n = x.shape[0]
-    if workspace is not None and workspace[0].numel() >= n * d:
-        buf_w, buf_x = (t[: n * d].view(n, d) for t in workspace)
-    else:
-        buf_w = buf_x = None
+    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
     if weight is not None:
         w = torch.mul(g, weight.detach().reshape(-1).to(torch.float32), out=buf_w)
     else:
         w = g
     sw = w.sum(dim=-1)
     ww = torch.linalg.vector_norm(w, dim=-1).square_()
-    if kind == "layer" and saved is not None:
-        mean, rstd, eps = saved
-        mu = mean.detach().reshape(-1).to(torch.float32)
-        var = rstd.detach().reshape(-1).to(torch.float32).square().reciprocal_().sub_(eps)
-        ms = var + mu * mu
-        wx = torch.mul(x, w, out=buf_x).sum(dim=-1).sub_(mu * sw)
-    elif kind == "layer":
+    if kind == "layer":
         mu = x.sum(dim=-1).div_(d)
         xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
         var = torch.linalg.vector_norm(xc, dim=-1).square_().div_(d)
@@ -293,7 +288,53 @@ def row_reductions(
         ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(d)
         var = ms
         wx = torch.mul(x, w, out=buf_x).sum(dim=-1)
-    return torch.stack((var, ms, sw, ww, wx))
+    return torch.stack((var, ms, sw, ww, wx.square_().div_(var)))
+
+
+def layernorm_backward_reductions(
+    grad_output: Tensor,
+    grad_input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    eps: float,
+    weight: Tensor | None = None,
+    workspace: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """:func:`row_reductions` for a LayerNorm from what its backward already has, without
+    reading the input again: its saved per-row ``mean`` and ``rstd = 1/sqrt(var + eps)``,
+    ``grad_output = dL/dy`` and ``grad_input``, the gradient it passes to its input.
+
+    ``var = 1/rstd^2 - eps`` (0, a constant row, below ``1e-5 eps``); and since
+    ``grad_input = rstd (w - sum(w)/d - (w.xhat/d) xhat)`` with ``|xhat|^2 = d (1 - t)``,
+    ``t = eps/(var + eps)``:
+    ``wx2v = (d |w|^2 - sum(w)^2 - d |grad_input|^2 / rstd^2) / (1 - t^2)``.  The share is
+    then exact to ~1e-7 / share (1e-4 at a share of 1e-3).
+    """
+    d = grad_output.shape[-1]
+    g = grad_output.detach().reshape(-1, d)
+    dx = grad_input.detach().reshape(-1, d)
+    if g.dtype != torch.float32:
+        g = g.float()
+    if dx.dtype != torch.float32:
+        dx = dx.float()
+    buf_w, _ = _buffers(workspace, g.shape[0], d)
+    rs2 = rstd.detach().reshape(-1).to(torch.float32).square()
+    mu = mean.detach().reshape(-1).to(torch.float32)
+    var = rs2.reciprocal().sub_(eps)
+    # below ~1e-5 eps the subtraction is rounding: treat the row as constant (skipped)
+    var = torch.where(var > 1e-5 * eps, var, 0.0)
+    ms = var + mu * mu
+    if weight is not None:
+        gamma = weight.detach().reshape(-1).to(torch.float32)
+        sw = torch.mv(g, gamma)
+        ww = torch.linalg.vector_norm(torch.mul(g, gamma, out=buf_w), dim=-1).square_()
+    else:
+        sw = g.sum(dim=-1)
+        ww = torch.linalg.vector_norm(g, dim=-1).square_()
+    dxx = torch.linalg.vector_norm(dx, dim=-1).square_().div_(rs2)
+    t = rs2.mul_(eps)  # eps / (var + eps)
+    wx2v = (ww * d).sub_(sw * sw).sub_(dxx.mul_(d)).div_(1.0 - t.square_())
+    return torch.stack((var, ms, sw, ww, wx2v))
 
 
 @dataclass
@@ -380,9 +421,13 @@ class NormTap:
             if index not in self._seen:
                 self._seen.add(index)
                 self._order.append(index)
-            box = [(x, _saved_stats(output, x, info))]  # cleared when the gradient arrives
+            saved = _saved_stats(output, x, info)
+            box = [(x, saved)]  # the only references we hold; cleared by the backward hook
             self._pending.append(box)
-            output.register_hook(self._grad_hook(index, info, box))
+            if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
+                output.grad_fn.register_hook(self._node_hook(index, info, box))
+            else:
+                output.register_hook(self._grad_hook(index, info, box))
 
         return hook
 
@@ -390,7 +435,7 @@ class NormTap:
         def hook(grad: Tensor) -> None:
             if not box:
                 return
-            x, saved = box.pop()
+            x, _ = box.pop()
             try:
                 self._pending.remove(box)
             except ValueError:
@@ -400,16 +445,49 @@ class NormTap:
                 return  # not rows of this norm, or no room outside the dead subspace
             eps = info.eps(x.dtype)
             self._eps[index] = eps
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                red = row_reductions(
-                    x.reshape(-1, d), grad.reshape(-1, d), info.kind, info.weight(),
-                    self._scratch(x.numel(), x.device),
-                    None if saved is None else (*saved, eps),
-                )
-            self._chunks.append(red)
-            self._records.append((index, red.shape[1], d, eps, info.dead_dim))
+            args = (
+                x.reshape(-1, d), grad.reshape(-1, d), info.kind, info.weight(),
+                self._scratch(x.numel(), x.device),
+            )
+            self._run(row_reductions, args, x.device.type, index, d, eps, info)
 
         return hook
+
+    def _node_hook(self, index: int, info: NormInfo, box: list):
+        def hook(grad_inputs, grad_outputs) -> None:
+            if not box:
+                return
+            x, (mean, rstd) = box.pop()
+            try:
+                self._pending.remove(box)
+            except ValueError:
+                pass
+            g = grad_outputs[0] if grad_outputs else None
+            if g is None:
+                return
+            d = x.shape[-1]
+            if d <= info.dead_dim or g.shape != x.shape:
+                return
+            eps = info.eps(x.dtype)
+            self._eps[index] = eps
+            dx = grad_inputs[0] if grad_inputs else None
+            if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
+                args = (x, g, info.kind, info.weight(), self._scratch(x.numel(), x.device))
+                self._run(row_reductions, args, x.device.type, index, d, eps, info)
+                return
+            args = (g, dx, mean, rstd, eps, info.weight(), self._scratch(x.numel(), x.device))
+            self._run(layernorm_backward_reductions, args, x.device.type, index, d, eps, info)
+
+        return hook
+
+    def _run(self, fn, args, device: str, index: int, d: int, eps: float, info: NormInfo) -> None:
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                red = fn(*args)
+        else:  # the usual backward: no graph, no autocast, no context to enter
+            red = fn(*args)
+        self._chunks.append(red)
+        self._records.append((index, red.shape[1], d, eps, info.dead_dim))
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Two flat float32 buffers reused by every norm of the step (freed by collect)."""
