@@ -14,9 +14,11 @@ checkpoint.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ import torch
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _TensorBoardLogger
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
@@ -33,11 +35,12 @@ from lnmonitor.invariance import (
     CASES,
     SWEEP_SCALES,
     InvarianceResult,
+    final_norm_bypass,
     final_norm_invariance,
     find_final_norm,
 )
 from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
-from lnmonitor.taps import NormInfo, NormTap, find_norms, select_norms
+from lnmonitor.taps import NormInfo, NormTap, compiled, eager, find_norms, select_norms
 
 __all__ = ["FinalNormInvarianceMonitor", "LayerNormMonitor"]
 
@@ -49,25 +52,30 @@ PREFIX = "lnmonitor"
 # ---------------------------------------------------------------------------
 
 
-def _check_every(value, name: str, allow_none: bool = True) -> int | None:
+def _check_every(value, name: str, allow_none: bool = True, unit: str = "optimizer steps") -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    try:  # any integer type (int, numpy integers), never a bool or a float
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
         hint = " or None" if allow_none else ""
         raise MisconfigurationException(
-            f"{name} must be a positive integer (optimizer steps){hint}, got {value!r}"
+            f"{name} must be a positive integer ({unit}){hint}, got {value!r}"
         )
-    return value
+    return int(number)
 
 
 def _check_patterns(value, name: str) -> tuple[str, ...] | None:
     if value is None:
         return None
-    items = (value,) if isinstance(value, str) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        items = (value,)
+    if isinstance(value, str):
+        items: tuple = (value,)
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping)):
+        items = tuple(value)
+    else:
+        items = ()
     if not items or not all(isinstance(p, str) and p for p in items):
         raise MisconfigurationException(
             f"{name} must be a glob pattern or a list of glob patterns over qualified module "
@@ -100,6 +108,21 @@ def _no_norm_message(owner: str, pl_module: LightningModule) -> str:
         "`weight` attributes; declare others with a class attribute "
         "`lnmonitor_norm_kind = 'layer'` (or 'rms') or `lnmonitor.register_norm(cls, kind)`, "
         "or remove the callback."
+    )
+
+
+def _say_measured_eps(owner: str, norms: Sequence[NormInfo]) -> None:
+    measured = [n for n in norms if n.eps_measured]
+    if not measured:
+        return
+    values = sorted({n.eps() for n in measured})
+    classes = sorted({type(n.module).__name__ for n in measured})
+    rank_zero_info(
+        f"{owner}: {', '.join(n.name for n in measured[:4])}{', ...' if len(measured) > 4 else ''} "
+        f"({', '.join(classes)}) has no eps attribute; the eps its forward applies, measured "
+        f"from its output, is {', '.join(f'{e:g}' for e in values)} (used for sigma, eps/var "
+        f"and the transmission). To state it instead: lnmonitor.register_norm({classes[0]}, "
+        f"{measured[0].kind!r}, eps=<value>)."
     )
 
 
@@ -339,6 +362,20 @@ class LayerNormMonitor(_Logged, Callback):
     HPARAMS tab, and with ``histograms=True`` ``lnmonitor/hist/share/<norm>`` and
     ``lnmonitor/hist/sigma/<norm>``.
 
+    What real training throws at it (tests/test_robustness.py):
+
+    * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
+      a ratio, so the loss scale cancels; rows whose gradient or input is zero or not
+      finite (an fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``;
+    * gradient accumulation: one measured step covers all its micro-batches;
+    * ``torch.compile``: compiled code does not run hooks registered after it compiled, so
+      the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
+      once at setup) and the others run the compiled code;
+    * activation checkpointing: every norm call is measured once (see
+      :mod:`lnmonitor.taps`);
+    * a selected norm that gets no row in a measured step (never called, or hidden from
+      the hooks) is named in a warning, once; nothing is made up for it.
+
     Example::
 
         trainer = L.Trainer(callbacks=[LayerNormMonitor(), FinalNormInvarianceMonitor()],
@@ -369,6 +406,8 @@ class LayerNormMonitor(_Logged, Callback):
         self._tap: NormTap | None = None
         self._layout: Layout | None = None
         self._measuring: int | None = None
+        self._stance = None
+        self._warned_unmeasured = False
         self.last_summaries: list[NormSummary] = []
 
     @property
@@ -412,6 +451,13 @@ class LayerNormMonitor(_Logged, Callback):
         self._layout = Layout(len(selected))
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._setup_logging(trainer, pl_module)
+        _say_measured_eps("LayerNormMonitor", selected)
+        if compiled(pl_module):
+            rank_zero_info(
+                "LayerNormMonitor: the model is compiled (torch.compile); its measured steps run "
+                "eagerly (torch.compiler.set_stance('force_eager')) so that the norm hooks see "
+                "every call, and the other steps run the compiled code."
+            )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
@@ -427,6 +473,12 @@ class LayerNormMonitor(_Logged, Callback):
             self._tap.detach()
             self._tap.collect()
         self._measuring = None
+        self._leave_eager()
+
+    def _leave_eager(self) -> None:
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)
 
     # -- the measured step -----------------------------------------------------
 
@@ -438,6 +490,10 @@ class LayerNormMonitor(_Logged, Callback):
         step = trainer.global_step
         if step % self.every_n_steps == 0 and step > self._last_logged_step:
             self._measuring = step
+            # compiled code ignores hooks registered after it compiled (and hooks present
+            # while it compiles break its graph): the measured step runs eagerly
+            self._stance = eager()
+            self._stance.__enter__()
             self._tap.attach()
 
     def on_train_batch_end(
@@ -448,6 +504,7 @@ class LayerNormMonitor(_Logged, Callback):
         step = self._measuring
         self._measuring = None
         self._tap.detach()
+        self._leave_eager()
         rows = self._tap.collect()
         if rows.order:
             self.order = [self.norms[i].name for i in rows.order]
@@ -457,10 +514,31 @@ class LayerNormMonitor(_Logged, Callback):
         summaries = read(merge(flat, self._layout), self._layout, counts=self.histograms)
         eps = {i: rows.eps.get(i, info.eps()) for i, info in enumerate(self.norms)}
         self.last_summaries = summaries
+        self._warn_unmeasured(step, summaries)
         metrics = _finite(self._metrics(summaries, eps))
         self._write(
             trainer, step, metrics,
             lambda logger, s, first: self._tb_extra(logger, s, first, summaries, eps),
+        )
+
+    def _warn_unmeasured(self, step: int, summaries: list[NormSummary]) -> None:
+        """Say once when selected norms had no row in a measured step (never zero data
+        without a word): a norm the forward does not call, or a model run by code the hooks
+        cannot see (e.g. torch.compile on a torch without set_stance, TorchScript)."""
+        missing = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
+        if not missing or self._warned_unmeasured:
+            return
+        self._warned_unmeasured = True
+        if len(missing) == len(self.norms):
+            what = f"none of the {len(missing)} selected norms ran with gradient"
+        else:
+            what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
+        rank_zero_warn(
+            f"LayerNormMonitor: {what} during the measured step {step} ({', '.join(missing[:8])}"
+            f"{', ...' if len(missing) > 8 else ''}), so nothing is logged for them. Either the "
+            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
+            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
+            "TorchScript). Said once."
         )
 
     def _metrics(self, summaries: list[NormSummary], eps: dict[int, float]) -> dict[str, float]:
@@ -633,13 +711,24 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
     On a fixed held-out probe batch, at step indices that are multiples of
-    ``every_n_steps`` (before that step's update) and after each validation (not the
-    sanity check), run :func:`lnmonitor.invariance.final_norm_invariance`: the five
-    cases of DESIGN.md and the scale sweep.  The input is transformed in float64 inside
-    a forward hook and the final norm evaluated in float64 there (only the final norm sees
-    the transformed input), so for a LayerNorm the shift cases are exactly zero.  The model's
-    train/eval mode and the RNG state are restored; only rank zero computes (no
-    collectives, the other ranks go on training).
+    ``every_n_steps`` (before that step's update: taken as soon as the previous update is
+    done, so that a checkpoint saved then records it; this includes the point after the
+    last update) and after each validation (not the sanity check; a validation at a step
+    already probed reuses that point), run
+    :func:`lnmonitor.invariance.final_norm_invariance`: the five cases of DESIGN.md and
+    the scale sweep.  The input is transformed in float64 inside a forward hook and the
+    final norm evaluated in float64 there (only the final norm sees the transformed
+    input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
+    mode and the RNG state are restored; only rank zero computes (no collectives, the
+    other ranks go on training); a compiled model is probed eagerly.
+
+    Before its first run it checks, with one gradient pass on the probe batch
+    (:func:`lnmonitor.invariance.final_norm_bypass`), that the final norm's input reaches
+    the loss only through the norm.  When it does not -- a model without a final norm,
+    whose last norm sits inside a block -- the cases would read zero although the loss
+    is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs
+    nothing.  Errors while probing (a ``loss_fn`` that returns no loss, ...) also turn it
+    off with a warning instead of stopping the training.
 
     Args:
         every_n_steps: cadence in optimizer steps; ``None``: only after validation.
@@ -705,7 +794,7 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
                 "integer or on_validation=True"
             )
         self.on_validation = on_validation
-        self.probe_size = _check_every(probe_size, "probe_size")
+        self.probe_size = _check_every(probe_size, "probe_size", unit="samples")
         if loss_fn is not None and not callable(loss_fn):
             raise MisconfigurationException(
                 f"loss_fn must be a callable loss_fn(module, batch) -> loss or (logits, loss), "
@@ -715,18 +804,28 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
         self.final_norm = _check_name(final_norm, "final_norm")
         if isinstance(cases, str):
             cases = (cases,)
-        cases = tuple(cases)
-        bad = [c for c in cases if c not in CASES]
+        elif isinstance(cases, Iterable) and not isinstance(cases, (bytes, bytearray, Mapping)):
+            cases = tuple(cases)
+        else:
+            cases = (cases,)
+        bad = [c for c in cases if not isinstance(c, str) or c not in CASES]
         if not cases or bad or len(set(cases)) != len(cases):
             raise MisconfigurationException(
                 f"cases must be a non-empty list of distinct names from {list(CASES)}, got "
                 f"{list(cases)}"
             )
         self.cases = cases
-        try:
-            scales = tuple(float(a) for a in scales)
-        except (TypeError, ValueError):
-            raise MisconfigurationException(f"scales must be a list of numbers, got {scales!r}") from None
+        given, numbers_ = scales, None
+        if isinstance(scales, Iterable) and not isinstance(scales, (str, bytes, bytearray, Mapping)):
+            given = tuple(scales)
+            if all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in given):
+                try:
+                    numbers_ = tuple(float(a) for a in given)
+                except (TypeError, ValueError, OverflowError):
+                    numbers_ = None
+        if numbers_ is None:
+            raise MisconfigurationException(f"scales must be a list of numbers, got {given!r}")
+        scales = numbers_
         if any(not (math.isfinite(a) and a > 0) for a in scales) or len(set(scales)) != len(scales):
             raise MisconfigurationException(
                 f"scales must be distinct finite numbers > 0, got {list(scales)}"
@@ -740,6 +839,8 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
         self._last_started_step = -1
         self._final_name: str | None = self.final_norm
         self._enabled = False
+        self._checked_final = False
+        self.disabled_reason: str | None = None
 
     @property
     def state_key(self) -> str:
@@ -757,7 +858,23 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
                 f"normalisation layer; found: {', '.join(n.name for n in found)}."
             )
         self._setup_logging(trainer, pl_module)
-        self._enabled = True
+        _say_measured_eps("FinalNormInvarianceMonitor", found)
+        self._enabled = self.disabled_reason is None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled and self._last_logged_step < 0 and trainer.is_global_zero:
+            when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
+            if self.on_validation:
+                when += (" and " if when else "") + "after each validation"
+            rank_zero_warn(
+                f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such "
+                "point came (no validation ran?). Set every_n_steps, or add validation data."
+            )
+
+    def _disable(self, reason: str) -> None:
+        self._enabled = False
+        self.disabled_reason = reason
+        rank_zero_warn(f"FinalNormInvarianceMonitor is off for the rest of this run: {reason}")
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -768,6 +885,18 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
         if step == self._last_started_step:
             return  # a later micro-batch of the same optimizer step
         self._last_started_step = step
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module, step)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch: Any, batch_idx: int
+    ) -> None:
+        # The point of step s (the weights after s updates) is taken as soon as update s is
+        # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
+        # runs after the other callbacks) then records it, and the validation that may
+        # follow at the same global step reuses it, so a fit resumed from this checkpoint
+        # neither repeats nor misses it (this includes the point after the last update).
+        step = trainer.global_step
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
             self._run(trainer, pl_module, step)
 
@@ -784,15 +913,33 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
         probe = self._get_probe(trainer, pl_module)
         if probe is None:
             return
+        autocast = trainer.precision_plugin.forward_context
         try:
             if self._final_name is None:
                 self._final_name = find_final_norm(pl_module, probe, self.loss_fn)
+            if not self._checked_final:
+                self._checked_final = True
+                bypass = final_norm_bypass(
+                    pl_module, probe, self._final_name, loss_fn=self.loss_fn, autocast=autocast
+                )
+                if bypass > BYPASS_TOLERANCE:
+                    how = ("final_norm=" if self.final_norm else "the last norm to run, ")
+                    self._disable(
+                        f"{how}{self._final_name!r} is not a final norm: part of the loss "
+                        "gradient at its input goes around it (relative size "
+                        f"{bypass:.3g}; a residual path carries that input on), so the loss is "
+                        "not invariant to shifting or scaling it and there is no final-norm "
+                        "invariance to check. The model seems to have no final norm before its "
+                        "head; if it has one, name it with final_norm=..."
+                    )
+                    return
             result = final_norm_invariance(
                 pl_module, probe, self._final_name, loss_fn=self.loss_fn, cases=self.cases,
-                scales=self.scales, autocast=trainer.precision_plugin.forward_context,
+                scales=self.scales, autocast=autocast,
             )
-        except ValueError as err:
-            raise MisconfigurationException(f"FinalNormInvarianceMonitor: {err}") from err
+        except (ValueError, RuntimeError) as err:  # never stop the user's training
+            self._disable(f"{err}")
+            return
         self.last_result = result
         metrics = _finite(result.metrics())
         self._write(trainer, step, metrics, self._tb_extra)
@@ -850,6 +997,11 @@ class FinalNormInvarianceMonitor(_Logged, Callback):
         self._last_logged_step = int(state_dict.get("last_logged_step", -1))
         if self.final_norm is None and state_dict.get("final_norm"):
             self._final_name = state_dict["final_norm"]
+
+
+# share of the loss gradient at the final norm's input allowed to go around the norm
+# (a true final norm gives exactly 0: the two gradients are the same numbers)
+BYPASS_TOLERANCE = 1e-6
 
 
 def _first_val_batch(trainer: Trainer, pl_module: LightningModule):

@@ -32,7 +32,17 @@ is the mean square, and shifts are not an invariance).  Reported as the median o
 rows, with the maximum alongside.
 
 The module's train/eval flags and the torch RNG state (CPU and the batch's CUDA
-device) are restored afterwards; everything runs under ``torch.no_grad()``.
+device) are restored afterwards; everything runs under ``torch.no_grad()``, eagerly
+(``torch.compile``-d code would not see the hook) and invisible to the norm taps of a
+``LayerNormMonitor`` measuring the same step.
+
+Is the norm final?  The cases transform only what the norm sees, so they show the loss's
+invariance only when the norm's input reaches the loss through the norm alone.  For a
+model without a final norm (the head reads the residual stream), the last norm to run
+is a block's norm whose input also flows on through the residual: the loss is not
+invariant, yet the cases would read zero.  :func:`final_norm_bypass` measures the share
+of the loss gradient at the norm's input that goes around the norm (0 for a true
+final norm); the monitor checks it once and refuses to report otherwise.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.geometry import row_stats
-from lnmonitor.taps import describe_norm, find_norms
+from lnmonitor.taps import describe_norm, eager, find_norms, unmeasured
 
 __all__ = [
     "CASES",
@@ -58,6 +68,7 @@ __all__ = [
     "SWEEP_SCALES",
     "SweepPoint",
     "default_loss",
+    "final_norm_bypass",
     "final_norm_invariance",
     "find_final_norm",
     "split_output",
@@ -218,12 +229,18 @@ class _restored:
         self.flags = [(m, m.training) for m in self.module.modules()]
         self.rng = torch.random.fork_rng(devices=self.devices)
         self.rng.__enter__()
+        self.quiet = unmeasured()
+        self.quiet.__enter__()
+        self.stance = eager()
+        self.stance.__enter__()
         self.module.eval()
         return self
 
     def __exit__(self, *exc):
         for m, flag in self.flags:
             m.training = flag
+        self.stance.__exit__(*exc)
+        self.quiet.__exit__(*exc)
         return self.rng.__exit__(*exc)
 
 
@@ -249,9 +266,84 @@ def _float64_copy(norm: nn.Module, eps: float, eps_attr: str | None) -> nn.Modul
             if hasattr(m, attr):
                 getattr(m, attr).clear()
     twin = twin.to(torch.float64)
-    if eps_attr and getattr(twin, eps_attr, 0) is None:
+    if isinstance(eps_attr, str) and eps_attr and getattr(twin, eps_attr, 0) is None:
         setattr(twin, eps_attr, eps)  # nn.RMSNorm's eps=None means finfo(input dtype).eps
     return twin
+
+
+def _grad_ready(batch):
+    """The batch with every inference-mode tensor replaced by a normal copy (a probe batch
+    taken during validation may be one; autograd cannot save it for the backward)."""
+    if isinstance(batch, Tensor):
+        return batch.clone() if batch.is_inference() else batch
+    if isinstance(batch, dict):
+        return {k: _grad_ready(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_grad_ready(v) for v in batch]
+    if isinstance(batch, tuple):
+        items = [_grad_ready(v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
+    return batch
+
+
+def final_norm_bypass(
+    module: nn.Module,
+    batch,
+    final_norm: nn.Module | str,
+    *,
+    loss_fn: LossFn | None = None,
+    autocast: Callable[[], object] | None = None,
+) -> float:
+    """How much of the loss's dependence on the final norm's input ``h`` goes around the
+    norm: ``|dL/dh - J^T dL/dy| / |dL/dh|`` on ``batch`` (``J`` the norm's Jacobian, ``y``
+    its output), one forward and two partial backwards with gradient, in eval mode.
+
+    0 when ``h`` reaches the loss only through the norm (a true final norm: the two
+    gradients are the same numbers); of order 1 when a residual path carries ``h`` on
+    (a model without a final norm, whose last norm is inside a block); 1.0 when the loss
+    does not depend on the norm's output at all; nan when it cannot tell (the norm did
+    not run on a tensor that needs gradient).  Parameters' ``.grad`` are not touched.
+    """
+    loss_fn = loss_fn or default_loss
+    norm = module.get_submodule(final_norm) if isinstance(final_norm, str) else final_norm
+    ctx = autocast or nullcontext
+    seen: dict = {}
+
+    def hook(mod, args, output):
+        if "h" not in seen and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
+            seen["h"], seen["y"] = args[0], output
+
+    handle = norm.register_forward_hook(hook)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            batch = _grad_ready(batch)
+            with _restored(module, batch):
+                with ctx():
+                    loss, _ = split_output(loss_fn(module, batch))
+                h, y = seen.get("h"), seen.get("y")
+                if h is None or not (h.requires_grad and loss.requires_grad):
+                    return math.nan
+                if not y.requires_grad:
+                    return 1.0
+                try:
+                    g_h, g_y = torch.autograd.grad(loss, [h, y], retain_graph=True, allow_unused=True)
+                    if g_h is None:
+                        return math.nan
+                    if g_y is None:
+                        return 1.0
+                    (through,) = torch.autograd.grad(y, h, g_y, allow_unused=True)
+                except RuntimeError:  # a graph autograd cannot differentiate: cannot tell
+                    return math.nan
+    finally:
+        handle.remove()
+    g_h = g_h.detach().double()
+    total = float(torch.linalg.vector_norm(g_h))
+    if not math.isfinite(total):
+        return math.nan
+    if total == 0.0:
+        return 0.0
+    through = torch.zeros_like(g_h) if through is None else through.detach().double()
+    return float(torch.linalg.vector_norm(g_h - through)) / total
 
 
 def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,16 @@ from lnmonitor.taps import find_norms
 __all__ = ["ProbeResult", "StructureProbe"]
 
 PREFIX = "lnmonitor/probe"
+
+
+def _integer(value) -> int | None:
+    """``value`` as an int when it is an integer (int, numpy integers), not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        return None
 
 
 @dataclass
@@ -106,40 +118,43 @@ class StructureProbe(Callback):
         rtol: float | None = None,
         norms: bool = True,
     ) -> None:
-        if isinstance(every_n_validations, bool) or not isinstance(every_n_validations, int) or (
-            every_n_validations < 1
-        ):
+        every = _integer(every_n_validations)
+        if every is None or every < 1:
             raise MisconfigurationException(
                 f"StructureProbe(every_n_validations={every_n_validations!r}): pass a positive integer "
                 "(1 probes at every validation run)"
             )
-        if isinstance(position, bool) or not isinstance(position, int):
+        pos = _integer(position)
+        if pos is None:
             raise MisconfigurationException(
                 f"StructureProbe(position={position!r}): pass an integer sequence position "
                 "(-1 for the last)"
             )
-        if blocks is not None and not isinstance(blocks, str):
+        if blocks is not None and not (isinstance(blocks, str) and blocks):
             raise MisconfigurationException(
                 f"StructureProbe(blocks={blocks!r}): pass the qualified name of the blocks' ModuleList, "
                 "e.g. 'model.blocks', or None to find it"
             )
-        if branch is not None and not callable(branch) and (
-            isinstance(branch, str) or not all(isinstance(n, str) for n in branch) or not branch
-        ):
-            raise MisconfigurationException(
-                f"StructureProbe(branch={branch!r}): pass a sequence of child names such as "
-                "('ln1', 'attn'), a callable (block, h) -> output, or None"
-            )
+        if branch is not None and not callable(branch):
+            names: tuple | None = None
+            if isinstance(branch, Iterable) and not isinstance(branch, (str, bytes, Mapping)):
+                names = tuple(branch)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise MisconfigurationException(
+                    f"StructureProbe(branch={branch!r}): pass a sequence of child names such as "
+                    "('ln1', 'attn'), a callable (block, h) -> output, or None"
+                )
+            branch = names
         if rtol is not None and (
-            isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0.0 < rtol < 1.0
+            isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0.0 < rtol < 1.0
         ):
             raise MisconfigurationException(
                 f"StructureProbe(rtol={rtol!r}): pass a float in (0, 1), or None for numpy's rank rule"
             )
         if not isinstance(norms, bool):
             raise MisconfigurationException(f"StructureProbe(norms={norms!r}): pass True or False")
-        self.every_n_validations = every_n_validations
-        self.position = position
+        self.every_n_validations = every
+        self.position = pos
         self.blocks = blocks
         self.branch = tuple(branch) if branch is not None and not callable(branch) else branch
         self.rtol = None if rtol is None else float(rtol)
@@ -248,6 +263,13 @@ class StructureProbe(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
         self._measuring = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validations == 0 and self._block_list and trainer.is_global_zero:
+            rank_zero_warn(
+                "StructureProbe never ran in this fit: it probes at the end of validation and no "
+                "validation ran. Add validation data, or run `lnmonitor analyze` on the checkpoint."
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()

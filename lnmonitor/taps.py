@@ -15,7 +15,17 @@ normalisation layer, in this order of precedence:
    ``register_norm(LlamaRMSNorm, "rms", eps="variance_epsilon")``;
 3. ``nn.LayerNorm`` (``"layer"``) and ``nn.RMSNorm`` (``"rms"``);
 4. duck typing: any module with ``normalized_shape``, ``eps`` and ``weight`` attributes,
-   ``"rms"`` when its class name contains "rms" (any case), else ``"layer"``.
+   ``"rms"`` when its class name contains "rms" (any case), else ``"layer"``;
+5. by name, then by behaviour: a module without child modules whose class name contains
+   "layernorm" or "rmsnorm" (any case) -- the hand-written norm many GPT codebases carry
+   (``weight`` and optional ``bias`` parameters, ``F.layer_norm`` with a fixed eps
+   inside) -- *if its forward computes* ``weight * xhat + bias`` of a LayerNorm or an
+   RMSNorm (:func:`probe_norm`, on a float64 copy, once per module).  The kind is the
+   one its output matches (a T5-style "LayerNorm" that does not centre is an RMSNorm);
+   without an ``eps`` attribute the epsilon is *measured* from the output on a
+   low-variance row (:attr:`NormInfo.eps_measured`, 3 significant digits; the monitors
+   say which value they use).  A module whose output matches neither (a gain of
+   ``1 + weight``, extra inputs) is not a norm to lnmonitor: register it, or leave it.
 
 Rows are the input flattened to ``(-1, d)`` with ``d = prod(normalized_shape)`` (or the
 gain's size, or the last dimension).  An ``eps`` of ``None`` (``nn.RMSNorm``'s default)
@@ -46,14 +56,32 @@ shared by every norm of the step and freed by :meth:`NormTap.collect`; no
 probes) are ignored.  Rows are kept as these five numbers per row until
 :meth:`NormTap.collect` at the end of the step: nothing survives the step.
 
-Activation checkpointing re-runs the forward; a norm inside a checkpointed region is
-then measured twice for that micro-batch.
+Activation checkpointing (``torch.utils.checkpoint``) re-runs the forward of a
+checkpointed region during the backward; each norm call is still measured once.  With
+``use_reentrant=True`` the original forward runs without gradient and is skipped, the
+recomputation is measured; with ``use_reentrant=False`` the original forward is measured
+and the recomputation (a forward inside a backward, under saved-tensor hooks) is skipped.
+Under saved-tensor hooks (checkpointing, ``save_on_cpu``) the forward hook never reads a
+LayerNorm's saved mean/rstd -- that would unpack them and, for checkpointing, run the
+region again inside the forward -- but takes the input path.  The forward order of the
+norms is recorded whatever the grad mode, so a reentrant recomputation (which runs the
+blocks backwards) does not reorder the ladder.  Forward passes run inside
+:func:`unmeasured` (the invariance monitor's probes) are ignored.
+
+``torch.compile``: hooks registered after a model was compiled are not seen by the
+compiled code, and hooks present while it compiles break its graph.  :func:`eager`
+returns a context (``torch.compiler.set_stance("force_eager")`` where available) under
+which compiled modules run their eager code; the monitors measure inside it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fnmatch
 import math
+import numbers
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -66,13 +94,17 @@ __all__ = [
     "NormInfo",
     "NormTap",
     "StepRows",
+    "compiled",
     "describe_norm",
+    "eager",
     "find_norms",
     "norm_eps",
+    "probe_norm",
     "register_norm",
     "layernorm_backward_reductions",
     "row_reductions",
     "select_norms",
+    "unmeasured",
     "unregister_norm",
 ]
 
@@ -83,27 +115,39 @@ _EPS_FALLBACKS = ("eps", "variance_epsilon", "epsilon")
 @dataclass(frozen=True)
 class _Adapter:
     kind: str
-    eps: str | None
+    eps: str | float | None  # attribute name, fixed value, or None (dtype's machine eps)
     weight: str | None
+    eps_measured: bool = False  # no eps attribute: ``eps`` was measured by probe_norm
 
 
 _REGISTRY: dict[type, _Adapter] = {}
 
 
 def register_norm(
-    cls: type, kind: str = "layer", *, eps: str | None = "eps", weight: str | None = "weight"
+    cls: type, kind: str = "layer", *, eps: str | float | None = "eps",
+    weight: str | None = "weight",
 ) -> type:
     """Declare ``cls`` (and its subclasses) a normalisation layer of ``kind``.
 
-    ``eps`` and ``weight`` name the attributes holding the epsilon and the gain (``None``:
-    no gain; an epsilon attribute that is missing or ``None`` means the input dtype's
-    machine epsilon).  Returns ``cls`` so it can be used as a class decorator through
-    ``functools.partial``.  Registering the same class again replaces the entry.
+    ``eps`` names the attribute holding the epsilon, or is the epsilon itself (a number,
+    for a norm whose forward hard-codes it, e.g. ``F.layer_norm(x, s, w, b, 1e-5)``); an
+    attribute that is missing or ``None``, or ``eps=None``, means the input dtype's machine
+    epsilon.  ``weight`` names the gain attribute (``None``: no gain).  Returns ``cls`` so
+    it can be used as a class decorator through ``functools.partial``.  Registering the
+    same class again replaces the entry.
     """
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"register_norm needs an nn.Module subclass, got {cls!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
+    if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
+        eps = float(eps)
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    elif eps is not None and not (isinstance(eps, str) and eps):
+        raise TypeError(f"eps must be an attribute name, a number or None, got {eps!r}")
+    if weight is not None and not (isinstance(weight, str) and weight):
+        raise TypeError(f"weight must be an attribute name or None, got {weight!r}")
     _REGISTRY[cls] = _Adapter(kind, eps, weight)
     return cls
 
@@ -135,6 +179,107 @@ def _adapter(module: nn.Module) -> _Adapter | None:
     if all(hasattr(module, a) for a in ("normalized_shape", "eps", "weight")):
         kind = "rms" if "rms" in type(module).__name__.lower() else "layer"
         return _Adapter(kind, "eps", "weight")
+    return _by_name(module)
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _by_name(module: nn.Module) -> _Adapter | None:
+    name = type(module).__name__.lower()
+    kinds = [k for k, key in (("rms", "rmsnorm"), ("layer", "layernorm")) if key in name]
+    if not kinds or next(module.children(), None) is not None:
+        return None
+    try:
+        return _PROBED[module]
+    except (KeyError, TypeError):
+        pass
+    kinds += [k for k in KINDS if k not in kinds]
+    attr = next((a for a in _EPS_FALLBACKS if getattr(module, a, None) is not None), None)
+    adapter = None
+    try:
+        known = None if attr is None else float(getattr(module, attr))
+    except (TypeError, ValueError):
+        known = None
+    if attr is None or known is not None:
+        for kind in kinds:
+            eps = probe_norm(module, kind, known)
+            if eps is not None:
+                adapter = _Adapter(kind, attr if attr else eps, "weight", eps_measured=attr is None)
+                break
+    try:
+        _PROBED[module] = adapter
+    except TypeError:  # pragma: no cover - not weak-referenceable
+        pass
+    return adapter
+
+
+_PROBE_VAR = 1e-5  # variance (mean square) of the probe row where eps shows
+
+
+@torch.no_grad()
+def probe_norm(module: nn.Module, kind: str, eps: float | None = None) -> float | None:
+    """The epsilon ``module`` applies if its forward is a ``kind`` norm of its ``weight``
+    (gain; absent or ``None``: none) and ``bias`` over the last dimension, else ``None``.
+
+    A float64 copy of the module (without hooks) is run on four rows: mean 2 / var 1,
+    mean 0.5 / var 1e-5, mean 0 / mean square 1e-5 and mean -3 / var 100.  ``eps``, when
+    given (the module's attribute), is checked; otherwise it is measured on the row whose
+    variance (LayerNorm) or mean square (RMSNorm) is 1e-5, where ``sigma^2 = 1e-5 + eps``,
+    and rounded to 3 significant digits.  Then every row must match the closed form to
+    1e-4 (relative).  Nothing is kept; the module itself is not run.
+    """
+    weight = getattr(module, "weight", None)
+    weight = weight if isinstance(weight, Tensor) else None
+    bias = getattr(module, "bias", None)
+    bias = bias if isinstance(bias, Tensor) else None
+    if weight is not None:
+        d = weight.numel()
+    else:
+        shape = getattr(module, "normalized_shape", None)
+        d = int(math.prod(shape)) if isinstance(shape, (tuple, list)) else (
+            int(shape) if isinstance(shape, int) else 16)
+    if d < 3 or (bias is not None and bias.numel() != d):
+        return None
+    try:
+        twin = copy.deepcopy(module)
+        for m in twin.modules():
+            for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                          "_backward_pre_hooks"):
+                if isinstance(getattr(m, hooks, None), dict):
+                    getattr(m, hooks).clear()
+        twin = twin.to(torch.float64)
+        device = weight.device if weight is not None else torch.device("cpu")
+        z = torch.randn(d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        z = (z - z.mean()) / z.square().mean().sub(z.mean().square()).sqrt()
+        small = math.sqrt(_PROBE_VAR)
+        x = torch.stack((2.0 + z, 0.5 + small * z, small * z, -3.0 + 10.0 * z)).to(device)
+        with unmeasured():
+            y = twin(x)
+        if not isinstance(y, Tensor) or y.shape != x.shape:
+            return None
+        y = y.to(torch.float64)
+        g = torch.ones(d, dtype=torch.float64, device=device) if weight is None else (
+            weight.detach().reshape(-1).to(device, torch.float64))
+        b = torch.zeros_like(g) if bias is None else bias.detach().reshape(-1).to(device, torch.float64)
+        c = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+        v = c.square().mean(-1)
+        if eps is None:
+            row = 1 if kind == "layer" else 2
+            num, den = g * c[row], y[row] - b
+            keep = num.abs() > 0.1 * num.abs().max()
+            if not bool(keep.any()) or not bool((den[keep] != 0).all()):
+                return None
+            s = (num[keep] / den[keep]).median()
+            eps = float(s * s - v[row])
+            if not math.isfinite(eps) or eps < -1e-6 * _PROBE_VAR:
+                return None
+            eps = float(f"{max(eps, 0.0):.3g}")
+        ref = g * c / (v + eps).sqrt().unsqueeze(-1) + b
+        if torch.allclose(y, ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max())):
+            return eps
+    except Exception:  # noqa: BLE001 - a module we cannot run this way is not one we know
+        return None
     return None
 
 
@@ -152,6 +297,12 @@ class NormInfo:
     def dead_dim(self) -> int:
         return dead_dim(self.kind)
 
+    @property
+    def eps_measured(self) -> bool:
+        """True when the module has no epsilon attribute and :func:`probe_norm` measured the
+        value its forward applies (a hand-written norm found by its class name)."""
+        return self.adapter.eps_measured
+
     def weight(self) -> Tensor | None:
         if self.adapter.weight is None:
             return None
@@ -163,8 +314,13 @@ class NormInfo:
         return norm_eps(self.module, dtype, self.adapter.eps)
 
 
-def norm_eps(module: nn.Module, dtype: torch.dtype = torch.float32, attr: str | None = None) -> float:
-    """Epsilon of a norm module; ``None`` (nn.RMSNorm's default) is ``finfo(dtype).eps``."""
+def norm_eps(
+    module: nn.Module, dtype: torch.dtype = torch.float32, attr: str | float | None = None
+) -> float:
+    """Epsilon of a norm module; ``None`` (nn.RMSNorm's default) is ``finfo(dtype).eps``.
+    ``attr`` names the attribute to read (default: the usual names), or is the value."""
+    if isinstance(attr, (int, float)) and not isinstance(attr, bool):
+        return float(attr)
     names = (attr,) if attr else _EPS_FALLBACKS
     for name in names:
         value = getattr(module, name, None)
@@ -337,6 +493,51 @@ def layernorm_backward_reductions(
     return torch.stack((var, ms, sw, ww, wx2v))
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (checkpointing, ``save_on_cpu``) pack what autograd saves
+    now: reading a saved tensor would then run their unpack hook."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - older torch: assume they may be
+        return True
+    return top(False) is not None
+
+
+_QUIET = [0]
+
+
+@contextlib.contextmanager
+def unmeasured():
+    """Forward passes run inside this context are invisible to every :class:`NormTap`
+    (the invariance monitor's probe passes run in it)."""
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
+
+
+def eager():
+    """A context manager under which ``torch.compile``-d code runs eagerly, so that module
+    hooks fire (``torch.compiler.set_stance("force_eager")``; a no-op context on a torch
+    without it).  It takes effect when created and restores the previous stance on exit."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:  # pragma: no cover - torch < 2.6
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
+
+
+def compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is, contains or is driven by ``torch.compile``-d code that
+    lnmonitor can see: an ``OptimizedModule``, ``nn.Module.compile()``, or a
+    LightningModule compiled with ``torch.compile`` (Lightning's ``_compiler_ctx``)."""
+    if getattr(module, "_compiler_ctx", None):
+        return True
+    for m in module.modules():
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+    return False
+
+
 @dataclass
 class StepRows:
     """Per-row reductions gathered during one measured step (all on one device).
@@ -413,15 +614,23 @@ class NormTap:
         info = self.norms[index]
 
         def hook(module: nn.Module, args, output) -> None:
+            if _QUIET[0]:
+                return  # a probe's forward (lnmonitor.invariance), not the training step's
+            if index not in self._seen:  # forward order, whatever the grad mode (see above)
+                self._seen.add(index)
+                self._order.append(index)
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
                 return
             if not args or not isinstance(args[0], Tensor):
                 return
             x = args[0]
-            if index not in self._seen:
-                self._seen.add(index)
-                self._order.append(index)
-            saved = _saved_stats(output, x, info)
+            packing = _saved_tensor_hooks_active()
+            if packing and torch._C._current_graph_task_id() != -1:
+                # a forward inside a backward under saved-tensor hooks: non-reentrant
+                # checkpointing recomputing its region; the original call is measured and
+                # this output never receives a gradient
+                return
+            saved = None if packing else _saved_stats(output, x, info)
             box = [(x, saved)]  # the only references we hold; cleared by the backward hook
             self._pending.append(box)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway

@@ -346,7 +346,8 @@ def test_invariance_monitor_custom_loss_and_explicit_probe():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(2, [inv]).fit(module, datamodule=data)
-    assert [h["step"] for h in inv.history] == [0, 1]
+    # steps 0 and 1, and the point after the last update (taken at the end of each step)
+    assert [h["step"] for h in inv.history] == [0, 1, 2]
     assert set(calls) == {torch.Size([3, CONTEXT])}
     assert inv.history[0]["lnmonitor/invariance/shift_5/dloss"] == 0.0
     assert "lnmonitor/invariance/shift_5/max_dlogit" not in inv.history[0]
