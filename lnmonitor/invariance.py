@@ -11,7 +11,9 @@ checks this on one batch by transforming the final norm's input inside the forwa
   ``eps/v`` at that scale (``eps / (a^2 v)``), a least-squares fit of ``log|dloss|``
   against ``log(eps/v)`` over the points with ``1e-5 < eps/v < 10`` and a non-zero
   delta-loss (``slope``; ``constant = exp(intercept)``), and the points with
-  ``eps/v <= 1e-5`` whose loss moved flagged as float32 rounding, not eps.
+  ``eps/v <= 1e-5`` whose loss moved flagged as float32 rounding, not eps (only when the
+  unscaled input's ``eps/v`` is below 1e-5 too: otherwise a large ``a`` moves the loss by
+  removing the model's own eps effect, which is real).
 
 How the input is transformed.  A forward hook on the final norm takes its input ``h``,
 applies the transform in float64 and replaces the norm's output by a float64 copy of
@@ -113,7 +115,7 @@ class SweepPoint:
     dloss: float
     eps_over_var: float  # median over rows of eps / (a^2 v)
     in_fit: bool
-    rounding: bool  # eps/v <= 1e-5 and the loss moved: float32 rounding, not eps
+    rounding: bool  # eps/v <= 1e-5 here and at a = 1, yet the loss moved: float32 rounding
 
 
 @dataclass
@@ -473,9 +475,10 @@ def final_norm_invariance(
         ratio = eps / (a * a * v_med) if v_med > 0 else math.nan
         moved = dl != 0.0 and math.isfinite(dl)
         in_fit = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]
-        res.sweep.append(
-            SweepPoint(a, dl, ratio, in_fit, bool(moved and ratio <= ROUNDING_BELOW))
-        )
+        # Rounding only when eps can explain nothing: tiny eps/v at this scale *and* at
+        # a = 1 (else a large a moves the loss by removing the model's own eps effect).
+        rounding = moved and max(ratio, eps / v_med) <= ROUNDING_BELOW
+        res.sweep.append(SweepPoint(a, dl, ratio, in_fit, bool(rounding)))
         if in_fit:
             fx.append(math.log(ratio))
             fy.append(math.log(abs(dl)))

@@ -94,6 +94,15 @@ def test_eps_one_tenth_moves_scale_more():
     assert large.sweep == [] and math.isnan(large.slope)
 
 
+def test_large_eps_effect_removed_by_scaling_up_is_not_called_rounding():
+    # At eps = 0.1 the unscaled input already has eps/v >> 1e-5, so a = 1e3 moves the loss
+    # by removing that eps effect: real, not float32 rounding, whatever eps/(a^2 v) is.
+    res = final_norm_invariance(tiny(eps=1e-1), batch(), cases=(), scales=(1e3, 1.0, 1e-2))
+    big = next(p for p in res.sweep if p.scale == 1e3)
+    assert big.eps_over_var <= 1e-5 and abs(big.dloss) > 1e-4
+    assert not big.rounding and res.rounding_scales == []
+
+
 def test_rmsnorm_scale_is_the_only_invariance():
     res = final_norm_invariance(tiny("rms"), batch())
     assert res.kind == "rms"
