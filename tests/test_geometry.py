@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import qr_share
 from scipy import integrate, special
 
 from lnmonitor import geometry as G
@@ -56,18 +57,6 @@ def make_gain(d, seed, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed + 1000)
     return 1.0 + 0.5 * torch.randn(d, generator=gen, dtype=dtype)
 
-
-def qr_share(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """share = |Q^T w| / |w| with Q from an explicit QR of [1, x - mean] (layer) or [x] (rms)."""
-    out = []
-    for xr, wr in zip(x, w, strict=True):
-        if kind == "layer":
-            a = np.stack([np.ones_like(xr), xr - xr.mean()], axis=1)
-        else:
-            a = xr[:, None]
-        q, _ = np.linalg.qr(a)
-        out.append(np.linalg.norm(q.T @ wr) / np.linalg.norm(wr))
-    return np.array(out)
 
 
 def ks_gap(samples: np.ndarray, cdf) -> float:

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from reference import qr_share
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,14 +28,6 @@ from lnmonitor.tiny import CharDataModule, TinyGPTModule, load_corpus
 WIDTH, CONTEXT, BATCH = 32, 16, 4
 TEXT = None
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*IterableDataset.*:UserWarning",
-    "ignore:.*log_every_n_steps.*:UserWarning",
-    "ignore:.*does not have many workers.*",
-    "ignore:.*isinstance.*LeafSpec.*",
-    "ignore:.*callbacks used to create the checkpoint.*",
-    "ignore:.*dataloader is not resumable.*",
-)
 
 
 def text() -> str:
@@ -101,13 +94,6 @@ class HookSpy(Callback):
         )
         self.hooks.setdefault(trainer.global_step, count)
 
-
-def qr_share(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    out = np.empty(len(x))
-    for i, (xr, wr) in enumerate(zip(x, w, strict=True)):
-        q, _ = np.linalg.qr(np.stack([np.ones_like(xr), xr], 1))
-        out[i] = np.linalg.norm(q.T @ wr) / np.linalg.norm(wr)
-    return out
 
 
 def reference(module: TinyGPTModule, state, batch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import qr_share
 from torch import nn
 
 from lnmonitor import summaries as S
@@ -124,15 +125,6 @@ def test_select_by_glob():
 # the hooks against float64
 # ---------------------------------------------------------------------------
 
-
-def qr_share(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """Independent float64 share: project w on an orthonormal basis from QR."""
-    out = []
-    for xr, wr in zip(x, w, strict=True):
-        cols = [np.ones_like(xr), xr] if kind == "layer" else [xr]
-        q, _ = np.linalg.qr(np.stack(cols, 1))
-        out.append(np.linalg.norm(q.T @ wr) / np.linalg.norm(wr))
-    return np.array(out)
 
 
 class Net(nn.Module):

@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from reference import qr_share
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -51,12 +52,6 @@ NORMS = ["model.blocks.0.ln1", "model.blocks.0.ln2", "model.blocks.1.ln1", "mode
          "model.lnf"]
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*IterableDataset.*:UserWarning",
-    "ignore:.*log_every_n_steps.*:UserWarning",
-    "ignore:.*does not have many workers.*",
-    "ignore:.*isinstance.*LeafSpec.*",
-    "ignore:.*callbacks used to create the checkpoint.*",
-    "ignore:.*dataloader is not resumable.*",
     "ignore:.*no logger.*:UserWarning",
     "ignore:.*validation_step.*val_dataloader.*",
     "ignore:Mismatch dtype between input and weight.*",
@@ -121,15 +116,6 @@ def assert_close_history(a: list[dict], b: list[dict], exact: bool = False) -> N
             else:
                 assert va == pytest.approx(vb, rel=2 * SIGMA_RESOLUTION, abs=1e-9), key
 
-
-def qr_share(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """Independent float64 share: |Q^T w| / |w| with Q from QR of the dead directions."""
-    out = []
-    for xr, wr in zip(x, w, strict=True):
-        cols = [np.ones_like(xr), xr] if kind == "layer" else [xr]
-        q, _ = np.linalg.qr(np.stack(cols, 1))
-        out.append(np.linalg.norm(q.T @ wr) / np.linalg.norm(wr))
-    return np.array(out)
 
 
 def reference(module: L.LightningModule, batch) -> dict[str, dict]:
