@@ -29,6 +29,7 @@ import torch
 
 from lnmonitor import geometry
 from lnmonitor.errors import UsageError
+from lnmonitor.experiments.store import finite
 from lnmonitor.invariance import InvarianceResult, final_norm_invariance
 from lnmonitor.probes import (
     BlockRankProbe,
@@ -556,18 +557,6 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     return "\n".join(md) + "\n"
 
 
-def _clean(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, (np.floating, np.integer)):
-        return _clean(value.item())
-    return value
-
-
 def to_json(a: Analysis) -> dict:
     """A JSON-ready dict of everything except the per-row shares; non-finite numbers are null."""
     out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "share_values"}
@@ -576,7 +565,7 @@ def to_json(a: Analysis) -> dict:
     if a.invariance is not None:
         out["invariance"] = dataclasses.asdict(a.invariance)
     out["summary"] = [dict(zip(("quantity", "this_model", "study"), r, strict=True)) for r in summary_rows(a)]
-    return _clean(out)
+    return finite(out)
 
 
 # ---------------------------------------------------------------------------

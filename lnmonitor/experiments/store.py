@@ -79,16 +79,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def to_json(obj) -> str:
     """Strict JSON (no NaN/Infinity tokens: non-finite floats become null), sorted keys."""
-    return json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return json.dumps(finite(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
-def _finite(obj):
+def finite(obj):
+    """``obj`` ready for strict JSON: non-finite floats become None, numpy scalars python
+    numbers, tuples lists, keys strings."""
+    if hasattr(obj, "dtype") and hasattr(obj, "item"):  # a numpy scalar
+        obj = obj.item()
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
+        return {str(k): finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 
