@@ -59,8 +59,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor.callbacks import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.tiny.data import load_corpus
-from lnmonitor.tiny.train import Recipe, fit
+from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.recipe import Recipe
+from lnmonitor.tiny.train import fit
 
 CONFIGS = ("plain", "every", "alternate", "defaults")
 MEMORY_CONFIGS = ("plain", "every", "defaults")

@@ -21,15 +21,16 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 from itertools import pairwise
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lnmonitor.tiny.data import CharDataModule, load_corpus
-from lnmonitor.tiny.model import TinyGPT
-from lnmonitor.tiny.train import Recipe, fit
+from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.data import CharDataModule
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+from lnmonitor.tiny.recipe import Recipe
+from lnmonitor.tiny.train import fit
 
 
 class StepTimer(Callback):
@@ -57,7 +58,10 @@ def time_bare(recipe: Recipe, text: str, warmup: int, attention: str) -> float:
     torch.manual_seed(recipe.seed)
     data = CharDataModule(text, context=recipe.context, batch_size=recipe.batch_size,
                           seed=recipe.seed, max_steps=recipe.max_steps)
-    model = TinyGPT(replace(recipe.model_config(len(data.vocab)), attention=attention))
+    model = TinyGPT(GPTConfig(
+        vocab_size=len(data.vocab), width=recipe.width, depth=recipe.depth, heads=recipe.heads,
+        context=recipe.context, norm=recipe.norm, eps=recipe.eps, attention=attention,
+    ))
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(

@@ -4,18 +4,25 @@ __version__ = "0.1.0"
 
 __all__ = ["FinalNormInvarianceMonitor", "LayerNormMonitor", "StructureProbe", "register_norm"]
 
-_LAZY = {
+
+def _lazy_attributes(package: str, table: dict[str, str]):
+    """A module ``__getattr__`` that imports each name of ``table`` from its module on first
+    use, so that importing a package (or a light module in it) loads nothing heavy."""
+
+    def __getattr__(name: str):
+        if name in table:
+            import importlib
+
+            return getattr(importlib.import_module(table[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+# Lazy, so that `import lnmonitor.geometry` (layer 1) does not import Lightning.
+__getattr__ = _lazy_attributes(__name__, {
     "LayerNormMonitor": "lnmonitor.callbacks",
     "FinalNormInvarianceMonitor": "lnmonitor.callbacks",
-    "register_norm": "lnmonitor.taps",
-    "StructureProbe": "lnmonitor.probe_callback",
-}
-
-
-def __getattr__(name: str):
-    # Lazy, so that `import lnmonitor.geometry` (layer 1) does not import Lightning.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lnmonitor' has no attribute {name!r}")
+    "StructureProbe": "lnmonitor.callbacks",
+    "register_norm": "lnmonitor.norms",
+})

@@ -1,7 +1,7 @@
 """Layer 1: pure tensor maths on rows of a normalisation layer's input.
 
 Everything here is a closed-form statement about one row ``x`` in R^d (rows are
-batched over all leading dimensions) and follows DESIGN.md section 1:
+batched over all leading dimensions) and follows docs/design.md:
 
 * LayerNorm: ``mu = mean(x)``, ``v = mean((x - mu)^2)``, ``sigma = sqrt(v + eps)``,
   ``xhat = (x - mu) / sigma``, ``dy/dx = diag(g) (1/sigma) (I - 11^T/d - xhat xhat^T/d)``.
@@ -30,7 +30,10 @@ import torch
 from scipy import special, stats
 from torch import Tensor
 
+from lnmonitor.kinds import KINDS
+
 __all__ = [
+    "KINDS",
     "NormKind",
     "RowStats",
     "dead_basis",

@@ -1,4 +1,4 @@
-"""Final-norm invariance (DESIGN.md section 1), in plain torch: no Lightning.
+"""Layer 3: final-norm invariance (docs/design.md), in plain torch: no Lightning.
 
 The final norm has no residual after it, so with ``h`` its input the loss is invariant
 to ``h + c 1`` exactly and to ``a h`` (a > 0) up to ``eps/v``.  :func:`final_norm_invariance`
@@ -49,9 +49,9 @@ final norm); the monitor checks it once and refuses to report otherwise.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -60,7 +60,8 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.geometry import row_stats
-from lnmonitor.taps import describe_norm, eager, find_norms, unmeasured
+from lnmonitor.hooks import Hooks, eager, eval_mode, float64_twin, unmeasured
+from lnmonitor.norms import NormInfo, find_norms
 
 __all__ = [
     "CASES",
@@ -73,6 +74,7 @@ __all__ = [
     "final_norm_bypass",
     "final_norm_invariance",
     "find_final_norm",
+    "restored",
     "split_output",
 ]
 
@@ -137,7 +139,7 @@ class InvarianceResult:
         return [p.scale for p in self.sweep if p.rounding]
 
     def metrics(self, prefix: str = "lnmonitor/invariance") -> dict[str, float]:
-        """The DESIGN.md metric names and values (cases without logits omit max_dlogit)."""
+        """The logged metric names and values (cases without logits omit max_dlogit)."""
         out: dict[str, float] = {}
         for name, c in self.cases.items():
             out[f"{prefix}/{name}/dloss"] = c.dloss
@@ -185,30 +187,30 @@ def default_loss(module: nn.Module, batch):
     return out
 
 
-def _module_name(root: nn.Module, target: nn.Module) -> str:
-    for name, sub in root.named_modules():
-        if sub is target:
-            return name
-    raise ValueError("the final norm is not a submodule of the module")
+def _named(norms: Sequence[NormInfo], final_norm: nn.Module | str) -> NormInfo:
+    """The norm of ``norms`` that ``final_norm`` (a qualified name or the module) names."""
+    for info in norms:
+        if info.name == final_norm or info.module is final_norm:
+            return info
+    what = final_norm if isinstance(final_norm, str) else type(final_norm).__name__
+    found = ", ".join(n.name for n in norms)
+    raise ValueError(f"{what!r} is not a normalisation layer of the model (found: {found})")
 
 
-def find_final_norm(module: nn.Module, batch, loss_fn: LossFn | None = None) -> str:
+def find_final_norm(
+    module: nn.Module, batch, loss_fn: LossFn | None = None, norms: Sequence[NormInfo] | None = None
+) -> str:
     """Qualified name of the last normalisation layer to run in ``module``'s forward on
-    ``batch`` (found with temporary forward hooks, under ``no_grad``, in eval mode)."""
-    norms = find_norms(module)
+    ``batch`` (found with temporary forward hooks, under ``no_grad``, in eval mode).
+    ``norms``: the norms to consider (default :func:`lnmonitor.norms.find_norms`)."""
+    norms = find_norms(module) if norms is None else list(norms)
     if not norms:
-        raise ValueError("the module has no normalisation layer (see lnmonitor.taps.find_norms)")
+        raise ValueError("the module has no normalisation layer (see lnmonitor.norms.find_norms)")
     order: list[str] = []
-    handles = [
-        info.module.register_forward_hook(lambda m, a, o, n=info.name: order.append(n))
-        for info in norms
-    ]
-    try:
-        with _restored(module, batch), torch.no_grad():
-            (loss_fn or default_loss)(module, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    with Hooks() as hooks, restored(module, batch), torch.no_grad():
+        for info in norms:
+            hooks.forward(info.module, lambda m, a, o, n=info.name: order.append(n))
+        (loss_fn or default_loss)(module, batch)
     if not order:
         raise ValueError(
             "no normalisation layer ran in the forward: name the final norm explicitly"
@@ -216,34 +218,18 @@ def find_final_norm(module: nn.Module, batch, loss_fn: LossFn | None = None) -> 
     return order[-1]
 
 
-class _restored:
-    """Eval mode for the duration, then every submodule's train flag and the RNG back."""
-
-    def __init__(self, module: nn.Module, batch) -> None:
-        self.module = module
-        devices = []
-        for t in _tensors(batch):
-            if t.device.type == "cuda" and t.device.index not in devices:
-                devices.append(t.device.index if t.device.index is not None else 0)
-        self.devices = devices
-
-    def __enter__(self):
-        self.flags = [(m, m.training) for m in self.module.modules()]
-        self.rng = torch.random.fork_rng(devices=self.devices)
-        self.rng.__enter__()
-        self.quiet = unmeasured()
-        self.quiet.__enter__()
-        self.stance = eager()
-        self.stance.__enter__()
-        self.module.eval()
-        return self
-
-    def __exit__(self, *exc):
-        for m, flag in self.flags:
-            m.training = flag
-        self.stance.__exit__(*exc)
-        self.quiet.__exit__(*exc)
-        return self.rng.__exit__(*exc)
+@contextlib.contextmanager
+def restored(module: nn.Module, batch) -> Iterator[None]:
+    """Eval mode, eager code and no tap for the duration; then every submodule's train
+    flag and the torch RNG state (CPU and the batch's CUDA devices) back as they were.
+    Each part is undone even when entering a later one raises."""
+    devices = sorted({t.device.index or 0 for t in _tensors(batch) if t.device.type == "cuda"})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(eval_mode(module))
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(unmeasured())
+        stack.enter_context(eager())
+        yield
 
 
 def _tensors(batch):
@@ -255,22 +241,6 @@ def _tensors(batch):
     elif isinstance(batch, (tuple, list)):
         for v in batch:
             yield from _tensors(v)
-
-
-def _float64_copy(norm: nn.Module, eps: float, eps_attr: str | None) -> nn.Module:
-    twin = copy.deepcopy(norm)
-    for m in twin.modules():
-        for attr in (
-            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-            "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-        ):
-            if hasattr(m, attr):
-                getattr(m, attr).clear()
-    twin = twin.to(torch.float64)
-    if isinstance(eps_attr, str) and eps_attr and getattr(twin, eps_attr, 0) is None:
-        setattr(twin, eps_attr, eps)  # nn.RMSNorm's eps=None means finfo(input dtype).eps
-    return twin
 
 
 def _grad_ready(batch):
@@ -315,29 +285,26 @@ def final_norm_bypass(
         if "h" not in seen and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
             seen["h"], seen["y"] = args[0], output
 
-    handle = norm.register_forward_hook(hook)
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            batch = _grad_ready(batch)
-            with _restored(module, batch):
-                with ctx():
-                    loss, _ = split_output(loss_fn(module, batch))
-                h, y = seen.get("h"), seen.get("y")
-                if h is None or not (h.requires_grad and loss.requires_grad):
+    with Hooks() as hooks, torch.inference_mode(False), torch.enable_grad():
+        hooks.forward(norm, hook)
+        batch = _grad_ready(batch)
+        with restored(module, batch):
+            with ctx():
+                loss, _ = split_output(loss_fn(module, batch))
+            h, y = seen.get("h"), seen.get("y")
+            if h is None or not (h.requires_grad and loss.requires_grad):
+                return math.nan
+            if not y.requires_grad:
+                return 1.0
+            try:
+                g_h, g_y = torch.autograd.grad(loss, [h, y], retain_graph=True, allow_unused=True)
+                if g_h is None:
                     return math.nan
-                if not y.requires_grad:
+                if g_y is None:
                     return 1.0
-                try:
-                    g_h, g_y = torch.autograd.grad(loss, [h, y], retain_graph=True, allow_unused=True)
-                    if g_h is None:
-                        return math.nan
-                    if g_y is None:
-                        return 1.0
-                    (through,) = torch.autograd.grad(y, h, g_y, allow_unused=True)
-                except RuntimeError:  # a graph autograd cannot differentiate: cannot tell
-                    return math.nan
-    finally:
-        handle.remove()
+                (through,) = torch.autograd.grad(y, h, g_y, allow_unused=True)
+            except RuntimeError:  # a graph autograd cannot differentiate: cannot tell
+                return math.nan
     g_h = g_h.detach().double()
     total = float(torch.linalg.vector_norm(g_h))
     if not math.isfinite(total):
@@ -371,6 +338,7 @@ def final_norm_invariance(
     cases: Sequence[str] = CASES,
     scales: Sequence[float] = SWEEP_SCALES,
     autocast: Callable[[], object] | None = None,
+    norms: Sequence[NormInfo] | None = None,
 ) -> InvarianceResult:
     """Run the invariance cases and the scale sweep of the final norm on ``batch``.
 
@@ -378,7 +346,8 @@ def final_norm_invariance(
     (:func:`find_final_norm`).  ``loss_fn(module, batch)`` returns the loss or
     ``(logits, loss)``; the default calls ``module(*batch)`` (see :func:`default_loss`).
     ``autocast``: an optional context-manager factory entered around every forward (e.g.
-    a Lightning precision plugin's ``forward_context``).  Returns plain dataclasses.
+    a Lightning precision plugin's ``forward_context``).  ``norms``: the model's norms, when
+    already found (they are not searched again).  Returns plain dataclasses.
     """
     unknown = [c for c in cases if c not in _CASE_TRANSFORMS]
     if unknown:
@@ -387,32 +356,33 @@ def final_norm_invariance(
     if any(not (math.isfinite(a) and a > 0) for a in scales):
         raise ValueError(f"sweep scales must be finite and > 0, got {scales}")
     loss_fn = loss_fn or default_loss
+    norms = find_norms(module) if norms is None else list(norms)
     if final_norm is None:
-        final_norm = find_final_norm(module, batch, loss_fn)
-    if isinstance(final_norm, str):
-        name = final_norm
-        norm = module.get_submodule(final_norm)
-    else:
-        norm, name = final_norm, _module_name(module, final_norm)
-    info = describe_norm(norm, name)
-    if info is None:
-        raise ValueError(f"{name!r} ({type(norm).__name__}) is not a normalisation layer")
+        final_norm = find_final_norm(module, batch, loss_fn, norms)
+    info = _named(norms, final_norm)
+    norm, name = info.module, info.name
     ctx = autocast or nullcontext
 
-    state: dict = {"t": None, "h": None, "twin": None, "eps": None}
+    state: dict = {"t": None, "h": None, "twin": None, "eps": None, "inside": False}
 
     def hook(mod, args, output):
+        if state["inside"]:
+            return None  # the twin's own call of the module
         h = args[0].detach()
         if state["twin"] is None:
             state["eps"] = info.eps(h.dtype)
-            state["twin"] = _float64_copy(norm, state["eps"], info.adapter.eps)
+            state["twin"] = float64_twin(norm)
         if state["h"] is None:
             state["h"] = h
         h64 = h.to(torch.float64)
         if state["t"] is not None:
             h64 = _transform(h64, *state["t"])
-        with torch.autocast(h.device.type, enabled=False):
-            out = state["twin"](h64)
+        state["inside"] = True
+        try:
+            with torch.autocast(h.device.type, enabled=False):
+                out = state["twin"](h64)
+        finally:
+            state["inside"] = False
         return out.to(output.dtype)
 
     def run(t):
@@ -421,20 +391,17 @@ def final_norm_invariance(
             loss, logits = split_output(loss_fn(module, batch))
         return loss.detach().float(), None if logits is None else logits.detach()
 
-    handle = norm.register_forward_hook(hook)
-    try:
-        with _restored(module, batch), torch.no_grad():
-            base_loss, base_logits = run(None)
-            if state["h"] is None:
-                raise ValueError(f"the final norm {name!r} did not run in the forward")
-            results: dict[str, tuple] = {}
-            for c in cases:
-                results[c] = run(_CASE_TRANSFORMS[c])
-            sweep_losses = {}
-            for a in scales:
-                sweep_losses[a] = base_loss if a == 1.0 else run((a, 0.0, False))[0]
-    finally:
-        handle.remove()
+    with Hooks() as hooks, restored(module, batch), torch.no_grad():
+        hooks.forward(norm, hook)
+        base_loss, base_logits = run(None)
+        if state["h"] is None:
+            raise ValueError(f"the final norm {name!r} did not run in the forward")
+        results: dict[str, tuple] = {}
+        for c in cases:
+            results[c] = run(_CASE_TRANSFORMS[c])
+        sweep_losses = {}
+        for a in scales:
+            sweep_losses[a] = base_loss if a == 1.0 else run((a, 0.0, False))[0]
 
     eps = float(state["eps"])
     h = state["h"]

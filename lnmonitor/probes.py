@@ -1,4 +1,4 @@
-"""Structural probes: why LayerNorm does what the monitors show (DESIGN.md section 1).
+"""Layer 3: structural probes, why LayerNorm does what the monitors show (docs/design.md).
 
 Pure torch, no Lightning.  Every probe returns a plain frozen dataclass of python
 numbers (and tuples of them), so results go straight to tables, JSON or loggers.
@@ -14,52 +14,43 @@ numbers (and tuples of them), so results go straight to tables, JSON or loggers.
   the branch through the block's first norm (``attn(ln1(.))`` in a pre-norm GPT).
   The residual keeps the block full rank while the branch inherits the norm's deleted
   directions.
-* :func:`measure_norm_rows`: one forward and backward per held-out batch with hooks on
-  every norm: the dead-plane share of ``w = g * dL/dy`` per row (against the exact
-  random baseline of the same number of rows, with the deletion cost of the median)
-  and the sigma ladder, i.e. the statistics of the stream each norm reads.  In a
-  pre-norm model the norms' inputs *are* the residual-stream points (embedding, after
-  each attention, after each MLP), in call order.
+
+A *probe* in lnmonitor is a measurement made on a fixed batch outside the training
+step: these structural probes, and the invariance cases of :mod:`lnmonitor.invariance`.
 
 Ranks are numerical ranks: the number of singular values above a tolerance that every
 result states (``rank_rule``).  The default is numpy's ``matrix_rank`` rule,
 ``tol = s_max * d * eps_float64``; pass ``rtol`` for ``tol = rtol * s_max`` instead.
 
 Residual blocks are found by :func:`find_blocks` as the children of the model's
-``nn.ModuleList`` of repeated modules (same class, at least one norm inside); pass a
-qualified name to choose another list.
+``nn.ModuleList`` of repeated modules (same class, at least one of the given norms
+inside); pass a qualified name to choose another list.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from lnmonitor import geometry
-from lnmonitor.taps import describe_norm, find_norms
+from lnmonitor.hooks import Hooks, float64_twin
+from lnmonitor.norms import NormInfo, describe_norm
 
 __all__ = [
     "BlockRankProbe",
     "NormJacobianProbe",
-    "NormRows",
     "SequenceCapture",
-    "ShareRow",
-    "LadderRow",
     "find_blocks",
-    "measure_norm_rows",
     "numerical_rank",
     "probe_block_rank",
     "probe_norm_jacobian",
-    "resolve_branch",
     "rank_rule",
-    "share_table",
-    "sigma_ladder",
+    "resolve_branch",
 ]
 
 _F64 = torch.float64
@@ -138,20 +129,23 @@ class NormJacobianProbe:
 
 
 def _norm_info(norm, kind: str | None, eps: float | None):
-    """(module, kind, eps, weight) from a ``NormInfo`` or a bare module."""
-    if not (hasattr(norm, "module") and hasattr(norm, "kind")):
+    """``(module, kind, eps, eps64, weight)`` from a ``NormInfo`` or a bare module: ``eps``
+    is what the norm applies to float32 input, ``eps64`` what it applies to float64 input
+    (they differ for an eps of None, "the dtype's machine epsilon")."""
+    if not isinstance(norm, NormInfo):
         info = describe_norm(norm)
         if info is None:
             if kind is None or eps is None:
                 raise ValueError(
                     f"{type(norm).__name__} is not a normalisation layer lnmonitor recognises: pass "
-                    "kind='layer' or 'rms' and eps=..., or register it with lnmonitor.taps.register_norm"
+                    "kind='layer' or 'rms' and eps=..., or register it with lnmonitor.register_norm"
                 )
             weight = getattr(norm, "weight", None)
-            return norm, kind, float(eps), weight if isinstance(weight, Tensor) else None
+            return norm, kind, float(eps), float(eps), weight if isinstance(weight, Tensor) else None
         norm = info
-    eps = norm.eps(torch.float32) if eps is None else eps
-    return norm.module, kind or norm.kind, float(eps), norm.weight()
+    if eps is not None:
+        return norm.module, kind or norm.kind, float(eps), float(eps), norm.weight()
+    return norm.module, kind or norm.kind, norm.eps(torch.float32), norm.eps(torch.float64), norm.weight()
 
 
 def probe_norm_jacobian(
@@ -160,16 +154,17 @@ def probe_norm_jacobian(
 ) -> NormJacobianProbe:
     """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd.
 
-    ``norm`` is a ``NormInfo`` from :func:`lnmonitor.taps.find_norms` or a norm module
-    (``kind``/``eps`` read from it when :mod:`lnmonitor.taps` recognises it).  A float64
-    copy of the module is differentiated on the CPU; the model is not touched.  ``eps``
-    defaults to the one the module applies to float32 input (an ``eps`` of None means
-    float32's machine epsilon, which the float64 copy keeps).
+    ``norm`` is a ``NormInfo`` from :func:`lnmonitor.norms.find_norms` or a norm module
+    (``kind``/``eps`` read from it when :mod:`lnmonitor.norms` recognises it).  The
+    module's float64 twin (:func:`lnmonitor.hooks.float64_twin`) is differentiated; the
+    model is not touched.  The rank and spectrum use the eps the module applies to float32
+    input; the error is measured against the closed form at the eps it applies to float64
+    input (the two differ only for an eps of None, the dtype's machine epsilon).
     """
     rtol = _check_rtol(rtol)
     if hasattr(norm, "name") and not name:
         name = norm.name
-    module, kind, eps, weight = _norm_info(norm, kind, eps)
+    module, kind, eps, eps64, weight = _norm_info(norm, kind, eps)
     geometry.dead_dim(kind)
     shape = getattr(module, "normalized_shape", None)
     if shape is not None and not isinstance(shape, int) and len(tuple(shape)) > 1:
@@ -184,14 +179,10 @@ def probe_norm_jacobian(
         if g is not None and g.shape[0] != d:
             raise ValueError(f"norm {name!r}: gain has {g.shape[0]} entries, the row has {d}")
         closed = geometry.jacobian(row, eps, kind, g)
-        twin = copy.deepcopy(module).to("cpu", _F64)
-        for attr in ("eps", "variance_epsilon", "epsilon"):
-            if hasattr(twin, attr) and getattr(twin, attr) is None:
-                setattr(twin, attr, eps)  # None means "machine eps of the dtype": keep float32's
-        for p in twin.parameters():
-            p.requires_grad_(False)
-        auto = torch.autograd.functional.jacobian(lambda r: twin(r[None])[0], row)
-        error = float((closed - auto).abs().max())
+        twin = float64_twin(module)
+        device = next((p.device for p in module.parameters()), row.device)
+        auto = torch.autograd.functional.jacobian(lambda r: twin(r[None].to(device))[0].cpu(), row)
+        error = float((geometry.jacobian(row, eps64, kind, g) - auto).abs().max())
         sv = torch.linalg.svdvals(closed)
         sv0 = torch.linalg.svdvals(geometry.jacobian(row, 0.0, kind, g))
         rank, _ = numerical_rank(sv, rtol)
@@ -218,14 +209,17 @@ def probe_norm_jacobian(
 # ---------------------------------------------------------------------------
 
 
-def find_blocks(model: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
+def find_blocks(
+    model: nn.Module, norms: Sequence[NormInfo], blocks: str | None = None
+) -> list[tuple[str, nn.Module]]:
     """The residual blocks of ``model`` as ``(qualified name, module)``.
 
     ``blocks`` names an ``nn.ModuleList`` (e.g. ``"model.blocks"``).  Without it, the
-    ``ModuleList`` whose children are all of one class and each contain a norm is used
-    (the one with the most parameters if there are several).  Raises ValueError when
-    there is none.
+    ``ModuleList`` whose children are all of one class and each contain one of ``norms``
+    is used (the one with the most parameters if there are several).  Raises ValueError
+    when there is none.
     """
+    norm_ids = {id(info.module) for info in norms}
     modules = dict(model.named_modules())
     if blocks is not None:
         if blocks not in modules:
@@ -239,7 +233,9 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> list[tuple[str, 
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         children = list(module)
-        if len({type(c) for c in children}) != 1 or not all(find_norms(c) for c in children):
+        if len({type(c) for c in children}) != 1 or not all(
+            any(id(m) in norm_ids for m in c.modules()) for c in children
+        ):
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best_size:
@@ -255,19 +251,21 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> list[tuple[str, 
 Branch = Callable[[nn.Module, Tensor], Tensor]
 
 
-def resolve_branch(block: nn.Module, branch: Sequence[str] | Branch | None = None) -> tuple[str, Branch]:
+def resolve_branch(
+    block: nn.Module, norms: Sequence[NormInfo], branch: Sequence[str] | Branch | None = None
+) -> tuple[str, Branch]:
     """``(label, fn)`` with ``fn(block, h) -> branch output`` for the branch through the first norm.
 
     ``branch`` is a callable, a sequence of child names applied in order (e.g.
-    ``("ln1", "attn")``), or None: the block's first child that is a norm, then the child
-    registered right after it (``ln1`` then ``attn`` in a pre-norm GPT block).
+    ``("ln1", "attn")``), or None: the block's first child that is one of ``norms``, then
+    the child registered right after it (``ln1`` then ``attn`` in a pre-norm GPT block).
     """
     if callable(branch):
         return getattr(branch, "__name__", "branch"), branch
     children = dict(block.named_children())
     if branch is None:
         names = list(children)
-        norm_ids = {id(info.module) for info in find_norms(block)}
+        norm_ids = {id(info.module) for info in norms}
         first = next((i for i, n in enumerate(names) if id(children[n]) in norm_ids), None)
         if first is None or first + 1 >= len(names):
             raise ValueError(
@@ -347,7 +345,7 @@ def _position_jacobian(fn: Callable[[Tensor], Tensor], h: Tensor, pos: int) -> T
 
 
 def probe_block_rank(
-    block: nn.Module, h: Tensor, *, position: int = -1, name: str = "",
+    block: nn.Module, h: Tensor, norms: Sequence[NormInfo], *, position: int = -1, name: str = "",
     branch: Sequence[str] | Branch | None = None, rtol: float | None = None,
 ) -> BlockRankProbe:
     """Block and branch Jacobians of ``block`` at ``position`` of the hidden states ``h``.
@@ -367,14 +365,15 @@ def probe_block_rank(
     if isinstance(position, bool) or not isinstance(position, int) or not -steps <= position < steps:
         raise ValueError(f"position must be an integer in [-{steps}, {steps}), got {position!r}")
     pos = position % steps
-    label, branch_fn = resolve_branch(block, branch)
+    label, branch_fn = resolve_branch(block, norms, branch)
     with torch.inference_mode(False), torch.enable_grad():
-        twin = copy.deepcopy(block).to("cpu", _F64).eval()
-        for p in twin.parameters():
+        # a float64 copy of the whole block, since the branch function calls its children
+        copy64 = copy.deepcopy(block).to("cpu", _F64).eval()
+        for p in copy64.parameters():
             p.requires_grad_(False)
         h64 = h.detach().to("cpu", _F64).clone()
-        jb = _position_jacobian(twin, h64, pos)
-        jr = _position_jacobian(lambda x: branch_fn(twin, x), h64, pos)
+        jb = _position_jacobian(copy64, h64, pos)
+        jr = _position_jacobian(lambda x: branch_fn(copy64, x), h64, pos)
         svb, svr = torch.linalg.svdvals(jb), torch.linalg.svdvals(jr)
     rb, tb = numerical_rank(svb, rtol)
     rr, tr = numerical_rank(svr, rtol)
@@ -400,17 +399,15 @@ class SequenceCapture:
         self._targets = [("blocks", n, m) for n, m in blocks] + [("norms", i.name, i.module) for i in norms]
         self.blocks: dict[str, Tensor] = {}
         self.norms: dict[str, Tensor] = {}
-        self._handles: list = []
+        self._hooks = Hooks()
 
     def attach(self) -> None:
-        if not self._handles:
+        if not self._hooks:
             for kind, name, module in self._targets:
-                self._handles.append(module.register_forward_pre_hook(self._hook(kind, name)))
+                self._hooks.forward_pre(module, self._hook(kind, name))
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
 
     def __enter__(self) -> SequenceCapture:
         self.attach()
@@ -429,218 +426,3 @@ class SequenceCapture:
             store[name] = x.detach().reshape(-1, x.shape[-2], x.shape[-1])[0].clone()
 
         return hook
-
-
-# ---------------------------------------------------------------------------
-# held-out batches: dead-plane shares and the sigma ladder
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class NormRows:
-    """Per-row measurements of one norm over held-out batches (numpy float64 arrays).
-
-    ``share``: dead-plane share of ``w = g * dL/dy`` on the valid rows; ``skipped``: rows
-    without information (``w = 0``, non-finite, constant row).  ``sigma``:
-    ``sqrt(v + eps)``; ``rms``: ``sqrt(mean(x^2))`` of the input (the stream the norm
-    reads); ``eps_over_var``: ``eps / v`` (v the second moment for RMSNorm).
-    """
-
-    name: str
-    kind: str
-    width: int
-    eps: float
-    share: np.ndarray
-    skipped: int
-    sigma: np.ndarray
-    rms: np.ndarray
-    eps_over_var: np.ndarray
-
-
-class _Capture:
-    """Forward hooks that keep each norm's input and output and a gradient hook on the output."""
-
-    def __init__(self, norms) -> None:
-        self.norms = list(norms)
-        self.calls: list[list[tuple[Tensor, dict, Tensor]]] = [[] for _ in self.norms]
-        self.order: list[int] = []
-        self.handles = []
-
-    def __enter__(self):
-        for i, info in enumerate(self.norms):
-            self.handles.append(info.module.register_forward_hook(self._hook(i)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            if index not in self.order:
-                self.order.append(index)
-            box: dict = {}
-            out = _first_tensor(output)
-            self.calls[index].append((args[0].detach(), box, out))
-            if out.requires_grad:
-                out.register_hook(lambda grad: box.__setitem__("grad", grad.detach()))
-
-        return hook
-
-
-def measure_norm_rows(
-    model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], Tensor],
-    norms=None,
-) -> list[NormRows]:
-    """One forward and backward per batch with hooks on every norm's input and output gradient.
-
-    ``loss_fn(model, batch)`` returns the scalar loss (e.g. ``lambda m, b: m(*b)[1]``).
-    ``norms`` defaults to :func:`lnmonitor.taps.find_norms` ``(model)``.  Gradients are taken with respect
-    to the norms' outputs only, so the parameters' ``.grad`` are left as they were.  The
-    result lists the norms in the order they are first called: for a pre-norm model that
-    is the residual-stream ladder (the first norm reads the embedding, the last the final
-    stream).  Rows are evaluated in float64 on the CPU.
-    """
-    norms = find_norms(model) if norms is None else list(norms)
-    if not norms:
-        raise ValueError("the model has no normalisation layer lnmonitor recognises")
-    parts: list[dict] = [
-        {"share": [], "skipped": 0, "sigma": [], "rms": [], "eps_over_var": [], "width": info.width}
-        for info in norms
-    ]
-    order: list[int] = []
-    for batch in batches:
-        with torch.inference_mode(False), torch.enable_grad(), _Capture(norms) as cap:
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, Tensor) or loss.ndim != 0 or not loss.requires_grad:
-                raise ValueError("loss_fn must return a scalar tensor with a graph (the batch's loss)")
-            outputs = [out for calls in cap.calls for _, _, out in calls if out.requires_grad]
-            torch.autograd.grad(loss, outputs, allow_unused=True)
-        order += [i for i in cap.order if i not in order]
-        for i, info in enumerate(norms):
-            eps = info.eps(torch.float32)
-            weight = info.weight()
-            w = None if weight is None else weight.detach().reshape(-1).to("cpu", _F64)
-            part = parts[i]
-            for x, box, _ in cap.calls[i]:
-                xr = x.reshape(-1, x.shape[-1]).to("cpu", _F64)
-                part["width"] = xr.shape[-1]
-                st = geometry.row_stats(xr, eps, info.kind)
-                part["sigma"].append(st.sigma.numpy())
-                part["rms"].append(xr.pow(2).mean(-1).sqrt().numpy())
-                with np.errstate(divide="ignore"):
-                    part["eps_over_var"].append(eps / st.var.numpy())
-                grad = box.get("grad")
-                if grad is None:
-                    part["skipped"] += xr.shape[0]
-                    continue
-                share, valid = geometry.dead_plane_share(
-                    xr, grad.reshape(xr.shape).to("cpu", _F64), info.kind, w
-                )
-                part["share"].append(share[valid].numpy())
-                part["skipped"] += int((~valid).sum())
-        del cap
-    order += [i for i in range(len(norms)) if i not in order]
-
-    def cat(chunks: list) -> np.ndarray:
-        return np.concatenate(chunks) if chunks else np.zeros(0)
-
-    return [
-        NormRows(
-            name=norms[i].name, kind=norms[i].kind, width=int(parts[i]["width"] or 0),
-            eps=norms[i].eps(torch.float32), share=cat(parts[i]["share"]), skipped=parts[i]["skipped"],
-            sigma=cat(parts[i]["sigma"]), rms=cat(parts[i]["rms"]),
-            eps_over_var=cat(parts[i]["eps_over_var"]),
-        )
-        for i in order
-    ]
-
-
-@dataclass(frozen=True)
-class ShareRow:
-    """Dead-plane shares of one norm against the random baseline (DESIGN.md section 1).
-
-    ``baseline_median``: the median share of a random direction (k = 2 LayerNorm, 1
-    RMSNorm); ``baseline_max``: the median of the max of ``rows`` random shares, the fair
-    comparison for ``max``.  ``deletion_cost``: ``1 - sqrt(1 - median^2)``, the relative
-    length the norm deletes from the median row's gradient.
-    """
-
-    name: str
-    kind: str
-    width: int
-    rows: int
-    skipped: int
-    median: float
-    p90: float
-    max: float
-    rms: float
-    baseline_median: float
-    baseline_rms: float
-    baseline_max: float
-    deletion_cost: float
-    baseline_deletion_cost: float
-
-
-def share_table(rows: Sequence[NormRows]) -> list[ShareRow]:
-    """The dead-plane share table: one :class:`ShareRow` per norm (nan without valid rows)."""
-    table = []
-    for r in rows:
-        k = geometry.dead_dim(r.kind)
-        n = int(r.share.size)
-        base_med = geometry.share_median(r.width, k)
-        if n:
-            med = float(np.median(r.share))
-            p90, mx = float(np.quantile(r.share, 0.9)), float(r.share.max())
-            rms = float(np.sqrt(np.mean(r.share**2)))
-            base_max = geometry.max_share_median(r.width, k, n)
-        else:
-            med = p90 = mx = rms = base_max = math.nan
-        table.append(ShareRow(
-            name=r.name, kind=r.kind, width=r.width, rows=n, skipped=r.skipped, median=med, p90=p90,
-            max=mx, rms=rms, baseline_median=base_med, baseline_rms=geometry.share_rms(r.width, k),
-            baseline_max=base_max,
-            deletion_cost=geometry.deletion_cost(med) if n else math.nan,
-            baseline_deletion_cost=geometry.deletion_cost(base_med),
-        ))
-    return table
-
-
-@dataclass(frozen=True)
-class LadderRow:
-    """The stream one norm reads: medians over rows of ``sigma``, ``rms`` and ``eps/v``;
-    ``inv_sigma = 1/sigma`` (the gain the norm applies to everything it passes)."""
-
-    name: str
-    point: str
-    sigma: float
-    inv_sigma: float
-    rms: float
-    eps_over_var: float
-
-
-def sigma_ladder(
-    rows: Sequence[NormRows], labels: dict[str, str] | None = None
-) -> tuple[list[LadderRow], float, float]:
-    """``(ladder, attenuation, growth)`` over the norms in call order.
-
-    ``attenuation = inv_sigma(first) / inv_sigma(last)``, ``growth = rms(last) / rms(first)``.
-    ``labels`` maps a norm name to the residual-stream point it reads (default
-    ``"input of <name>"``).
-    """
-    labels = labels or {}
-    ladder = []
-    for r in rows:
-        sigma = float(np.median(r.sigma)) if r.sigma.size else math.nan
-        ladder.append(LadderRow(
-            name=r.name, point=labels.get(r.name, f"input of {r.name}"), sigma=sigma,
-            inv_sigma=1.0 / sigma if sigma else math.inf,
-            rms=float(np.median(r.rms)) if r.rms.size else math.nan,
-            eps_over_var=float(np.median(r.eps_over_var)) if r.eps_over_var.size else math.nan,
-        ))
-    if not ladder:
-        return ladder, math.nan, math.nan
-    attenuation = ladder[0].inv_sigma / ladder[-1].inv_sigma
-    growth = ladder[-1].rms / ladder[0].rms if ladder[0].rms else math.inf
-    return ladder, attenuation, growth

@@ -17,7 +17,7 @@ laid out by :class:`Layout`:
     ``eps/(var+eps)`` are read from the ``var`` histogram, since each is a monotone
     function of ``var`` (the median of sigma is ``sqrt(median(var) + eps)``).
 
-* per norm, sums: rows seen and the sum of the shares;
+* per norm, the number of rows seen;
 * per norm, the exact maximum share.
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lnmonitor.reductions import row_values
 from lnmonitor.taps import StepRows
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "hist_quantiles",
     "merge",
     "read",
-    "row_values",
     "summarise",
 ]
 
@@ -63,7 +63,7 @@ SHARE_RESOLUTION = 1.0 / SHARE_BINS
 VAR_RESOLUTION = 10 ** (1.0 / LOG_BINS_PER_DECADE) - 1.0
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 2  # rows, share sum
+N_SUMS = 1  # rows
 N_MAX = 1  # share max
 
 
@@ -113,31 +113,6 @@ def _to_device(values: list, device: torch.device) -> Tensor:
     return t.to(device)
 
 
-def row_values(
-    data: Tensor, d: Tensor | float, layer: Tensor | float
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per-row ``(share, share_ok, var, ms, stat_ok)`` from the ``(5, rows)`` reductions of
-    :func:`lnmonitor.taps.row_reductions`; ``d`` is the width and ``layer`` 1.0 for
-    LayerNorm rows and 0.0 for RMSNorm rows (scalars or per-row tensors).
-
-    ``share^2 = (layer * sw^2 + wx2v) / (d ww)`` (DESIGN.md 1: ``u1 = 1/sqrt(d)``,
-    ``u2 = (x - mu)/|x - mu|``, ``|x - mu|^2 = d var``, ``wx2v = (w.(x - mu))^2 / var``);
-    ``stat_ok`` marks rows with a finite, positive ``var`` and finite ``ms``; ``share_ok``
-    additionally a finite, non-zero ``w``.  ``share`` is 0 where not ``share_ok``.
-    """
-    var, ms, sw, ww, wx2v = data.unbind(0)
-    inf = math.inf
-    # comparisons with nan are False, so these also reject nan
-    stat_ok = (var > 0) & (var < inf) & (ms < inf)
-    if isinstance(layer, Tensor) or layer:
-        share2 = (layer * sw * sw + wx2v) / (d * ww)
-    else:
-        share2 = wx2v / (d * ww)
-    share_ok = stat_ok & (ww > 0) & (ww < inf) & (share2 < inf)
-    share = torch.where(share_ok, share2, 0.0).clamp_(0.0, 1.0).sqrt_()
-    return share, share_ok, var, ms, stat_ok
-
-
 def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Tensor:
     """The flat float32 summary vector of one process's rows, on ``device``, no host sync."""
     device = torch.device(device)
@@ -185,7 +160,6 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         per_norm_rows[r[0]] += r[1]
     sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
     sums[:, 0] = _to_device(per_norm_rows, device)
-    flat.index_add_(0, nid * N_SUMS + (layout.hist_size + 1), share)
     maxes = flat[layout.sum_end : layout.size]
     maxes.fill_(-math.inf)
     maxes.scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
@@ -315,7 +289,7 @@ class NormSummary:
     Quantiles: ``share_median``, ``share_p90`` (resolution ``SHARE_RESOLUTION``),
     ``var_median`` and ``ms_median`` (relative resolution ``VAR_RESOLUTION``).  The
     histograms themselves (``*_counts``) are present only when read with ``counts=True``;
-    then ``share_quantile``/``var_quantile``/``ms_quantile`` give any other quantile.
+    then ``share_quantile``/``var_quantile`` give any other quantile.
     """
 
     rows: int
@@ -325,7 +299,6 @@ class NormSummary:
     share_p90: float
     var_median: float
     ms_median: float
-    share_sum: float
     share_max: float
     var_min: float  # lower edge of the lowest occupied var bin
     var_max: float  # upper edge of the highest occupied var bin
@@ -341,10 +314,6 @@ class NormSummary:
         """Rows without a share: zero or non-finite gradient or input, constant row."""
         return self.rows - self.share_rows
 
-    @property
-    def share_mean(self) -> float:
-        return self.share_sum / self.share_rows if self.share_rows else math.nan
-
     def _need_counts(self) -> None:
         if self.share_counts is None:
             raise ValueError("this summary was read without its histograms: read(..., counts=True)")
@@ -359,14 +328,6 @@ class NormSummary:
             return math.nan
         return hist_quantile(
             self.var_counts, self.layout.log_edges(), q, self.var_min, self.var_max, log=True
-        )
-
-    def ms_quantile(self, q: float) -> float:
-        self._need_counts()
-        if not self.measured_rows:
-            return math.nan
-        return hist_quantile(
-            self.ms_counts, self.layout.log_edges(), q, self.ms_min, self.ms_max, log=True
         )
 
 
@@ -420,7 +381,6 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 share_p90=float(q_share[i, 1]),
                 var_median=float(q_var[i, 0]),
                 ms_median=float(q_ms[i, 0]),
-                share_sum=float(sums[i, 1]),
                 share_max=share_max if math.isfinite(share_max) else math.nan,
                 var_min=float(var_lo[i]),
                 var_max=float(var_hi[i]),

@@ -4,18 +4,16 @@ import contextlib
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from scipy import stats
 
 from lnmonitor.cli import main
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import report, store
+from lnmonitor.experiments import files, report, store
 from lnmonitor.experiments.eps_compare import (
     Experiment,
     experiment_config,
@@ -24,8 +22,8 @@ from lnmonitor.experiments.eps_compare import (
     parse_shard,
     run_experiment,
 )
-from lnmonitor.tiny.data import load_corpus
-from lnmonitor.tiny.train import Recipe
+from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.recipe import Recipe
 
 TINY = ["--width", "32", "--heads", "2", "--depth", "1", "--context", "16"]
 TINY_RECIPE = dict(width=32, heads=2, depth=1, context=16)
@@ -148,8 +146,8 @@ KILLER = textwrap.dedent(
     import os, signal, sys
     from lightning.pytorch.callbacks import Callback
     from lnmonitor.experiments.eps_compare import Experiment, run_experiment
-    from lnmonitor.tiny.data import load_corpus
-    from lnmonitor.tiny.train import Recipe
+    from lnmonitor.tiny.corpus import load_corpus
+    from lnmonitor.tiny.recipe import Recipe
 
     class Kill(Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -263,7 +261,7 @@ def _previous(out: Path, **recipe) -> None:
     """A results.json as an earlier invocation with ``recipe`` would have left it."""
     config = experiment_config(Recipe(**{**TINY_RECIPE, **recipe}), load_corpus())
     out.mkdir(parents=True)
-    store.atomic_write_json(out / "results.json", report.merge_results(out, config, [1e-5], [0]))
+    files.atomic_write_json(out / "results.json", report.merge_results(out, config, [1e-5], [0]))
 
 
 @pytest.mark.parametrize(
@@ -310,79 +308,6 @@ def test_parsers_keep_order_and_canonical_values():
         parse_seeds(["-1"])
 
 
-def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
-    path = tmp_path / "results.json"
-    store.atomic_write_json(path, {"a": 1})
-
-    def boom(*args):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
-        store.atomic_write_json(path, {"a": 2})
-    assert json.loads(path.read_text()) == {"a": 1}
-    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary left behind
-
-
-def test_json_is_strict_non_finite_floats_become_null(tmp_path):
-    store.atomic_write_json(tmp_path / "x.json", {"a": math.nan, "b": [math.inf, 1.5]})
-    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": [None, 1.5]}
-
-
 # ---------------------------------------------------------------------------
 # statistics and the verdict
 # ---------------------------------------------------------------------------
-
-
-def test_interval_is_the_student_t_interval():
-    values = [1.50, 1.54, 1.57, 1.49]
-    got = report.interval(values)
-    lo, hi = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 4, scale=stats.sem(values))
-    assert got["n"] == 4 and math.isclose(got["lo"], lo) and math.isclose(got["hi"], hi)
-    one = report.interval([1.5])
-    assert one["mean"] == 1.5 and one["half_width"] is None and one["lo"] is None
-    assert report.interval([])["mean"] is None
-    assert report.interval([1.0, None, math.nan, 3.0])["n"] == 2
-
-
-def _records(losses: dict) -> dict:
-    return {(e, s): {"eps": e, "seed": s, "headline": {"val_loss": v}} for (e, s), v in losses.items()}
-
-
-def test_the_difference_is_paired_by_seed():
-    # seeds differ a lot, the eps effect is a constant +0.02 within each seed: pairing resolves it
-    base = {0: 1.50, 1: 1.70, 2: 1.60}
-    recs = _records({
-        **{(1e-5, s): v for s, v in base.items()}, **{(0.1, s): v + 0.02 for s, v in base.items()}
-    })
-    diff = report.paired_difference(recs, 0.1, 1e-5)
-    assert diff["n"] == 3 and math.isclose(diff["mean"], 0.02) and diff["half_width"] < 1e-9
-    assert diff["verdict"].startswith("eps=0.1 is worse than eps=1e-05 by 0.0200 +/- 0.0000")
-
-
-@pytest.mark.parametrize(
-    "deltas, start",
-    [
-        ([0.05, 0.06, 0.04], "eps=0.1 is worse than eps=1e-05 by 0.0500 +/- "),
-        ([-0.05, -0.06, -0.04], "eps=0.1 is better than eps=1e-05 by 0.0500 +/- "),
-        ([0.05, -0.04, 0.01], "No difference resolved at this number of seeds"),
-        ([0.05], "eps=0.1 minus eps=1e-05: +0.0500 nats/char from a single seed"),
-    ],
-)
-def test_the_verdict_claims_no_more_than_the_interval(deltas, start):
-    recs = _records({
-        **{(1e-5, s): 1.5 for s in range(len(deltas))},
-        **{(0.1, s): 1.5 + d for s, d in enumerate(deltas)},
-    })
-    diff = report.paired_difference(recs, 0.1, 1e-5)
-    assert diff["verdict"].startswith(start), diff["verdict"]
-    if diff["half_width"] is not None and "worse" in start:
-        assert diff["lo"] > 0
-    if "No difference" in start:
-        assert diff["lo"] <= 0 <= diff["hi"] and "includes 0" in diff["verdict"]
-
-
-def test_unpaired_seeds_are_left_out_of_the_difference():
-    recs = _records({(1e-5, 0): 1.5, (1e-5, 1): 1.6, (0.1, 1): 1.7, (0.1, 2): 1.9})
-    diff = report.paired_difference(recs, 0.1, 1e-5)
-    assert diff["seeds"] == [1] and math.isclose(diff["mean"], 0.1)

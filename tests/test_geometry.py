@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import qr_share
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import qr_share
 from scipy import integrate, special
 
 from lnmonitor import geometry as G
@@ -146,7 +146,7 @@ def test_transmission_edge_cases():
 
 
 def test_deletion_cost():
-    # DESIGN.md: s = 0.105 costs ~0.55% of the length, not 10%
+    # docs/design.md: s = 0.105 costs ~0.55% of the length, not 10%
     assert G.deletion_cost(0.105) == pytest.approx(0.0055, abs=5e-5)
     assert G.deletion_cost(0.0) == 0.0
     assert G.deletion_cost(1.0) == 1.0

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from lnmonitor.errors import UsageError
-from lnmonitor.tiny.data import CharDataModule, CharVocab, RandomWindows, load_corpus
+from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.data import CharDataModule, CharVocab, RandomWindows
 
 
 def test_default_corpus_is_installed_text():

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from lnmonitor.cli import main
-from lnmonitor.tiny.data import load_corpus
-from lnmonitor.tiny.train import Recipe, fit, load_module
+from lnmonitor.tiny.checkpoint import load_checkpoint
+from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.recipe import Recipe
+from lnmonitor.tiny.train import fit
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def trained(tmp_path_factory):
 
 def test_short_run_learns_far_below_the_uniform_guess(trained, capsys):
     checkpoint = trained / "train-tiny" / "version_0" / "checkpoints" / "last.ckpt"
-    module = load_module(checkpoint)
+    module = load_checkpoint(checkpoint)[0]
     vocab = len(module.vocab)
     losses = []
     from lnmonitor.tiny.data import CharDataModule
@@ -37,7 +39,7 @@ def test_short_run_learns_far_below_the_uniform_guess(trained, capsys):
 def test_run_writes_tensorboard_events_and_a_loadable_checkpoint(trained):
     run = trained / "train-tiny" / "version_0"
     assert list(run.glob("events.out.tfevents.*"))
-    module = load_module(run / "checkpoints" / "last.ckpt")
+    module = load_checkpoint(run / "checkpoints" / "last.ckpt")[0]
     assert module.hparams.eps == 1e-5 and module.hparams.max_steps == 80
     assert not module.training
 
@@ -47,12 +49,12 @@ def test_checkpoint_round_trip_reproduces_the_logits(tmp_path):
     text = load_corpus()
     result = fit(recipe, text, tmp_path, progress=False)
     assert result.steps == 3
-    module = load_module(result.checkpoint)
+    module = load_checkpoint(result.checkpoint)[0]
     state = torch.load(result.checkpoint, weights_only=True)["state_dict"]
     for name, tensor in module.state_dict().items():
         assert torch.equal(tensor, state[name]), name
     idx = module.vocab.encode("def f(x): return")[None]
-    again = load_module(result.checkpoint)
+    again = load_checkpoint(result.checkpoint)[0]
     assert torch.equal(module(idx)[0], again(idx)[0])
 
 

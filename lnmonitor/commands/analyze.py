@@ -36,8 +36,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lnmonitor.analysis import analyze, load_checkpoint, to_terminal, write_outputs
-    from lnmonitor.tiny.data import DEFAULT_CORPUS_NAME, load_corpus
+    from lnmonitor.experiments.analysis import analyze
+    from lnmonitor.experiments.analysis_report import to_terminal, write_outputs
+    from lnmonitor.tiny.checkpoint import load_checkpoint
+    from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
+    from lnmonitor.tiny.data import CharDataModule
 
     if args.rtol is not None and not 0.0 < args.rtol < 1.0:
         raise UsageError(f"--rtol must be in (0, 1), got {args.rtol}")
@@ -45,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches must be a positive integer, got {args.batches}")
     module, step = load_checkpoint(args.checkpoint)
     text = load_corpus(args.data)
+    held_out = CharDataModule(text, vocab=module.vocab, context=module.config.context).val_batches()
     name = str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME
     result = analyze(
-        module, text, data_name=name, batches=args.batches, position=args.position, rtol=args.rtol,
+        module, held_out, data_name=name, batches=args.batches, position=args.position, rtol=args.rtol,
         checkpoint=str(args.checkpoint), step=step,
     )
     folder = args.out if args.out is not None else args.checkpoint.resolve().parent

@@ -19,7 +19,7 @@ from lnmonitor.experiments.eps_compare import (
     parse_shard,
     run_experiment,
 )
-from lnmonitor.tiny.data import DEFAULT_CORPUS_NAME, CharDataModule, load_corpus
+from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
 
 
 def register(subparsers) -> None:
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
             f"eps-compare trains each run on one device, got --devices {args.devices}: to use several "
             "devices, start one shard per device (e.g. CUDA_VISIBLE_DEVICES=i ... --shard i/n)"
         )
+    from lnmonitor.tiny.data import CharDataModule
+
     recipe = recipe_from_args(args)
     text = load_corpus(args.data)
     CharDataModule(text, context=recipe.context)

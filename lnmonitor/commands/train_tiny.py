@@ -6,14 +6,12 @@ import argparse
 import math
 from pathlib import Path
 
-from lightning.pytorch.loggers import TensorBoardLogger
-
-from lnmonitor.tiny.data import DEFAULT_CORPUS_NAME, CharDataModule, load_corpus
-from lnmonitor.tiny.train import Recipe, fit, monitor_callbacks
+from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
+from lnmonitor.tiny.recipe import Recipe
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that trains the recipe (defaults: DESIGN.md section 2)."""
+    """Options shared by every command that trains the recipe (defaults: the study's recipe)."""
     defaults = Recipe()
     parser.add_argument("--data", type=Path, default=None,
                         help=f"UTF-8 text file to train on (default: {DEFAULT_CORPUS_NAME})")
@@ -60,8 +58,8 @@ def recipe_from_args(args: argparse.Namespace, **overrides) -> Recipe:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train-tiny", help="train the tiny character GPT with the monitors attached",
-        description="Train the tiny character-level GPT of DESIGN.md section 2 and log the "
-        "lnmonitor curves to TensorBoard.",
+        description="Train the tiny character-level GPT of the study lnmonitor grew out of (4 blocks, "
+        "width 128, 3,000 steps) and log the lnmonitor curves to TensorBoard.",
     )
     add_recipe_arguments(parser)
     parser.add_argument("--eps", type=float, default=Recipe().eps,
@@ -73,6 +71,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lnmonitor.tiny.data import CharDataModule
+    from lnmonitor.tiny.train import fit, monitor_callbacks
+
     # Everything that can be wrong with the input is checked before --out is touched.
     recipe = recipe_from_args(args, eps=args.eps, seed=args.seed)
     text = load_corpus(args.data)

@@ -1,10 +1,13 @@
-"""The eps comparison (issue #4): train the tiny recipe at several eps and seeds, measure each.
+"""The eps comparison: train the tiny recipe at several eps and seeds, measure each.
 
 For every (eps, seed) pair the recipe is trained with the monitors, TensorBoard logs in
 ``<out>/eps=<eps>/seed=<seed>/``, then the finished model is measured on the fixed
-held-out windows (:func:`measure`) and a run record ``result.json`` is written there
+held-out windows (:func:`lnmonitor.experiments.measure.measure`, the pipeline
+``lnmonitor analyze`` runs too) and a run record ``result.json`` is written there
 atomically. The merged ``<out>/results.json``, ``report.md`` and the figures are
 rebuilt from the records after every run (:func:`lnmonitor.experiments.report.publish`).
+This module imports torch only inside the functions that train or measure, so the
+command line can show its help and check its input without it.
 
 Reliability:
 
@@ -31,12 +34,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from lnmonitor.errors import UsageError
+from lnmonitor.experiments.files import atomic_write_json
 from lnmonitor.experiments.report import merge_results, publish
 from lnmonitor.experiments.store import (
     RECORD_FORMAT,
     RECORD_NAME,
     RESULTS_NAME,
-    atomic_write_json,
     check_config,
     eps_label,
     grid_pairs,
@@ -44,15 +47,14 @@ from lnmonitor.experiments.store import (
     run_dir,
     scan_records,
 )
-from lnmonitor.tiny.train import Recipe
+from lnmonitor.tiny.recipe import Recipe
 
 DEFAULT_EPS = (1e-5, 1e-1)
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT = Path("runs/eps-compare")
-# Held-out windows (of the up to 512 fixed ones) each measurement uses: the loss uses them all;
-# the per-row norm statistics (float64 on the CPU, the slow part) and the invariance sweep a prefix.
+# Held-out windows (of the up to 512 fixed ones) the per-row norm statistics use (float64 on
+# the CPU, the slow part); the loss uses every window, the invariance the probe rows.
 NORM_WINDOWS = 256
-INVARIANCE_WINDOWS = 128
 
 # ---------------------------------------------------------------------------
 # input
@@ -157,25 +159,10 @@ class Experiment:
 # ---------------------------------------------------------------------------
 
 
-def _checkpoint_state(path: Path) -> dict | None:
-    """``{"step", "hparams"}`` of a checkpoint; None when absent; ``{"corrupt": err}`` when unreadable."""
-    if not path.is_file():
-        return None
-    import torch
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        return {"step": int(ckpt["global_step"]), "hparams": dict(ckpt.get("hyper_parameters", {}))}
-    except Exception as err:  # noqa: BLE001 - any unreadable file is treated the same way
-        return {"corrupt": f"{type(err).__name__}: {err}"}
-
-
 def _check_checkpoint(state: dict | None, recipe: Recipe, vocab: str, path: Path) -> None:
     if not state or "corrupt" in state:
         return
-    from lnmonitor.tiny.data import CharVocab
-
-    expected = recipe.module_kwargs(CharVocab(vocab))
+    expected = recipe.module_kwargs(vocab)
     found = {k: state["hparams"].get(k) for k in expected}
     if found != expected:
         diffs = [f"{k}={found[k]!r} there, {expected[k]!r} now" for k in expected if found[k] != expected[k]]
@@ -195,50 +182,19 @@ def _check_checkpoint(state: dict | None, recipe: Recipe, vocab: str, path: Path
 # ---------------------------------------------------------------------------
 
 
-def _loss(module, batch):
-    return module(*batch)[1]
-
-
-def held_out_loss(module, batches) -> float:
-    """Mean cross-entropy (nats/char) over the held-out windows, in eval mode."""
-    import torch
-
-    total, windows = 0.0, 0
-    module.eval()
-    with torch.no_grad():
-        for x, y in batches:
-            total += float(module(x, y)[1]) * x.shape[0]
-            windows += x.shape[0]
-    return total / windows
-
-
 def measure(module, batches) -> dict:
-    """Everything a run record holds about a trained model, on the held-out ``batches``.
-
-    The validation loss uses every batch; the norm statistics come from
-    :mod:`lnmonitor.probes` (one forward and backward per batch with hooks on every norm)
-    on the first :data:`NORM_WINDOWS` windows, the invariance from :mod:`lnmonitor.invariance`
-    (the five cases and the scale sweep) on one batch of the first :data:`INVARIANCE_WINDOWS`.
-    """
+    """Everything a run record holds about a trained model, on the held-out ``batches``:
+    :func:`lnmonitor.experiments.measure.measure` over the first :data:`NORM_WINDOWS`
+    windows for the norm statistics, as plain JSON-ready numbers."""
     import numpy as np
-    import torch
 
     from lnmonitor import geometry
-    from lnmonitor.invariance import final_norm_invariance
-    from lnmonitor.probes import measure_norm_rows, share_table, sigma_ladder
+    from lnmonitor.experiments.measure import measure as measure_held_out
 
-    module.eval()
-    val_loss = held_out_loss(module, batches)
-    x = torch.cat([b[0] for b in batches])
-    y = torch.cat([b[1] for b in batches])
-    size = batches[0][0].shape[0]
-    norm_batches = list(zip(x[:NORM_WINDOWS].split(size), y[:NORM_WINDOWS].split(size), strict=True))
-    rows = measure_norm_rows(module, norm_batches, _loss)
-    module.zero_grad(set_to_none=True)
-    shares = {s.name: s for s in share_table(rows)}
-    ladder, attenuation, growth = sigma_ladder(rows)
+    m = measure_held_out(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))
+    shares = {s.name: s for s in m.shares}
     norms = {}
-    for r, step in zip(rows, ladder, strict=True):
+    for r, step in zip(m.rows, m.ladder, strict=True):
         with np.errstate(divide="ignore", invalid="ignore"):
             var = r.eps / r.eps_over_var
         trans = geometry.transmission(var, r.eps)
@@ -252,19 +208,16 @@ def measure(module, batches) -> dict:
             "share_rows": s.rows, "share_skipped": s.skipped,
             "share_baseline_median": s.baseline_median, "share_baseline_max": s.baseline_max,
         }
-    order = [r.name for r in rows]
-    first = rows[0]
-    baseline = {
-        "d": first.width, "k": geometry.dead_dim(first.kind),
-        "median": geometry.share_median(first.width, geometry.dead_dim(first.kind)),
-    }
-
-    inv = final_norm_invariance(module, (x[:INVARIANCE_WINDOWS], y[:INVARIANCE_WINDOWS]))
+    order = [r.name for r in m.rows]
+    first = m.rows[0]
+    k = geometry.dead_dim(first.kind)
+    baseline = {"d": first.width, "k": k, "median": geometry.share_median(first.width, k)}
+    inv = m.invariance
     sweep = [asdict(p) for p in inv.sweep]
     at = {p["scale"]: p for p in sweep}
     final = norms[order[-1]]
     headline = {
-        "val_loss": val_loss,
+        "val_loss": m.val_loss,
         "scale_slope": inv.slope,
         "scale_constant": inv.constant,
         "dloss_scale_3": abs(inv.cases["scale_3"].dloss),
@@ -273,8 +226,8 @@ def measure(module, batches) -> dict:
         "final_eps_over_var": final["eps_over_var"],
         "final_transmission": final["transmission"],
         "max_transmission": max(n["transmission"] for n in norms.values()),
-        "attenuation": attenuation,
-        "growth": growth,
+        "attenuation": m.attenuation,
+        "growth": m.growth,
         "final_share_median": final["share_median"],
         "mean_share_median": float(np.mean([n["share_median"] for n in norms.values()])),
     }
@@ -282,10 +235,9 @@ def measure(module, batches) -> dict:
         "headline": headline,
         "norms": norms,
         "norm_order": order,
-        "ladder": {"attenuation": attenuation, "growth": growth},
+        "ladder": {"attenuation": m.attenuation, "growth": m.growth},
         "share_baseline": baseline,
-        "windows": {"loss": int(x.shape[0]), "norms": min(NORM_WINDOWS, int(x.shape[0])),
-                    "invariance": min(INVARIANCE_WINDOWS, int(x.shape[0]))},
+        "windows": m.windows,
         "invariance": {
             "final_norm": inv.final_norm, "rows": inv.rows, "base_loss": inv.base_loss,
             "slope": inv.slope, "constant": inv.constant,
@@ -353,14 +305,15 @@ def run_one(
     """Train (or resume) and measure one (eps, seed) run and write its record."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
+    from lnmonitor.tiny.checkpoint import checkpoint_state, load_checkpoint
     from lnmonitor.tiny.data import CharDataModule
-    from lnmonitor.tiny.train import fit, load_module, monitor_callbacks
+    from lnmonitor.tiny.train import fit, monitor_callbacks
 
     recipe = experiment.recipe_for(eps, seed)
     folder = run_dir(out, eps, seed)
     name = f"eps={eps_label(eps)} seed={seed}"
     last = folder / "checkpoints" / "last.ckpt"
-    state = _checkpoint_state(last)
+    state = checkpoint_state(last)
     if state and "corrupt" in state:
         aside = last.with_name(f"last.corrupt-{int(time.time())}.ckpt")
         last.replace(aside)
@@ -385,7 +338,7 @@ def run_one(
         )
 
     started = time.perf_counter()
-    module = load_module(result.checkpoint)
+    module, _ = load_checkpoint(result.checkpoint)
     batches = CharDataModule(text, vocab=module.vocab, context=recipe.context,
                              batch_size=recipe.batch_size).val_batches()
     measured = measure(module, batches)
@@ -467,6 +420,7 @@ def run_experiment(
     config = experiment_config(experiment.recipe, text)
     records = check_out(out, config)
     mine = experiment.shard(*shard)
+    from lnmonitor.tiny.checkpoint import checkpoint_state
     from lnmonitor.tiny.data import CharVocab
 
     vocab = CharVocab.from_text(text).chars
@@ -474,7 +428,7 @@ def run_experiment(
         if force or (eps, seed) in records:
             continue
         last = run_dir(out, eps, seed) / "checkpoints" / "last.ckpt"
-        _check_checkpoint(_checkpoint_state(last), experiment.recipe_for(eps, seed), vocab, last)
+        _check_checkpoint(checkpoint_state(last), experiment.recipe_for(eps, seed), vocab, last)
 
     out.mkdir(parents=True, exist_ok=True)
     publish(out, config, experiment.eps, experiment.seeds)  # results.json now guards --out
@@ -516,7 +470,6 @@ __all__ = [
     "RunInterrupted",
     "data_fingerprint",
     "experiment_config",
-    "held_out_loss",
     "measure",
     "merge_results",
     "parse_eps",

@@ -1,54 +1,15 @@
-"""Character-level text data: the corpus, its vocabulary and reproducible batches.
+"""Character-level batches: the vocabulary of a text and reproducible windows of it.
 
-The default corpus is the English help text that every CPython installation
-carries in ``pydoc_data.topics``, so nothing is downloaded at run time.
+The text itself comes from :mod:`lnmonitor.tiny.corpus`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lnmonitor.errors import UsageError
-
-DEFAULT_CORPUS_NAME = "pydoc_data.topics (the Python help text shipped with CPython)"
-
-
-def default_corpus() -> str:
-    """The Python help topics, concatenated in sorted key order (about 465,000 characters)."""
-    from pydoc_data.topics import topics
-
-    return "".join(topics[key] for key in sorted(topics))
-
-
-def load_corpus(path: str | Path | None = None, *, min_chars: int = 1000) -> str:
-    """Read a UTF-8 text file, or the default corpus when ``path`` is None.
-
-    Raises :class:`UsageError` for a missing, empty, non-UTF-8 or too-short file.
-    """
-    if path is None:
-        return default_corpus()
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"data file {str(path)!r} does not exist: pass a UTF-8 text file to --data")
-    raw = path.read_bytes()
-    if not raw.strip():
-        raise UsageError(f"data file {str(path)!r} is empty: pass a UTF-8 text file with text in it")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UsageError(
-            f"data file {str(path)!r} is not UTF-8 (byte {err.start}): convert it to UTF-8 first"
-        ) from None
-    if len(text) < min_chars:
-        raise UsageError(
-            f"data file {str(path)!r} has {len(text)} characters, fewer than the {min_chars} needed "
-            "for a training and a validation split: pass a longer text"
-        )
-    return text
 
 
 class CharVocab:

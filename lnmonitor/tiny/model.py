@@ -1,6 +1,6 @@
 """A configurable pre-norm character GPT (plain PyTorch, no Lightning).
 
-The default configuration is the reference model of DESIGN.md section 2: 4 blocks,
+The default configuration is the study's reference model (docs/design.md): 4 blocks,
 4 heads, width 128, context 64, GELU MLP (4x), pre-norm blocks
 ``x + attn(ln1(x))`` and ``x + mlp(ln2(x))``, a final norm ``lnf``, bias-free
 attention projections and head: 816,128 parameters at a 65-symbol vocabulary.
@@ -9,15 +9,15 @@ attention projections and head: 816,128 parameters at a 65-symbol vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-NORMS = ("layer", "rms")
-ATTENTIONS = ("sdpa", "explicit")
+from lnmonitor.kinds import KINDS
+from lnmonitor.tiny.recipe import ATTENTIONS
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,12 @@ class GPTConfig:
                 f"width {self.width} is not divisible by heads {self.heads}: "
                 "choose a width that is a multiple of the number of heads"
             )
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm not in KINDS:
+            raise ValueError(f"norm must be one of {KINDS}, got {self.norm!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:

@@ -1,91 +1,22 @@
 """The train-tiny recipe: fit a :class:`TinyGPTModule` on a character corpus.
 
-``Recipe`` holds every knob and validates it before anything is written, so bad
-input fails with a one-line :class:`UsageError` and leaves the output folder
-untouched. :func:`fit` is shared by ``train-tiny`` and ``eps-compare``.
+:func:`fit` trains a :class:`~lnmonitor.tiny.recipe.Recipe`; it is shared by
+``train-tiny`` and ``eps-compare``.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lnmonitor.errors import UsageError
-from lnmonitor.tiny.data import CharDataModule, CharVocab
-from lnmonitor.tiny.model import ATTENTIONS, NORMS, GPTConfig
+from lnmonitor.tiny.data import CharDataModule
 from lnmonitor.tiny.module import TinyGPTModule
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Hyperparameters of one train-tiny run; the defaults are DESIGN.md section 2's."""
-
-    eps: float = 1e-5
-    norm: str = "layer"
-    width: int = 128
-    depth: int = 4
-    heads: int = 4
-    context: int = 64
-    attention: str = "sdpa"
-    max_steps: int = 3000
-    batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    val_every: int = 250
-    trainer_kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        positive_ints = ("width", "depth", "heads", "context", "max_steps", "batch_size", "val_every")
-        for name in positive_ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("eps", "lr"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise UsageError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
-        if self.norm not in NORMS:
-            raise UsageError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
-        if self.attention not in ATTENTIONS:
-            raise UsageError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-        if self.width % self.heads:
-            raise UsageError(
-                f"width {self.width} is not divisible by heads {self.heads}: "
-                "choose a width that is a multiple of the number of heads"
-            )
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
-
-    def module_kwargs(self, vocab: CharVocab) -> dict:
-        return dict(
-            vocab=vocab.chars, width=self.width, depth=self.depth, heads=self.heads,
-            context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
-            lr=float(self.lr), weight_decay=float(self.weight_decay), max_steps=self.max_steps,
-        )
-
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=vocab_size, width=self.width, depth=self.depth, heads=self.heads,
-            context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
-        )
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("trainer_kwargs")
-        return out
+from lnmonitor.tiny.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -120,7 +51,7 @@ def fit(
         text, context=recipe.context, batch_size=recipe.batch_size, seed=recipe.seed,
         max_steps=recipe.max_steps,
     )
-    module = TinyGPTModule(**recipe.module_kwargs(data.vocab))
+    module = TinyGPTModule(**recipe.module_kwargs(data.vocab.chars))
     ckpt_dir = Path(log_dir) / "checkpoints"
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir, every_n_train_steps=recipe.val_every, save_top_k=0,
@@ -149,11 +80,3 @@ def fit(
     return FitResult(
         val_loss=float(val_loss), log_dir=Path(log_dir), checkpoint=last, steps=trainer.global_step
     )
-
-
-def load_module(checkpoint: str | Path, map_location: str | torch.device = "cpu") -> TinyGPTModule:
-    """Load a train-tiny checkpoint back into a :class:`TinyGPTModule` (eval mode)."""
-    module = TinyGPTModule.load_from_checkpoint(
-        checkpoint, map_location=map_location, weights_only=True
-    )
-    return module.eval()

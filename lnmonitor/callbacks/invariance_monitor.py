@@ -1,0 +1,363 @@
+r"""
+Final-Norm Invariance Monitor
+=============================
+
+Check, while training, that the loss ignores shifts and scales of the final norm's input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from typing_extensions import override
+
+from lnmonitor.callbacks import arguments
+from lnmonitor.callbacks.discovery import no_norm_message, say_measured_eps
+from lnmonitor.callbacks.sink import MetricSink, finite, tags
+from lnmonitor.invariance import (
+    CASES,
+    SWEEP_SCALES,
+    InvarianceResult,
+    final_norm_bypass,
+    final_norm_invariance,
+    find_final_norm,
+)
+from lnmonitor.metric_names import INVARIANCE
+from lnmonitor.norms import NormInfo, find_norms
+
+__all__ = ["FinalNormInvarianceMonitor"]
+
+# share of the loss gradient at the final norm's input allowed to go around the norm
+# (a true final norm gives exactly 0: the two gradients are the same numbers)
+BYPASS_TOLERANCE = 1e-6
+
+
+class FinalNormInvarianceMonitor(Callback):
+    r"""Check that the loss ignores shifts and scales of the final norm's input.
+
+    On a fixed held-out probe batch, at step indices that are multiples of
+    ``every_n_steps`` (before that step's update: taken as soon as the previous update is
+    done, so that a checkpoint saved then records it; this includes the point after the
+    last update) and after each validation (not the sanity check; a validation at a step
+    already probed reuses that point), run
+    :func:`lnmonitor.invariance.final_norm_invariance`: the five cases of docs/design.md
+    and the scale sweep.  The input is transformed in float64 inside a forward hook and the
+    final norm evaluated in float64 there (only the final norm sees the transformed
+    input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
+    mode and the RNG state are restored; only rank zero computes (no collectives, the
+    other ranks go on training); a compiled model is probed eagerly.
+
+    Before its first run it checks, with one gradient pass on the probe batch
+    (:func:`lnmonitor.invariance.final_norm_bypass`), that the final norm's input reaches
+    the loss only through the norm.  When it does not -- a model without a final norm,
+    whose last norm sits inside a block -- the cases would read zero although the loss
+    is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs
+    nothing.  Any error while probing (a ``loss_fn`` that returns no loss, a model it does
+    not understand, ...) also turns it off with a warning instead of stopping the training.
+
+    Args:
+        every_n_steps: cadence in optimizer steps; ``None``: only after validation.
+        on_validation: also run after each validation.
+        probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
+            first batch of the validation data the Trainer uses (a datamodule's, the
+            module's or the loaders given to ``fit``), else the first training batch
+            (with a warning: it is not held out).
+        probe_size: keep only the first ``probe_size`` samples of each tensor of the
+            probe batch (the runs are 13 forward passes of it); ``None`` keeps all.
+        loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
+            the default calls ``module(*batch)`` (e.g. ``forward(x, y)``) and accepts
+            a loss or ``(logits, loss)``.
+        final_norm: qualified name of the final norm; ``None`` finds the last
+            normalisation layer to run in the forward.
+        cases: the cases to run, a subset of ``("shift_5", "shift_1000", "scale_3",
+            "scale_3_shift_5", "axis_5")``.
+        scales: the sweep's scales (default ``1e3, 1e1, 1, 1e-1, 1e-2, 3e-3, 1e-3,
+            1e-4``); an empty tuple skips the sweep.
+        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
+            when the Trainer has no logger.
+
+    Raises:
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
+            range, or when it would never run; when the fit starts, if the model has no
+            normalisation layer or ``final_norm`` is not one.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lnmonitor import FinalNormInvarianceMonitor
+        >>> monitor = FinalNormInvarianceMonitor(every_n_steps=500)
+        >>> trainer = Trainer(callbacks=[monitor])
+
+    Logged metrics (``<case>`` in ``shift_5``, ``shift_1000``, ``scale_3``,
+    ``scale_3_shift_5``, ``axis_5``):
+
+    ================================================  ========================================
+    ``lnmonitor/invariance/<case>/dloss``             loss(transformed) - loss (nats); zero
+                                                      for the shifts, eps-sized for the
+                                                      scales, clearly non-zero for ``axis_5``
+    ``lnmonitor/invariance/<case>/max_dlogit``        max |delta logit| (logit units), when
+                                                      the forward returns logits
+    ``lnmonitor/invariance/<case>/out_residual``      median over rows of
+                                                      ``|xhat(Th) - xhat(h)| / |xhat(h)|`` in
+                                                      float64 (= ``|a sigma/sigma_a - 1|``)
+    ``lnmonitor/invariance/scale_slope``              slope of log|dloss| vs log(eps/v) over
+                                                      the sweep points with 1e-5 < eps/v < 10
+    ``lnmonitor/invariance/scale_constant``           exp(intercept) of that fit (nats)
+    ``lnmonitor/invariance/scale_rounding_points``    sweep points with eps/v <= 1e-5 whose
+                                                      loss moved: float32 rounding, not eps
+    ================================================  ========================================
+
+    The full result of the latest run (per-scale points included) is ``last_result``.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = 1000,
+        on_validation: bool = True,
+        probe_batch: Any = None,
+        probe_size: int | None = 8,
+        loss_fn: Callable[[LightningModule, Any], Any] | None = None,
+        final_norm: str | None = None,
+        cases: Sequence[str] = CASES,
+        scales: Sequence[float] = SWEEP_SCALES,
+        keep_history: bool | None = None,
+    ) -> None:
+        self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
+        self.on_validation = arguments.flag(on_validation, "on_validation")
+        if self.every_n_steps is None and not self.on_validation:
+            raise MisconfigurationException(
+                "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
+                "integer or on_validation=True"
+            )
+        self.probe_batch = probe_batch
+        self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
+        self.loss_fn = arguments.function(
+            loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
+        )
+        self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+        self.cases = arguments.choices(cases, "cases", CASES)
+        self.scales = arguments.scales(scales, "scales")
+        self._sink = MetricSink(
+            "FinalNormInvarianceMonitor", arguments.optional_flag(keep_history, "keep_history")
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget everything about the last fit (a reused callback starts afresh)."""
+        self.last_result: InvarianceResult | None = None
+        self.disabled_reason: str | None = None
+        self._norms: list[NormInfo] = []
+        self._probe: Any = None
+        self._first_train_batch: Any = None
+        self._last_started_step = -1
+        self._final_name: str | None = self.final_norm
+        self._checked_final = False
+        self._enabled = False
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
+        return self._sink.history
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, cases=self.cases)
+
+    # -- one fit (or validation run) -------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._reset()
+        self._sink.setup(trainer, hparams=stage == "fit")
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(pl_module)
+        metrics = [f"{INVARIANCE}/{c}/dloss" for c in ("scale_3", "axis_5") if c in self.cases]
+        if self.scales:
+            metrics.append(f"{INVARIANCE}/scale_slope")
+        params = {"lnmonitor/final_norm": self._final_name or "auto"}
+        self._sink.give_hparams(trainer, pl_module, params, metrics)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._norms:  # trainer.validate() alone: no on_fit_start
+            self._start(pl_module)
+
+    def _start(self, pl_module: LightningModule) -> None:
+        # After configure_model and the strategy's setup: the model is complete and sharded.
+        self._norms = find_norms(pl_module)
+        if not self._norms:
+            raise MisconfigurationException(no_norm_message("FinalNormInvarianceMonitor", pl_module))
+        if self.final_norm is not None and self.final_norm not in [n.name for n in self._norms]:
+            raise MisconfigurationException(
+                f"FinalNormInvarianceMonitor: final_norm={self.final_norm!r} is not a "
+                f"normalisation layer; found: {', '.join(n.name for n in self._norms)}."
+            )
+        say_measured_eps("FinalNormInvarianceMonitor", self._norms)
+        self._enabled = self.disabled_reason is None
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
+            when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
+            if self.on_validation:
+                when += (" and " if when else "") + "after each validation"
+            self._sink.warn_once(
+                "never-ran",
+                f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
+                "came (no validation ran?). Set every_n_steps, or add validation data.",
+            )
+
+    def _disable(self, reason: str) -> None:
+        self._enabled = False
+        self.disabled_reason = reason
+        self._sink.warn_once("off", f"FinalNormInvarianceMonitor is off for the rest of this run: {reason}")
+
+    # -- when to run -----------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._first_train_batch is None and self.probe_batch is None:
+            self._first_train_batch = batch
+        if step == self._last_started_step:
+            return  # a later micro-batch of the same optimizer step
+        self._last_started_step = step
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module, step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # The point of step s (the weights after s updates) is taken as soon as update s is
+        # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
+        # runs after the other callbacks) then records it, and the validation that may
+        # follow at the same global step reuses it, so a fit resumed from this checkpoint
+        # neither repeats nor misses it (this includes the point after the last update).
+        step = trainer.global_step
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module, step)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.on_validation and not trainer.sanity_checking:
+            self._run(trainer, pl_module, trainer.global_step)
+
+    # -- one run -----------------------------------------------------------------------
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if not self._enabled or step <= self._sink.last_step:
+            return
+        if not trainer.is_global_zero:
+            self._sink.last_step = step
+            return
+        try:
+            probe = self._get_probe(trainer, pl_module)
+            if probe is None:
+                return
+            result = self._measure(trainer, pl_module, probe)
+        except Exception as err:  # noqa: BLE001 - never stop the user's training
+            self._disable(f"{type(err).__name__}: {err}")
+            return
+        if result is None:
+            return
+        self.last_result = result
+        if self._sink.last_step < 0:
+            self._sink.add_layout(self._layout_categories())
+        self._sink.log(trainer, step, finite(result.metrics()))
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult | None:
+        autocast = trainer.precision_plugin.forward_context
+        if self._final_name is None:
+            self._final_name = find_final_norm(pl_module, probe, self.loss_fn, self._norms)
+        if not self._checked_final:
+            self._checked_final = True
+            bypass = final_norm_bypass(
+                pl_module, probe, self._final_name, loss_fn=self.loss_fn, autocast=autocast
+            )
+            if bypass > BYPASS_TOLERANCE:
+                how = ("final_norm=" if self.final_norm else "the last norm to run, ")
+                self._disable(
+                    f"{how}{self._final_name!r} is not a final norm: part of the loss "
+                    "gradient at its input goes around it (relative size "
+                    f"{bypass:.3g}; a residual path carries that input on), so the loss is "
+                    "not invariant to shifting or scaling it and there is no final-norm "
+                    "invariance to check. The model seems to have no final norm before its "
+                    "head; if it has one, name it with final_norm=..."
+                )
+                return None
+        return final_norm_invariance(
+            pl_module, probe, self._final_name, loss_fn=self.loss_fn, cases=self.cases,
+            scales=self.scales, autocast=autocast, norms=self._norms,
+        )
+
+    def _get_probe(self, trainer: Trainer, pl_module: LightningModule):
+        if self._probe is not None:
+            return self._probe
+        batch = self.probe_batch
+        if batch is None:
+            batch = _first_batch(trainer.val_dataloaders)
+        if batch is None:
+            batch = self._first_train_batch
+            if batch is None:
+                return None
+            self._sink.warn_once(
+                "train-probe",
+                "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
+                "so it probes the first training batch; pass probe_batch=... to choose.",
+            )
+        if self.probe_size is not None:
+            size = self.probe_size
+            batch = apply_to_collection(batch, Tensor, lambda t: t[:size] if t.ndim > 0 else t)
+        batch = apply_to_collection(batch, Tensor, lambda t: t.detach().clone())
+        self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
+        return self._probe
+
+    def _layout_categories(self) -> dict[str, dict]:
+        p = INVARIANCE
+        charts = {
+            "delta-loss by case": ["Multiline", tags([f"{p}/{c}/dloss" for c in self.cases])],
+            "max |delta-logit| by case": ["Multiline", tags([f"{p}/{c}/max_dlogit" for c in self.cases])],
+            "float64 norm-output residual by case": ["Multiline", tags(
+                [f"{p}/{c}/out_residual" for c in self.cases])],
+        }
+        if self.scales:
+            charts["scale sweep: slope and constant"] = ["Multiline", tags(
+                [f"{p}/scale_slope", f"{p}/scale_constant"])]
+        return {"lnmonitor: final-norm invariance": charts}
+
+    # -- checkpointing ---------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_logged_step": self._sink.last_step, "final_norm": self._final_name}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
+        if self.final_norm is None and state_dict.get("final_norm"):
+            self._final_name = state_dict["final_norm"]
+
+
+def _first_batch(loaders):
+    """The first batch of the first loader in ``trainer.val_dataloaders`` (a loader, or a
+    list or dict of them); None when there is none or it cannot be read."""
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    elif isinstance(loaders, dict):
+        loaders = next(iter(loaders.values()), None)
+    if loaders is None:
+        return None
+    try:
+        return next(iter(loaders))
+    except Exception:  # noqa: BLE001 - an empty or unreadable loader: fall back
+        return None

@@ -1,0 +1,431 @@
+r"""
+LayerNorm Monitor
+=================
+
+Watch every normalisation layer's 1/sigma ladder and dead-plane share while training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lnmonitor import geometry
+from lnmonitor.callbacks import arguments
+from lnmonitor.callbacks.discovery import no_norm_message, say_measured_eps
+from lnmonitor.callbacks.sink import MetricSink, finite, tags, write_histogram
+from lnmonitor.hooks import compiled, eager
+from lnmonitor.metric_names import PREFIX, per_norm
+from lnmonitor.norms import NormInfo, find_norms, select_norms
+from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
+from lnmonitor.taps import NormTap
+
+__all__ = ["LayerNormMonitor"]
+
+
+class LayerNormMonitor(Callback):
+    r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
+
+    Every ``every_n_steps`` optimizer steps (default: the Trainer's
+    ``log_every_n_steps``; gradient accumulation does not multiply the count) the
+    selected norms are hooked for the whole step, over every row (token) of the global
+    batch: all micro-batches and, under DDP, all ranks.  On the other steps no hook is
+    registered.  Per row the monitor measures, in float32 on the device, the norm's
+    input variance ``v`` (mean square for RMSNorm), the stream's mean square, and the
+    share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
+    span{xhat} for RMSNorm); see docs/design.md.  The rows are summarised in fixed-bin
+    histograms (:mod:`lnmonitor.summaries`: share resolved to 2.4e-4, sigma and rms to
+    0.29% relative, eps/var to 0.58%), reduced across ranks with one ``all_gather`` per
+    logging step, and read on the host once.
+
+    Args:
+        every_n_steps: measure the steps whose index (``trainer.global_step`` before the
+            update) is a multiple of this; ``None`` uses ``trainer.log_every_n_steps``.
+        include: glob pattern(s) over qualified module names (``fnmatch``: ``"*.ln1"``,
+            ``"model.blocks.*"``); only matching norms are measured.  ``None``: all.
+        exclude: glob pattern(s) of norms to leave out.
+        final_norm: qualified name of the final norm (the ladder's last rung); ``None``
+            takes the last selected norm to run in the forward.
+        histograms: also write TensorBoard histograms of the per-row share and sigma.
+        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
+            when the Trainer has no logger.
+
+    Raises:
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
+            range; when the fit starts, if the model has no normalisation layer, the
+            patterns select none, ``final_norm`` is not a selected norm, or a selected norm
+            is too narrow for its dead subspace.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lnmonitor import LayerNormMonitor
+        >>> monitor = LayerNormMonitor(every_n_steps=10)
+        >>> trainer = Trainer(callbacks=[monitor])
+
+    Logged metrics (``<norm>`` is the norm's qualified name in the LightningModule,
+    e.g. ``model.blocks.0.ln1``; all are over the rows of one measured step):
+
+    ==========================================  ==============================================
+    ``lnmonitor/sigma/<norm>``                  median ``sqrt(v + eps)`` of the input rows
+                                                (units of the input)
+    ``lnmonitor/inv_sigma/<norm>``              ``1 / sigma``: the norm's gain on the residual
+                                                stream (1 / input units); the ladder
+    ``lnmonitor/rms/<norm>``                    median ``sqrt(mean(x^2))`` of the stream the
+                                                norm reads (input units)
+    ``lnmonitor/eps_over_var/<norm>``           median ``eps / v`` (dimensionless)
+    ``lnmonitor/transmission/<norm>``           median ``eps / (v + eps)``: the fraction the
+                                                Jacobian passes along the scale direction
+    ``lnmonitor/share_median/<norm>``           median dead-plane share ``|P w| / |w|`` (0..1)
+    ``lnmonitor/share_p90/<norm>``              its 90th percentile
+    ``lnmonitor/share_max/<norm>``              its exact maximum
+    ``lnmonitor/skipped_rows/<norm>``           rows without a share (zero or non-finite
+                                                gradient or input, constant row), count
+    ``lnmonitor/share_baseline/median``         median share of a random direction for this
+                                                width and dead-subspace dimension
+    ``lnmonitor/share_baseline/max``            median of the max of as many random rows as
+                                                were measured (compare with ``share_max``)
+    ``lnmonitor/ladder/attenuation``            ``inv_sigma(first norm) / inv_sigma(final)``
+    ``lnmonitor/ladder/growth``                 ``rms(final) / rms(first norm)``
+    ==========================================  ==============================================
+
+    When the selected norms differ in width or kind, the baselines are logged per norm
+    as ``lnmonitor/share_baseline/median/<norm>`` and ``.../max/<norm>``.  With a
+    TensorBoard logger: a custom-scalars layout (the whole ladder, the shares against
+    their baselines, each as one multi-line chart), the norm kind, eps and width in the
+    HPARAMS tab, and with ``histograms=True`` ``lnmonitor/hist/share/<norm>`` and
+    ``lnmonitor/hist/sigma/<norm>``.
+
+    What real training throws at it (the README's "Tested conditions"):
+
+    * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
+      a ratio, so the loss scale cancels; rows whose gradient or input is zero or not
+      finite (an fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``;
+    * gradient accumulation: one measured step covers all its micro-batches;
+    * ``torch.compile``: compiled code does not run hooks registered after it compiled, so
+      the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
+      once when the fit starts) and the others run the compiled code;
+    * activation checkpointing: every norm call is measured once (see
+      :mod:`lnmonitor.taps`);
+    * a selected norm that gets no row in a measured step (never called, or hidden from
+      the hooks) is named in a warning, once; nothing is made up for it.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        final_norm: str | None = None,
+        histograms: bool = False,
+        keep_history: bool | None = None,
+    ) -> None:
+        self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
+        self.include = arguments.patterns(include, "include")
+        self.exclude = arguments.patterns(exclude, "exclude")
+        self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+        self.histograms = arguments.flag(histograms, "histograms")
+        self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
+        self.every_n_steps: int | None = self._every_arg
+        self.norms: list[NormInfo] = []
+        self.order: list[str] = []
+        self.last_summaries: list[NormSummary] = []
+        self._tap: NormTap | None = None
+        self._layout: Layout | None = None
+        self._measuring: int | None = None
+        self._stance = None
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
+        return self._sink.history
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_steps=self._every_arg, include=self.include, exclude=self.exclude
+        )
+
+    # -- one fit ---------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._stop()
+        self.norms, self.order, self.last_summaries = [], [], []
+        self._tap, self._layout = None, None
+        self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
+        self._sink.setup(trainer, hparams=True)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_model and the strategy's setup: the model is complete and sharded.
+        self.norms = self._select(pl_module)
+        self._tap = NormTap(self.norms)
+        self._layout = Layout(len(self.norms))
+        say_measured_eps("LayerNormMonitor", self.norms)
+        self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
+        if compiled(pl_module):
+            rank_zero_info(
+                "LayerNormMonitor: the model is compiled (torch.compile); its measured steps run "
+                "eagerly (torch.compiler.set_stance('force_eager')) so that the norm hooks see "
+                "every call, and the other steps run the compiled code."
+            )
+
+    def _select(self, pl_module: LightningModule) -> list[NormInfo]:
+        found = find_norms(pl_module)
+        if not found:
+            raise MisconfigurationException(no_norm_message("LayerNormMonitor", pl_module))
+        selected = select_norms(found, self.include, self.exclude)
+        names = [n.name for n in found]
+        if not selected:
+            raise MisconfigurationException(
+                f"LayerNormMonitor: include={self.include} exclude={self.exclude} select none "
+                f"of the {len(found)} normalisation layers found: {', '.join(names)}. Fix the patterns "
+                "(fnmatch globs over these names)."
+            )
+        for info in selected:
+            if info.width is not None and info.width <= info.dead_dim:
+                raise MisconfigurationException(
+                    f"LayerNormMonitor: norm {info.name!r} has width {info.width}, not more than "
+                    f"its dead-subspace dimension {info.dead_dim} ({info.kind} norm): the dead "
+                    "subspace is the whole space and the share is trivially 1. Leave it out "
+                    f"with exclude=[{info.name!r}]."
+                )
+        if self.final_norm is not None and self.final_norm not in [n.name for n in selected]:
+            where = "is excluded by include/exclude" if self.final_norm in names else "is not a norm"
+            raise MisconfigurationException(
+                f"LayerNormMonitor: final_norm={self.final_norm!r} {where}; the selected norms "
+                f"are {', '.join(n.name for n in selected)}."
+            )
+        return selected
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        """End a measured step early (an exception, the end of the fit): no hook, no row left."""
+        if self._tap is not None:
+            self._tap.detach()
+            self._tap.collect()
+        self._measuring = None
+        self._leave_eager()
+
+    def _leave_eager(self) -> None:
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)
+
+    # -- the measured step -----------------------------------------------------------
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._tap is None or self._measuring is not None:
+            return
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step > self._sink.last_step:
+            self._measuring = step
+            # compiled code ignores hooks registered after it compiled (and hooks present
+            # while it compiles break its graph): the measured step runs eagerly
+            self._stance = eager()
+            self._stance.__enter__()
+            self._tap.attach()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measuring is None or trainer.global_step == self._measuring:
+            return  # not measuring, or still accumulating gradients for this step
+        step, self._measuring = self._measuring, None
+        self._tap.detach()
+        self._leave_eager()
+        rows = self._tap.collect()
+        if rows.order:
+            self.order = [self.norms[i].name for i in rows.order]
+        flat = summarise(rows, self._layout, pl_module.device)
+        if trainer.world_size > 1:
+            flat = trainer.strategy.all_gather(flat)
+        summaries = read(merge(flat, self._layout), self._layout, counts=self.histograms)
+        eps = {i: rows.eps.get(i, info.eps()) for i, info in enumerate(self.norms)}
+        self.last_summaries = summaries
+        self._warn_unmeasured(step, summaries)
+        metrics = finite(self._metrics(summaries, eps))
+        if self._sink.last_step < 0:
+            self._sink.add_layout(self._layout_categories())
+        self._sink.log(
+            trainer, step, metrics,
+            (lambda writer, s: self._histograms(writer, s, summaries, eps)) if self.histograms else None,
+        )
+
+    def _warn_unmeasured(self, step: int, summaries: list[NormSummary]) -> None:
+        """Say once when selected norms had no row in a measured step (never zero data
+        without a word): a norm the forward does not call, or a model run by code the hooks
+        cannot see (e.g. torch.compile on a torch without set_stance, TorchScript)."""
+        missing = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
+        if not missing:
+            return
+        if len(missing) == len(self.norms):
+            what = f"none of the {len(missing)} selected norms ran with gradient"
+        else:
+            what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
+        self._sink.warn_once(
+            "unmeasured",
+            f"LayerNormMonitor: {what} during the measured step {step} ({', '.join(missing[:8])}"
+            f"{', ...' if len(missing) > 8 else ''}), so nothing is logged for them. Either the "
+            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
+            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
+            "TorchScript). Said once.",
+        )
+
+    def _metrics(self, summaries: list[NormSummary], eps: dict[int, float]) -> dict[str, float]:
+        m: dict[str, float] = {}
+        inv_sigma, rms = {}, {}
+        for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
+            n = info.name
+            v = s.var_median
+            sigma = math.sqrt(v + eps[i])
+            inv_sigma[n], rms[n] = 1.0 / sigma, math.sqrt(s.ms_median)
+            m[per_norm("sigma", n)] = sigma
+            m[per_norm("inv_sigma", n)] = inv_sigma[n]
+            m[per_norm("rms", n)] = rms[n]
+            m[per_norm("eps_over_var", n)] = eps[i] / v if v > 0 else math.nan
+            m[per_norm("transmission", n)] = eps[i] / (v + eps[i])
+            m[per_norm("share_median", n)] = s.share_median
+            m[per_norm("share_p90", n)] = s.share_p90
+            m[per_norm("share_max", n)] = s.share_max
+            m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
+        m.update(self._baselines(summaries))
+        order = [n for n in self.order if n in inv_sigma] or [n.name for n in self.norms]
+        first = order[0]
+        last = self.final_norm if self.final_norm is not None else order[-1]
+        if first != last:
+            m[f"{PREFIX}/ladder/attenuation"] = inv_sigma[first] / inv_sigma[last]
+            m[f"{PREFIX}/ladder/growth"] = rms[last] / rms[first]
+        return m
+
+    def _baselines(self, summaries: list[NormSummary]) -> dict[str, float]:
+        shapes = {(info.width, info.dead_dim) for info in self.norms}
+        out = {}
+        if len(shapes) == 1 and None not in next(iter(shapes)):
+            d, k = next(iter(shapes))
+            n = max(s.share_rows for s in summaries)
+            out[f"{PREFIX}/share_baseline/median"] = _baseline_median(d, k)
+            if n >= 1:
+                out[f"{PREFIX}/share_baseline/max"] = _baseline_max(d, k, n)
+            return out
+        for info, s in zip(self.norms, summaries, strict=True):
+            if info.width is None or info.width <= info.dead_dim:
+                continue
+            out[f"{PREFIX}/share_baseline/median/{info.name}"] = _baseline_median(info.width, info.dead_dim)
+            if s.share_rows >= 1:
+                out[f"{PREFIX}/share_baseline/max/{info.name}"] = _baseline_max(
+                    info.width, info.dead_dim, s.share_rows
+                )
+        return out
+
+    def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
+        norms = self.norms
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
+        kinds = sorted({n.kind for n in norms})
+        epss = sorted({n.eps(dtype) for n in norms})
+        widths = sorted({n.width for n in norms if n.width is not None})
+        params = {
+            f"{PREFIX}/norm_kind": ",".join(kinds),
+            f"{PREFIX}/eps": epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
+            f"{PREFIX}/width": widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
+            f"{PREFIX}/n_norms": len(norms),
+            f"{PREFIX}/every_n_steps": self.every_n_steps,
+        }
+        last = self.final_norm or norms[-1].name
+        metrics = [f"{PREFIX}/ladder/attenuation", f"{PREFIX}/ladder/growth", per_norm("share_median", last)]
+        return params, metrics
+
+    # -- TensorBoard extras ----------------------------------------------------------
+
+    def _layout_categories(self) -> dict[str, dict]:
+        order = list(self.order) or [n.name for n in self.norms]
+        order += [n.name for n in self.norms if n.name not in order]
+        p = PREFIX
+        return {
+            "lnmonitor: 1/sigma ladder": {
+                "1/sigma by norm, in forward order": ["Multiline", tags(
+                    [per_norm("inv_sigma", n) for n in order])],
+                "rms of the stream each norm reads": ["Multiline", tags([per_norm("rms", n) for n in order])],
+                "eps/var by norm": ["Multiline", tags([per_norm("eps_over_var", n) for n in order])],
+                "ladder attenuation and growth": ["Multiline", tags(
+                    [f"{p}/ladder/attenuation", f"{p}/ladder/growth"])],
+            },
+            "lnmonitor: dead-plane share": {
+                "median share vs random median": ["Multiline", tags(
+                    [per_norm("share_median", n) for n in order]) + [f"{p}/share_baseline/median.*"]],
+                "p90 share": ["Multiline", tags([per_norm("share_p90", n) for n in order])],
+                "max share vs random max": ["Multiline", tags(
+                    [per_norm("share_max", n) for n in order]) + [f"{p}/share_baseline/max.*"]],
+                "skipped rows": ["Multiline", tags([per_norm("skipped_rows", n) for n in order])],
+            },
+        }
+
+    def _histograms(self, writer, step: int, summaries: list[NormSummary], eps: dict[int, float]) -> None:
+        for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
+            write_histogram(writer, f"{PREFIX}/hist/share/{info.name}", step,
+                            s.share_counts, s.layout.share_edges(), group=64)
+            sigma_edges = np.sqrt(10.0 ** s.layout.log_edges() + eps[i])
+            write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,
+                            s.var_counts, sigma_edges, group=20)
+
+    # -- checkpointing ---------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "last_logged_step": self._sink.last_step,
+            "every_n_steps": self.every_n_steps,
+            "order": list(self.order),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
+        if self._every_arg is None and state_dict.get("every_n_steps"):
+            self.every_n_steps = int(state_dict["every_n_steps"])
+        self.order = list(state_dict.get("order", []))
+
+
+_BASELINES: dict[tuple, float] = {}
+
+
+def _baseline_median(d: int, k: int) -> float:
+    key = ("median", d, k)
+    if key not in _BASELINES:
+        _BASELINES[key] = float(geometry.share_median(d, k))
+    return _BASELINES[key]
+
+
+def _baseline_max(d: int, k: int, n: int) -> float:
+    key = ("max", d, k, n)
+    if key not in _BASELINES:
+        if len(_BASELINES) > 4096:
+            _BASELINES.clear()
+        _BASELINES[key] = float(geometry.max_share_median(d, k, n))
+    return _BASELINES[key]

@@ -1,0 +1,114 @@
+"""The PNG figures of an :class:`~lnmonitor.experiments.analysis.Analysis`: a norm's
+Jacobian spectrum, the share distributions against the random density, the 1/sigma
+ladder and the scale sweep."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from lnmonitor import geometry
+from lnmonitor.experiments.analysis import Analysis
+from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+
+__all__ = ["write_figures"]
+
+
+def _fig_spectrum(a: Analysis, path: Path) -> None:
+    n = a.norms[-1] if not a.invariance else next(
+        (x for x in a.norms if x.name == a.invariance.final_norm), a.norms[-1]
+    )
+    k = geometry.dead_dim(n.kind)
+    floor = 1e-20
+    idx = np.arange(1, n.width + 1)
+    plain = np.full(n.width, n.inv_sigma)
+    plain[n.width - k] = n.transmission * n.inv_sigma
+    if k == 2:
+        plain[-1] = 0.0
+    fig = new_figure(7, 4.2)
+    ax = fig.add_subplot()
+    ax.semilogy(idx, np.maximum(n.singular_values, floor), ".", label=f"with the learned gain, eps={n.eps:g}")
+    ax.semilogy(idx, np.maximum(n.singular_values_eps0, floor), "x", ms=4, label="with the gain, eps=0")
+    ax.semilogy(idx, np.maximum(plain, floor), "-", lw=1, color="gray",
+                label="without gain: 1/sigma (closed form)")
+    ax.set_xlabel("index (descending)")
+    ax.set_ylabel("singular value")
+    ax.set_title(f"{short_name(n.name)}: Jacobian spectrum at one row (gain spread {n.gain_spread:.2f}x)")
+    ax.legend(fontsize=8)
+    save_png(fig, path)
+
+
+def _fig_shares(a: Analysis, path: Path) -> None:
+    names = [s.name for s in a.shares]
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig = new_figure(3.4 * cols, 2.6 * rows)
+    for i, s in enumerate(a.shares):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        values = a.share_values.get(s.name, np.zeros(0))
+        k = geometry.dead_dim(s.kind)
+        grid = np.linspace(0, min(1.0, max(0.5, float(values.max()) if values.size else 0.5) * 1.05), 300)
+        if values.size:
+            ax.hist(values, bins=80, range=(0, grid[-1]), density=True, alpha=0.6, label="observed")
+        ax.plot(grid, geometry.share_pdf(grid, s.width, k), "k-", lw=1, label="random direction")
+        ax.axvline(s.baseline_max, color="k", ls=":", lw=1, label="random max, same rows")
+        if values.size:
+            ax.axvline(s.max, color="C3", lw=1, label="observed max")
+        ax.set_title(short_name(s.name), fontsize=9)
+        ax.tick_params(labelsize=7)
+        if i == 0:
+            ax.legend(fontsize=6)
+    fig.suptitle("dead-plane share of w = g * dL/dy against the random baseline", fontsize=10)
+    save_png(fig, path)
+
+
+def _fig_ladder(a: Analysis, path: Path) -> None:
+    x = np.arange(len(a.ladder))
+    fig = new_figure(7.5, 4.2)
+    ax = fig.add_subplot()
+    ax.plot(x, [r.rms for r in a.ladder], "o-", label="rms of the stream")
+    ax.plot(x, [r.inv_sigma for r in a.ladder], "s-", label="1/sigma of the norm reading it")
+    ax.set_xticks(x, [r.point for r in a.ladder], rotation=35, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_title(f"the 1/sigma ladder: attenuation {a.attenuation:.2f}x, growth {a.growth:.2f}x")
+    ax.legend(fontsize=8)
+    save_png(fig, path)
+
+
+def _fig_sweep(a: Analysis, path: Path) -> None:
+    inv = a.invariance
+    fig = new_figure(6, 4.2)
+    ax = fig.add_subplot()
+    pts = [p for p in inv.sweep if p.dloss != 0 and math.isfinite(p.dloss)]
+    for flag, style, label in ((True, "o", "in fit"), (False, "x", "outside the fit range")):
+        sel = [p for p in pts if p.in_fit == flag and not p.rounding]
+        if sel:
+            ax.loglog([p.eps_over_var for p in sel], [abs(p.dloss) for p in sel], style, label=label)
+    rounding = [p for p in pts if p.rounding]
+    if rounding:
+        ax.loglog([p.eps_over_var for p in rounding], [abs(p.dloss) for p in rounding], "^", color="C3",
+                  label="float32 rounding, not eps")
+    if math.isfinite(inv.slope):
+        xs = np.logspace(-5, 1, 50)
+        ax.loglog(xs, inv.constant * xs**inv.slope, "k-", lw=1,
+                  label=f"|dloss| = {inv.constant:.3g} (eps/v)^{inv.slope:.2f}")
+    ax.set_xlabel("eps / v at the final norm (after scaling by a)")
+    ax.set_ylabel("|delta loss|, nats")
+    ax.set_title(f"scale sweep of {short_name(inv.final_norm)}")
+    ax.legend(fontsize=8)
+    save_png(fig, path)
+
+
+def write_figures(a: Analysis, folder: Path, stem: str = "analysis") -> dict[str, str]:
+    """Write the PNG figures into ``folder``; returns figure name -> file name."""
+    made = {}
+    plots = {"spectrum": (_fig_spectrum, bool(a.norms)), "shares": (_fig_shares, bool(a.shares)),
+             "ladder": (_fig_ladder, bool(a.ladder)), "sweep": (_fig_sweep, a.invariance is not None)}
+    for name, (fn, possible) in plots.items():
+        if possible:
+            fname = f"{stem}_{name}.png"
+            fn(a, folder / fname)
+            made[name] = fname
+    return made

@@ -1,0 +1,337 @@
+"""``analysis.md``, ``analysis.json`` and the terminal tables of an :class:`Analysis`.
+
+Every table puts the model's figures next to the study's (docs/design.md).  The figures
+themselves come from :mod:`lnmonitor.experiments.analysis_figures`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from lnmonitor import geometry
+from lnmonitor.errors import UsageError
+from lnmonitor.experiments.analysis import Analysis
+from lnmonitor.experiments.analysis_figures import write_figures
+from lnmonitor.experiments.files import finite
+from lnmonitor.experiments.plotting import short_name
+
+__all__ = ["REFERENCE", "summary_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
+
+# The study this project grew out of (docs/design.md) (4 x 128 LayerNorm GPT, eps 1e-5,
+# 3,000 steps, a 65-symbol character corpus).
+REFERENCE = {
+    "val_loss": "1.573 (65 symbols)",
+    "share_median": "0.087 .. 0.144",
+    "share_max_above": "9 of 9",
+    "final_share_max": "0.83",
+    "block_rank": "128/128",
+    "block_sv": "0.36 .. 2.50",
+    "branch_rank": "123",
+    "rms": "0.90 -> 3.90",
+    "inv_sigma": "1.112 -> 0.323 (3.4x)",
+    "shift_scale": "0 / 0 (identical)",
+    "slope": "0.97 / 0.049",
+    "gain_spread": "< 2x",
+    "jacobian_error": "-",
+}
+
+
+def _f(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return str(int(value))
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0.0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 10 ** -(digits):
+        return f"{value:.{max(digits - 1, 1)}e}"
+    return f"{value:.{digits}f}"
+
+
+def _range(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return _f(lo) if lo == hi else f"{_f(lo)} .. {_f(hi)}"
+
+
+RTOLS = (1e-12, 1e-9, 1e-6, 1e-3)
+
+
+def _rank_at(singular_values, rtol: float) -> int:
+    """Numerical rank of a stored spectrum at a tolerance relative to its largest value."""
+    sv = np.asarray(singular_values, dtype=float)
+    return int((sv > rtol * sv.max()).sum()) if sv.size else 0
+
+
+def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
+    """``(quantity, this model, study)`` rows: the compact side-by-side table."""
+    width = int(a.config.get("width", 0))
+    shares = [s for s in a.shares if s.rows]
+    final = a.shares[-1] if a.shares else None
+    above = sum(1 for s in shares if s.max > s.baseline_max)
+    kind = a.shares[0].kind if a.shares else "layer"
+    k = geometry.dead_dim(kind)
+    vocab = len(a.config.get("vocab", ""))
+    rows = [
+        ("validation loss, nats/char", f"{a.val_loss:.3f} ({vocab} symbols)", REFERENCE["val_loss"]),
+        (
+            "median share, per norm",
+            f"{_range(s.median for s in shares)} (random {_f(geometry.share_median(width, k))})",
+            REFERENCE["share_median"] + " (random 0.105)",
+        ),
+        ("norms whose max share beats random max", f"{above} of {len(shares)}", REFERENCE["share_max_above"]),
+        (
+            "final norm max share",
+            f"{_f(final.max)} (random max {_f(final.baseline_max)})" if final else "-",
+            REFERENCE["final_share_max"],
+        ),
+    ]
+    if a.blocks:
+        ranks = sorted({b.block_rank for b in a.blocks})
+        loose = _range(_rank_at(b.branch_singular_values, 1e-6) for b in a.blocks)
+        rows += [
+            ("block rank at one position", f"{'/'.join(map(str, ranks))}/{width}", REFERENCE["block_rank"]),
+            (
+                "block singular values",
+                f"{_f(min(b.block_sv_min for b in a.blocks))} .. {_f(max(b.block_sv_max for b in a.blocks))}",
+                REFERENCE["block_sv"],
+            ),
+            (
+                f"branch rank ({a.blocks[0].branch})",
+                f"{_range(b.branch_rank for b in a.blocks)} ({loose} at rtol 1e-6)",
+                REFERENCE["branch_rank"],
+            ),
+        ]
+    if a.ladder:
+        first, last = a.ladder[0], a.ladder[-1]
+        rows += [
+            ("residual rms, first -> last", f"{_f(first.rms, 2)} -> {_f(last.rms, 2)}", REFERENCE["rms"]),
+            (
+                "1/sigma, first -> last",
+                f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({a.attenuation:.1f}x)",
+                REFERENCE["inv_sigma"],
+            ),
+        ]
+    inv = a.invariance
+    if inv is not None:
+        shift, scale = inv.cases.get("shift_5"), inv.cases.get("scale_3")
+        rows += [
+            (
+                "dloss: shift 5 / scale 3",
+                f"{_f(shift.dloss) if shift else '-'} / {_f(scale.dloss) if scale else '-'} "
+                f"(float32 ulp of the loss {_f(float(np.spacing(np.float32(inv.base_loss))), 2)})",
+                REFERENCE["shift_scale"],
+            ),
+            ("scale error vs eps/v: slope / constant", f"{_f(inv.slope, 2)} / {_f(inv.constant)}",
+             REFERENCE["slope"]),
+        ]
+    if a.norms:
+        rows += [
+            ("gain spread, max over norms", f"{_f(max(n.gain_spread for n in a.norms), 2)}x",
+             REFERENCE["gain_spread"]),
+            (
+                "Jacobian vs autograd, max abs error",
+                f"{_f(max(n.max_abs_error for n in a.norms), 1)} (float64)",
+                REFERENCE["jacobian_error"],
+            ),
+        ]
+    return rows
+
+
+def _table(headers: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        def cells(values):
+            return "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"
+
+        out = [cells(headers), "|" + "|".join("---" for _ in headers) + "|"]
+        out += [cells(r) for r in rows]
+        return out
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line.rstrip(), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return out
+
+
+def _norm_rows(a: Analysis) -> list[list[str]]:
+    probes = {n.name: n for n in a.norms}
+    points = {r.name: r for r in a.ladder}
+    out = []
+    for s in a.shares:
+        n, p = probes.get(s.name), points.get(s.name)
+        out.append([
+            short_name(s.name), _f(s.median), _f(s.p90), _f(s.max), _f(s.baseline_max),
+            f"{100 * s.deletion_cost:.2f}%" if math.isfinite(s.deletion_cost) else "nan",
+            _f(p.rms, 2) if p else "-", _f(p.inv_sigma) if p else "-",
+            _f(p.eps_over_var, 1) if p else "-", _f(n.gain_spread, 2) if n else "-",
+        ])
+    return out
+
+
+NORM_HEADERS = ["norm", "share med", "p90", "max", "rand max", "del. cost", "rms", "1/sigma",
+                "eps/v", "gain spread"]
+
+
+def _header(a: Analysis) -> list[str]:
+    c = a.config
+    norm = {"layer": "LayerNorm", "rms": "RMSNorm"}.get(c.get("norm"), c.get("norm"))
+    step = f", step {a.step}" if a.step is not None else ""
+    return [
+        f"checkpoint: {a.checkpoint or '(a module in memory)'}{step}",
+        f"model: width {c.get('width')}, depth {c.get('depth')}, heads {c.get('heads')}, context "
+        f"{c.get('context')}, {norm} eps {c.get('eps'):g}, {len(c.get('vocab', ''))} symbols",
+        f"measured on: {a.data or 'the given text'}, {a.batches} held-out batches, {a.rows} rows per norm "
+        f"(validation loss {a.val_loss:.4f} nats/char), in {a.seconds:.1f} s",
+    ]
+
+
+def to_terminal(a: Analysis) -> str:
+    """The compact tables printed by ``lnmonitor analyze``."""
+    lines = _header(a) + [""]
+    lines += _table(["quantity", "this model", "study"],
+                    [list(r) for r in summary_rows(a)], markdown=False)
+    lines += ["", "per norm (dead-plane shares of w = g * dL/dy over all rows; ladder medians; "
+              "gain spread at one row):"]
+    lines += _table(NORM_HEADERS, _norm_rows(a), markdown=False)
+    if a.blocks:
+        lines += ["", f"block vs branch Jacobian at position {a.position} ({a.blocks[0].rank_rule}):"]
+        lines += _table(
+            ["block", "rank", "sv min", "sv max", "branch", "rank", "@rtol 1e-6", "sv min", "sv max"],
+            [[short_name(b.name), f"{b.block_rank}/{b.width}", _f(b.block_sv_min), _f(b.block_sv_max),
+              b.branch, f"{b.branch_rank}/{b.width}", str(_rank_at(b.branch_singular_values, 1e-6)),
+              _f(b.branch_sv_min), _f(b.branch_sv_max)]
+             for b in a.blocks],
+            markdown=False,
+        )
+    return "\n".join(lines)
+
+
+def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
+    """``analysis.md``: every table, with the figures linked (``figures``: name -> file name)."""
+    md = ["# lnmonitor analyze", ""]
+    md += [f"- {line}" for line in _header(a)]
+    md += ["", "## Summary, next to the study", ""]
+    md += _table(["quantity", "this model", "study"], [list(r) for r in summary_rows(a)], True)
+    md += ["", "The study used a 65-symbol corpus; a different text changes the loss and the vocabulary, "
+           "not the geometry being compared.", ""]
+
+    md += ["## Norm Jacobians at one row", "",
+           f"Row: position {a.position} of the first held-out sequence. Closed form "
+           "(`geometry.jacobian`) against autograd, both float64. Rank rule: "
+           f"{a.norms[0].rank_rule if a.norms else '-'}. Gain spread: max/min nonzero singular "
+           "value of diag(g)(1/sigma)P.", ""]
+    md += _table(
+        ["norm", "max abs error", "max abs entry", "rank (eps)", "rank (eps=0)", "1/sigma",
+         "transmission eps/(v+eps)", "gain spread", "gain sv min .. max"],
+        [[short_name(n.name), _f(n.max_abs_error, 1), _f(n.max_abs_entry), f"{n.rank}/{n.width}",
+          f"{n.rank_eps0}/{n.width}", _f(n.inv_sigma), _f(n.transmission, 2), _f(n.gain_spread, 3),
+          f"{_f(n.gain_sv_min)} .. {_f(n.gain_sv_max)}"] for n in a.norms],
+        True,
+    )
+    if a.blocks:
+        md += ["", "## Block versus branch rank at one position", "",
+               f"d block(h)[p] / d h[p] at p = {a.position}, other positions held fixed (float64). "
+               f"Rank rule: {a.blocks[0].rank_rule}.", ""]
+        md += _table(
+            ["block", "rank", "tol", "sv min", "sv max", "branch", "rank", "tol", "sv min", "sv max"],
+            [[short_name(b.name), f"{b.block_rank}/{b.width}", _f(b.block_tol, 2), _f(b.block_sv_min),
+              _f(b.block_sv_max), b.branch, f"{b.branch_rank}/{b.width}", _f(b.branch_tol, 2),
+              _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks],
+            True,
+        )
+        md += ["", "The branch spectrum trails off rather than stopping, so its rank depends on the "
+               "tolerance; the norm deletes the all-ones direction exactly and passes the scale "
+               "direction only at eps/(v+eps). Ranks at tolerances relative to the largest singular value:",
+               ""]
+        md += _table(
+            ["block", *(f"block @{r:g}" for r in RTOLS), *(f"branch @{r:g}" for r in RTOLS)],
+            [[short_name(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in RTOLS),
+              *(str(_rank_at(b.branch_singular_values, r)) for r in RTOLS)] for b in a.blocks],
+            True,
+        )
+    md += ["", "## Dead-plane shares", "",
+           "Share of w = g * dL/dy in the dead subspace, over every held-out row; random: a uniformly "
+           "random direction (median), and the median of the max of the same number of random rows. "
+           "Deletion cost: 1 - sqrt(1 - median^2).", ""]
+    md += _table(
+        ["norm", "rows", "skipped", "median", "p90", "max", "rms", "random median", "random max",
+         "deletion cost", "random deletion cost"],
+        [[short_name(s.name), str(s.rows), str(s.skipped), _f(s.median), _f(s.p90), _f(s.max), _f(s.rms),
+          _f(s.baseline_median), _f(s.baseline_max), f"{100 * s.deletion_cost:.3f}%",
+          f"{100 * s.baseline_deletion_cost:.3f}%"] for s in a.shares],
+        True,
+    )
+    md += ["", "## The 1/sigma ladder", "",
+           "Medians over rows of the stream each norm reads (in call order).", ""]
+    md += _table(
+        ["point", "norm", "rms", "sigma", "1/sigma", "eps/v"],
+        [[r.point, short_name(r.name), _f(r.rms), _f(r.sigma), _f(r.inv_sigma), _f(r.eps_over_var, 2)]
+         for r in a.ladder],
+        True,
+    )
+    md += ["", f"Attenuation 1/sigma(first) / 1/sigma(last) = {_f(a.attenuation)}; "
+           f"growth rms(last) / rms(first) = {_f(a.growth)}."]
+    inv = a.invariance
+    if inv is not None:
+        md += ["", "## Final-norm invariance", "",
+               f"Final norm {short_name(inv.final_norm)} ({inv.kind}, eps {inv.eps:g}), {inv.rows} rows, "
+               f"base loss {inv.base_loss:.4f}.", ""]
+        md += _table(
+            ["case", "dloss", "max dlogit", "norm-output residual", "expected |a sigma/sigma_a - 1|"],
+            [[c.case, _f(c.dloss, 2), _f(c.max_dlogit, 2), _f(c.out_residual, 2),
+              _f(c.expected_residual, 2)] for c in inv.cases.values()],
+            True,
+        )
+        md += ["", "### Scale sweep", ""]
+        md += _table(
+            ["a", "eps/v", "dloss", "in fit", "float32 rounding"],
+            [[f"{p.scale:g}", _f(p.eps_over_var, 2), _f(p.dloss, 2), "yes" if p.in_fit else "",
+              "yes" if p.rounding else ""] for p in inv.sweep],
+            True,
+        )
+        md += ["", f"Fit of log|dloss| against log(eps/v): slope {_f(inv.slope)}, "
+               f"constant {_f(inv.constant)}."]
+    if figures:
+        md += ["", "## Figures", ""]
+        md += [f"![{name}]({fname})" for name, fname in figures.items()]
+    return "\n".join(md) + "\n"
+
+
+def to_json(a: Analysis) -> dict:
+    """A JSON-ready dict of everything except the per-row shares; non-finite numbers are null."""
+    out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "share_values"}
+    for key in ("norms", "blocks", "shares", "ladder"):
+        out[key] = [dataclasses.asdict(x) for x in out[key]]
+    if a.invariance is not None:
+        out["invariance"] = dataclasses.asdict(a.invariance)
+    out["summary"] = [dict(zip(("quantity", "this_model", "study"), r, strict=True)) for r in summary_rows(a)]
+    return finite(out)
+
+
+def write_outputs(a: Analysis, folder: str | Path, *, figures: bool = True) -> dict[str, Path]:
+    """``analysis.md``, ``analysis.json`` and (unless ``figures=False``) the PNGs in ``folder``."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        made = write_figures(a, folder) if figures else {}
+        md, js = folder / "analysis.md", folder / "analysis.json"
+        md.write_text(to_markdown(a, made), encoding="utf-8")
+        js.write_text(json.dumps(to_json(a), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write the analysis to {str(folder)!r}: {err.strerror or err}") from None
+    out = {"markdown": md, "json": js}
+    out.update({name: folder / fname for name, fname in made.items()})
+    return out
+

@@ -1,0 +1,193 @@
+"""The PNG figures of an eps comparison, drawn from the run records alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.experiments.statistics import interval
+from lnmonitor.experiments.store import eps_label
+
+__all__ = ["FIGURES", "figure_invariance", "figure_ladder", "figure_shares", "figure_val_loss"]
+
+FIGURES = {
+    "val_loss": "val_loss_curves.png",
+    "ladder": "inv_sigma_ladder.png",
+    "invariance": "invariance_vs_eps_over_var.png",
+    "shares": "share_medians.png",
+}
+
+
+def _colors(eps_values: Sequence[float]) -> dict[float, str]:
+    palette = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink")
+    return {e: palette[i % len(palette)] for i, e in enumerate(sorted(eps_values))}
+
+
+def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bool:
+    if not any(curves.values()):
+        return False
+    colors = _colors(eps_values)
+    fig = new_figure()
+    ax = fig.add_subplot()
+    labelled = set()
+    for (eps, _), curve in sorted(curves.items()):
+        if not curve:
+            continue
+        steps, values = zip(*curve, strict=True)
+        label = None if eps in labelled else f"eps={eps_label(eps)}"
+        labelled.add(eps)
+        ax.plot(steps, values, color=colors[eps], marker="o", markersize=3, linewidth=1.2, alpha=0.8,
+                label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.set_title("Validation loss, one line per seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_png(fig, path)
+    return True
+
+
+def _per_norm(records: dict, eps: float, field: str) -> tuple[list[str], np.ndarray]:
+    """Norm names (order of the first run) and a (runs, norms) array of one per-norm field."""
+    runs = [r for (e, _), r in sorted(records.items()) if e == eps and r.get("norms")]
+    if not runs:
+        return [], np.empty((0, 0))
+    names = list(runs[0].get("norm_order") or runs[0]["norms"])
+    rows = [[(r["norms"].get(n) or {}).get(field, np.nan) for n in names] for r in runs]
+    return names, np.asarray([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
+
+
+def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    colors = _colors(eps_values)
+    fig = new_figure()
+    ax = fig.add_subplot()
+    drawn = False
+    for eps in eps_values:
+        names, values = _per_norm(records, eps, "inv_sigma")
+        if not names:
+            continue
+        x = np.arange(len(names))
+        for i, row in enumerate(values):
+            ax.plot(x, row, color=colors[eps], marker="o", alpha=0.8,
+                    label=f"eps={eps_label(eps)}" if i == 0 else None)
+        ax.set_xticks(x, [short_name(n) for n in names], rotation=45, ha="right")
+        drawn = True
+    if not drawn:
+        return False
+    ax.set_yscale("log")
+    ax.set_ylabel("1/sigma of the norm's input (median row, log scale)")
+    ax.set_title("The 1/sigma ladder on held-out text, one line per seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_png(fig, path)
+    return True
+
+
+def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    """Left: each run's scale sweep, abs(delta loss) against eps/var of the final norm's input,
+    with its fitted line ``constant * (eps/var)^slope``; filled points are in the fit,
+    hollow ones outside its range (crosses: float32 rounding, not eps). Right: one point per
+    run, the float64 output residual and abs(delta loss) of the scale-3 case against the
+    run's own eps/var, so the eps values line up along one law."""
+    colors = _colors(eps_values)
+    fig = new_figure(11.0, 4.5)
+    ax_sweep, ax_runs = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    drawn = False
+    for eps in eps_values:
+        runs = [r for (e, _), r in sorted(records.items()) if e == eps]
+        label = f"eps={eps_label(eps)}"
+        for r in runs:
+            sweep = (r.get("invariance") or {}).get("sweep") or []
+            pts = [p for p in sweep if _pos(p.get("eps_over_var")) and _pos(_abs(p.get("dloss")))]
+            groups = (
+                ([p for p in pts if p.get("in_fit")], colors[eps], "o"),
+                ([p for p in pts if not p.get("in_fit") and not p.get("rounding")], "none", "o"),
+                ([p for p in pts if p.get("rounding")], colors[eps], "x"),
+            )
+            for group, face, marker in groups:
+                if not group:
+                    continue
+                kw = {"color": colors[eps]}
+                if marker == "o":
+                    kw = {"facecolors": face, "edgecolors": colors[eps]}
+                ax_sweep.scatter([p["eps_over_var"] for p in group], [abs(p["dloss"]) for p in group],
+                                 marker=marker, s=22, label=label, **kw)
+                label, drawn = None, True
+            fit = groups[0][0]
+            slope = r["headline"].get("scale_slope")
+            const = r["headline"].get("scale_constant")
+            if len(fit) >= 2 and slope is not None and _pos(const):
+                ends = [p["eps_over_var"] for p in fit]
+                xs = np.geomspace(min(ends), max(ends), 20)
+                ax_sweep.plot(xs, const * xs**slope, color=colors[eps], linewidth=1, alpha=0.8)
+        xs = [r["headline"].get("final_eps_over_var") for r in runs]
+        for key, marker, what in (("out_residual_scale_3", "s", "output residual"),
+                                  ("dloss_scale_3", "^", "abs(delta loss)")):
+            pts = [(x, r["headline"].get(key)) for x, r in zip(xs, runs, strict=True)]
+            pts = [(x, y) for x, y in pts if _pos(x) and _pos(y)]
+            if pts:
+                ax_runs.scatter(*zip(*pts, strict=True), color=colors[eps], marker=marker, s=30,
+                                label=f"{what}, eps={eps_label(eps)}")
+                drawn = True
+    if not drawn:
+        return False
+    for ax in (ax_sweep, ax_runs):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    ax_sweep.set_xlabel("eps/var of the scaled final-norm input (median row)")
+    ax_sweep.set_ylabel("abs(delta loss), nats")
+    ax_sweep.set_title("Scale sweep (filled: fitted; x: float32 rounding)", fontsize=10)
+    ax_runs.set_xlabel("eps/var of the final norm's input (median row)")
+    ax_runs.set_ylabel("error of the scale-3 case")
+    ax_runs.set_title("Scale 3: float64 output residual and delta loss", fontsize=10)
+    save_png(fig, path)
+    return True
+
+
+def _abs(value):
+    return None if value is None else abs(value)
+
+
+def _pos(value) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    colors = _colors(eps_values)
+    fig = new_figure()
+    ax = fig.add_subplot()
+    drawn, baseline, names = False, None, []
+    width = 0.8 / max(len(eps_values), 1)
+    for i, eps in enumerate(eps_values):
+        names_e, values = _per_norm(records, eps, "share_median")
+        if not names_e:
+            continue
+        names = names_e
+        x = np.arange(len(names)) + (i - (len(eps_values) - 1) / 2) * width
+        cols = [interval(list(values[:, j])) for j in range(values.shape[1])]
+        means = [c["mean"] if c["mean"] is not None else np.nan for c in cols]
+        errs = [c["half_width"] if c["half_width"] is not None else 0.0 for c in cols]
+        ax.bar(x, means, width=width, yerr=errs, color=colors[eps], alpha=0.8, capsize=2,
+               label=f"eps={eps_label(eps)}")
+        for r in (r for (e, _), r in records.items() if e == eps):
+            baseline = baseline or (r.get("share_baseline") or {}).get("median")
+        drawn = True
+    if not drawn:
+        return False
+    if baseline:
+        ax.axhline(baseline, color="black", linestyle="--", linewidth=1,
+                   label=f"random direction, median {baseline:.4f}")
+    ax.set_xticks(np.arange(len(names)), [short_name(n) for n in names], rotation=45, ha="right")
+    ax.set_ylabel("median dead-plane share on held-out text")
+    ax.set_title("Dead-plane share per norm (bars: mean over seeds, 95% interval)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    save_png(fig, path)
+    return True

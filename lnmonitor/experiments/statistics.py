@@ -1,0 +1,98 @@
+"""The statistics of an eps comparison: intervals across seeds, the loss difference
+paired by seed, and a verdict that claims no more than its interval.
+
+Intervals are Student-t 95% intervals across seeds, ``mean +/- t(0.975, n-1) s / sqrt(n)``;
+with one seed the interval is undefined and the result says so rather than inventing
+one.  The loss difference between an eps and the smallest eps is paired by seed (the same
+seed gives the same initialisation and batch stream) and uses the paired t interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import stats
+
+from lnmonitor.experiments.store import eps_label
+
+__all__ = ["CONFIDENCE", "aggregate", "interval", "paired_difference", "verdict"]
+
+CONFIDENCE = 0.95
+
+
+def interval(values: Sequence[float], confidence: float = CONFIDENCE) -> dict:
+    """Mean and two-sided Student-t interval of ``values`` (non-finite values are dropped).
+
+    ``half_width``, ``lo``, ``hi`` and ``sd`` are None when fewer than two values remain:
+    one seed says nothing about the spread across seeds.
+    """
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    n = int(x.size)
+    out = {"n": n, "mean": None, "sd": None, "half_width": None, "lo": None, "hi": None}
+    if n == 0:
+        return out
+    mean = float(x.mean())
+    out["mean"] = mean
+    if n >= 2:
+        sd = float(x.std(ddof=1))
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+        out.update(sd=sd, half_width=half, lo=mean - half, hi=mean + half)
+    return out
+
+
+def paired_difference(records: dict, eps: float, base: float, key: str = "val_loss") -> dict:
+    """``headline[key]`` at ``eps`` minus at ``base``, paired by seed, with its t interval."""
+    seeds = sorted(s for (e, s) in records if e == eps and (base, s) in records)
+    diffs, used = [], []
+    for seed in seeds:
+        a = records[(eps, seed)]["headline"].get(key)
+        b = records[(base, seed)]["headline"].get(key)
+        if a is not None and b is not None and math.isfinite(a) and math.isfinite(b):
+            diffs.append(a - b)
+            used.append(seed)
+    result = interval(diffs)
+    result.update(eps=eps, baseline_eps=base, seeds=used, differences=diffs)
+    base_mean = interval([records[(base, s)]["headline"].get(key) for s in used])["mean"]
+    result["relative"] = (result["mean"] / base_mean) if result["mean"] is not None and base_mean else None
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(diff: dict) -> str:
+    """Plain words for a paired loss difference that claim no more than its interval allows."""
+    e, b, n, d, h = (
+        eps_label(diff["eps"]), eps_label(diff["baseline_eps"]), diff["n"], diff["mean"], diff["half_width"]
+    )
+    if n == 0:
+        return f"eps={e}: no seed has finished at both eps={e} and eps={b} yet: nothing to compare."
+    if h is None:
+        return (
+            f"eps={e} minus eps={b}: {d:+.4f} nats/char from a single seed. A 95% interval needs at "
+            "least two seeds, so no difference is resolved at this number of seeds."
+        )
+    pct = f", {abs(diff['relative']) * 100:.1f}% of the eps={b} loss" if diff.get("relative") else ""
+    span = f"95% interval {diff['lo']:+.4f} to {diff['hi']:+.4f}, {n} paired seeds"
+    if diff["lo"] > 0:
+        return f"eps={e} is worse than eps={b} by {d:.4f} +/- {h:.4f} nats/char{pct} ({span})."
+    if diff["hi"] < 0:
+        return f"eps={e} is better than eps={b} by {-d:.4f} +/- {h:.4f} nats/char{pct} ({span})."
+    return (
+        f"No difference resolved at this number of seeds: eps={e} minus eps={b} is "
+        f"{d:+.4f} +/- {h:.4f} nats/char ({span}; the interval includes 0)."
+    )
+
+
+def aggregate(records: dict, eps_values: Sequence[float]) -> dict:
+    """Per eps, the interval of every headline figure across the seeds present."""
+    out = {}
+    for eps in eps_values:
+        runs = [r for (e, _), r in sorted(records.items()) if e == eps]
+        keys = sorted({k for r in runs for k in r.get("headline", {})})
+        out[eps_label(eps)] = {
+            "eps": eps,
+            "seeds": [r["seed"] for r in runs],
+            "figures": {k: interval([r["headline"].get(k) for r in runs]) for k in keys},
+        }
+    return out

@@ -1,0 +1,232 @@
+"""Layer 3: every norm's rows on held-out batches, in float64: the dead-plane shares
+against the random baseline and the 1/sigma ladder.
+
+:func:`measure_norm_rows` runs one forward and backward per held-out batch with hooks on
+every norm: the dead-plane share of ``w = g * dL/dy`` per row (against the exact random
+baseline of the same number of rows, with the deletion cost of the median) and the
+statistics of the stream each norm reads.  In a pre-norm model the norms' inputs *are*
+the residual-stream points (embedding, after each attention, after each MLP), in call
+order.  :func:`share_table` and :func:`sigma_ladder` turn the rows into tables.  This is
+the float64 reference behind the live monitors' float32 figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lnmonitor import geometry
+from lnmonitor.hooks import Hooks
+from lnmonitor.norms import NormInfo
+
+__all__ = ["LadderRow", "NormRows", "ShareRow", "measure_norm_rows", "share_table", "sigma_ladder"]
+
+_F64 = torch.float64
+
+
+@dataclass
+class NormRows:
+    """Per-row measurements of one norm over held-out batches (numpy float64 arrays).
+
+    ``share``: dead-plane share of ``w = g * dL/dy`` on the valid rows; ``skipped``: rows
+    without information (``w = 0``, non-finite, constant row).  ``sigma``:
+    ``sqrt(v + eps)``; ``rms``: ``sqrt(mean(x^2))`` of the input (the stream the norm
+    reads); ``eps_over_var``: ``eps / v`` (v the second moment for RMSNorm).
+    """
+
+    name: str
+    kind: str
+    width: int
+    eps: float
+    share: np.ndarray
+    skipped: int
+    sigma: np.ndarray
+    rms: np.ndarray
+    eps_over_var: np.ndarray
+
+
+class _Capture(Hooks):
+    """Forward hooks that keep each norm's input and output and a gradient hook on the output."""
+
+    def __init__(self, norms) -> None:
+        super().__init__()
+        self.norms = list(norms)
+        self.calls: list[list[tuple[Tensor, dict, Tensor]]] = [[] for _ in self.norms]
+        self.order: list[int] = []
+        for i, info in enumerate(self.norms):
+            self.forward(info.module, self._hook(i))
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if index not in self.order:
+                self.order.append(index)
+            if not (args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
+                return
+            box: dict = {}
+            self.calls[index].append((args[0].detach(), box, output))
+            if output.requires_grad:
+                output.register_hook(lambda grad: box.__setitem__("grad", grad.detach()))
+
+        return hook
+
+
+def measure_norm_rows(
+    model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], Tensor],
+    norms: Sequence[NormInfo],
+) -> list[NormRows]:
+    """One forward and backward per batch with hooks on every norm's input and output gradient.
+
+    ``loss_fn(model, batch)`` returns the scalar loss (e.g. ``lambda m, b: m(*b)[1]``);
+    ``norms`` are the model's norms (:func:`lnmonitor.norms.find_norms`).  Gradients are taken with respect
+    to the norms' outputs only, so the parameters' ``.grad`` are left as they were.  The
+    result lists the norms in the order they are first called: for a pre-norm model that
+    is the residual-stream ladder (the first norm reads the embedding, the last the final
+    stream).  Rows are evaluated in float64 on the CPU.
+    """
+    norms = list(norms)
+    if not norms:
+        raise ValueError("the model has no normalisation layer lnmonitor recognises")
+    parts: list[dict] = [
+        {"share": [], "skipped": 0, "sigma": [], "rms": [], "eps_over_var": [], "width": info.width}
+        for info in norms
+    ]
+    order: list[int] = []
+    for batch in batches:
+        with torch.inference_mode(False), torch.enable_grad(), _Capture(norms) as cap:
+            loss = loss_fn(model, batch)
+            if not isinstance(loss, Tensor) or loss.ndim != 0 or not loss.requires_grad:
+                raise ValueError("loss_fn must return a scalar tensor with a graph (the batch's loss)")
+            outputs = [out for calls in cap.calls for _, _, out in calls if out.requires_grad]
+            torch.autograd.grad(loss, outputs, allow_unused=True)
+        order += [i for i in cap.order if i not in order]
+        for i, info in enumerate(norms):
+            eps = info.eps(torch.float32)
+            weight = info.weight()
+            w = None if weight is None else weight.detach().reshape(-1).to("cpu", _F64)
+            part = parts[i]
+            for x, box, _ in cap.calls[i]:
+                xr = x.reshape(-1, x.shape[-1]).to("cpu", _F64)
+                part["width"] = xr.shape[-1]
+                st = geometry.row_stats(xr, eps, info.kind)
+                part["sigma"].append(st.sigma.numpy())
+                part["rms"].append(xr.pow(2).mean(-1).sqrt().numpy())
+                with np.errstate(divide="ignore"):
+                    part["eps_over_var"].append(eps / st.var.numpy())
+                grad = box.get("grad")
+                if grad is None:
+                    part["skipped"] += xr.shape[0]
+                    continue
+                share, valid = geometry.dead_plane_share(
+                    xr, grad.reshape(xr.shape).to("cpu", _F64), info.kind, w
+                )
+                part["share"].append(share[valid].numpy())
+                part["skipped"] += int((~valid).sum())
+        del cap
+    order += [i for i in range(len(norms)) if i not in order]
+
+    def cat(chunks: list) -> np.ndarray:
+        return np.concatenate(chunks) if chunks else np.zeros(0)
+
+    return [
+        NormRows(
+            name=norms[i].name, kind=norms[i].kind, width=int(parts[i]["width"] or 0),
+            eps=norms[i].eps(torch.float32), share=cat(parts[i]["share"]), skipped=parts[i]["skipped"],
+            sigma=cat(parts[i]["sigma"]), rms=cat(parts[i]["rms"]),
+            eps_over_var=cat(parts[i]["eps_over_var"]),
+        )
+        for i in order
+    ]
+
+
+@dataclass(frozen=True)
+class ShareRow:
+    """Dead-plane shares of one norm against the random baseline (docs/design.md).
+
+    ``baseline_median``: the median share of a random direction (k = 2 LayerNorm, 1
+    RMSNorm); ``baseline_max``: the median of the max of ``rows`` random shares, the fair
+    comparison for ``max``.  ``deletion_cost``: ``1 - sqrt(1 - median^2)``, the relative
+    length the norm deletes from the median row's gradient.
+    """
+
+    name: str
+    kind: str
+    width: int
+    rows: int
+    skipped: int
+    median: float
+    p90: float
+    max: float
+    rms: float
+    baseline_median: float
+    baseline_rms: float
+    baseline_max: float
+    deletion_cost: float
+    baseline_deletion_cost: float
+
+
+def share_table(rows: Sequence[NormRows]) -> list[ShareRow]:
+    """The dead-plane share table: one :class:`ShareRow` per norm (nan without valid rows)."""
+    table = []
+    for r in rows:
+        k = geometry.dead_dim(r.kind)
+        n = int(r.share.size)
+        base_med = geometry.share_median(r.width, k)
+        if n:
+            med = float(np.median(r.share))
+            p90, mx = float(np.quantile(r.share, 0.9)), float(r.share.max())
+            rms = float(np.sqrt(np.mean(r.share**2)))
+            base_max = geometry.max_share_median(r.width, k, n)
+        else:
+            med = p90 = mx = rms = base_max = math.nan
+        table.append(ShareRow(
+            name=r.name, kind=r.kind, width=r.width, rows=n, skipped=r.skipped, median=med, p90=p90,
+            max=mx, rms=rms, baseline_median=base_med, baseline_rms=geometry.share_rms(r.width, k),
+            baseline_max=base_max,
+            deletion_cost=geometry.deletion_cost(med) if n else math.nan,
+            baseline_deletion_cost=geometry.deletion_cost(base_med),
+        ))
+    return table
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    """The stream one norm reads: medians over rows of ``sigma``, ``rms`` and ``eps/v``;
+    ``inv_sigma = 1/sigma`` (the gain the norm applies to everything it passes)."""
+
+    name: str
+    point: str
+    sigma: float
+    inv_sigma: float
+    rms: float
+    eps_over_var: float
+
+
+def sigma_ladder(
+    rows: Sequence[NormRows], labels: dict[str, str] | None = None
+) -> tuple[list[LadderRow], float, float]:
+    """``(ladder, attenuation, growth)`` over the norms in call order.
+
+    ``attenuation = inv_sigma(first) / inv_sigma(last)``, ``growth = rms(last) / rms(first)``.
+    ``labels`` maps a norm name to the residual-stream point it reads (default
+    ``"input of <name>"``).
+    """
+    labels = labels or {}
+    ladder = []
+    for r in rows:
+        sigma = float(np.median(r.sigma)) if r.sigma.size else math.nan
+        ladder.append(LadderRow(
+            name=r.name, point=labels.get(r.name, f"input of {r.name}"), sigma=sigma,
+            inv_sigma=1.0 / sigma if sigma else math.inf,
+            rms=float(np.median(r.rms)) if r.rms.size else math.nan,
+            eps_over_var=float(np.median(r.eps_over_var)) if r.eps_over_var.size else math.nan,
+        ))
+    if not ladder:
+        return ladder, math.nan, math.nan
+    attenuation = ladder[0].inv_sigma / ladder[-1].inv_sigma
+    growth = ladder[-1].rms / ladder[0].rms if ladder[0].rms else math.inf
+    return ladder, attenuation, growth

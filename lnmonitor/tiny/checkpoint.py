@@ -1,0 +1,114 @@
+"""Checkpoints of the tiny GPT recipe: loaded safely, read without loading the model.
+
+:func:`load_checkpoint` reads a train-tiny / eps-compare checkpoint with
+``torch.load(weights_only=True)`` (a checkpoint cannot run code); anything wrong with the
+file is a one-line :class:`~lnmonitor.errors.UsageError`.  :func:`checkpoint_state`
+reads a run's step and hyperparameters, to resume it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import torch
+
+from lnmonitor.errors import UsageError
+from lnmonitor.tiny.module import TinyGPTModule
+
+__all__ = ["checkpoint_state", "load_checkpoint"]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else type(err).__name__
+
+
+def _load_error(err: BaseException) -> str:
+    """What a ``torch.load(weights_only=True)`` failure means, in one line."""
+    text = str(err)
+    if isinstance(err, PermissionError):
+        return "cannot be read: permission denied"
+    if isinstance(err, (OSError, EOFError)) or "zip archive" in text or "central directory" in text:
+        return "is truncated or corrupted (its archive is incomplete): write it again or pass another"
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return (f"holds a Python object ({found.group(1)}) that safe loading (weights_only=True) refuses: "
+                "it is not a train-tiny or eps-compare checkpoint")
+    if "Weights only load failed" in text or "load key" in text or "operand" in text:
+        return "is not a PyTorch checkpoint (neither a torch zip archive nor a pickle torch can read)"
+    return f"cannot be read as a PyTorch checkpoint: {_first_line(err)}"
+
+
+def load_checkpoint(path: str | Path):
+    """``(module, step)``: the :class:`TinyGPTModule` of a train-tiny or eps-compare checkpoint
+    (CPU, eval mode) and its ``global_step`` (None when absent).
+
+    Loaded with ``torch.load(weights_only=True)``, so a checkpoint cannot run code.  A path
+    that is not a file, a file that is not a torch checkpoint or is truncated, a checkpoint
+    without the module's hyperparameters (e.g. a plain ``state_dict``), or weights whose
+    shapes disagree with the hyperparameters each raise :class:`UsageError`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"checkpoint {str(path)!r} does not exist: pass a .ckpt written by train-tiny")
+    if not path.is_file():
+        raise UsageError(f"checkpoint {str(path)!r} is not a file: pass a .ckpt written by train-tiny")
+    if path.stat().st_size == 0:
+        raise UsageError(f"checkpoint {str(path)!r} is empty: pass a .ckpt written by train-tiny")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - every failure to read the file is the same user error
+        raise UsageError(f"checkpoint {str(path)!r} {_load_error(err)}") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict) or (
+        not isinstance(ckpt.get("state_dict"), dict)
+    ):
+        raise UsageError(
+            f"checkpoint {str(path)!r} is a torch file but not a train-tiny checkpoint: it lacks the model's "
+            "hyperparameters and state_dict (a plain state_dict cannot be analysed; pass last.ckpt)"
+        )
+    hparams = ckpt["hyper_parameters"]
+    accepted = set(inspect.signature(TinyGPTModule.__init__).parameters) - {"self"}
+    kwargs = {k: v for k, v in hparams.items() if k in accepted}
+    if "vocab" not in kwargs:
+        raise UsageError(
+            f"checkpoint {str(path)!r} has hyperparameters but no vocabulary: it was not written by "
+            "train-tiny or eps-compare"
+        )
+    try:
+        module = TinyGPTModule(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise UsageError(
+            f"checkpoint {str(path)!r} has invalid hyperparameters: {_first_line(err)}"
+        ) from None
+    try:
+        module.load_state_dict(ckpt["state_dict"], strict=True)
+    except RuntimeError as err:
+        detail = [ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()]
+        raise UsageError(
+            f"checkpoint {str(path)!r}: the weights do not match the configuration stored with them "
+            f"(width {kwargs.get('width')}, depth {kwargs.get('depth')}, vocab {len(kwargs['vocab'])}): "
+            f"{detail[0][:200] if detail else _first_line(err)}"
+        ) from None
+    state = module.state_dict()
+    bad = [name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        more = " and others" if len(bad) > 1 else ""
+        raise UsageError(
+            f"checkpoint {str(path)!r} has non-finite weights ({bad[0]}{more}): the run diverged; "
+            "analyse an earlier checkpoint"
+        )
+    step = ckpt.get("global_step")
+    return module.eval(), (int(step) if isinstance(step, int) else None)
+
+
+def checkpoint_state(path: Path) -> dict | None:
+    """``{"step", "hparams"}`` of a checkpoint; None when absent; ``{"corrupt": err}`` when unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return {"step": int(ckpt["global_step"]), "hparams": dict(ckpt.get("hyper_parameters", {}))}
+    except Exception as err:  # noqa: BLE001 - any unreadable file is treated the same way
+        return {"corrupt": f"{type(err).__name__}: {err}"}

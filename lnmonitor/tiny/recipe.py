@@ -1,0 +1,79 @@
+"""The train-tiny recipe's settings, validated before anything is written.
+
+This module imports no torch, so the command line can show its defaults (``--help``)
+and refuse bad input without loading it.  Bad input is a one-line
+:class:`~lnmonitor.errors.UsageError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from lnmonitor.errors import UsageError
+from lnmonitor.kinds import KINDS
+
+__all__ = ["ATTENTIONS", "Recipe"]
+
+ATTENTIONS = ("sdpa", "explicit")  # the tiny GPT's attention implementations
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Hyperparameters of one train-tiny run; the defaults are the study's (docs/design.md)."""
+
+    eps: float = 1e-5
+    norm: str = "layer"
+    width: int = 128
+    depth: int = 4
+    heads: int = 4
+    context: int = 64
+    attention: str = "sdpa"
+    max_steps: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    val_every: int = 250
+    trainer_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive_ints = ("width", "depth", "heads", "context", "max_steps", "batch_size", "val_every")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        for name in ("eps", "lr"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise UsageError(f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
+        if self.norm not in KINDS:
+            raise UsageError(f"norm must be one of {', '.join(KINDS)}, got {self.norm!r}")
+        if self.attention not in ATTENTIONS:
+            raise UsageError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.width % self.heads:
+            raise UsageError(
+                f"width {self.width} is not divisible by heads {self.heads}: "
+                "choose a width that is a multiple of the number of heads"
+            )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    def module_kwargs(self, vocab: str) -> dict:
+        """Keyword arguments of :class:`~lnmonitor.tiny.module.TinyGPTModule` for ``vocab``
+        (the vocabulary's characters)."""
+        return dict(
+            vocab=vocab, width=self.width, depth=self.depth, heads=self.heads,
+            context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
+            lr=float(self.lr), weight_decay=float(self.weight_decay), max_steps=self.max_steps,
+        )
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("trainer_kwargs")
+        return out

@@ -1,0 +1,60 @@
+"""lnmonitor.hooks: one door for temporary hooks, eval mode restored, a float64 twin that leaves
+the module as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import gpt
+from torch import nn
+
+from lnmonitor.hooks import Hooks, eval_mode, float64_twin, measuring, unmeasured
+
+
+def test_hooks_are_removed_when_the_block_raises():
+    lin = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError), Hooks() as hooks:
+        hooks.forward(lin, lambda m, a, o: None)
+        hooks.forward_pre(lin, lambda m, a: None)
+        assert hooks and lin._forward_hooks and lin._forward_pre_hooks
+        raise RuntimeError("the forward failed")
+    assert not lin._forward_hooks and not lin._forward_pre_hooks and not hooks
+
+
+def test_eval_mode_restores_every_flag_even_on_error():
+    model = gpt(depth=2).model
+    model.train()
+    model.blocks[0].eval()
+    with pytest.raises(ValueError), eval_mode(model):
+        assert not any(m.training for m in model.modules())
+        raise ValueError
+    assert model.training and not model.blocks[0].training and model.blocks[1].training
+
+
+def test_unmeasured_nests_and_recovers():
+    assert measuring()
+    with unmeasured():
+        with unmeasured():
+            assert not measuring()
+        assert not measuring()
+    assert measuring()
+
+
+def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(16)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.normal_()
+    state = copy.deepcopy(ln.state_dict())
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = float64_twin(ln)(x)
+    ref = copy.deepcopy(ln).double()(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    (g,) = torch.autograd.grad(y.sum(), x)  # gradients reach the input
+    assert torch.isfinite(g).all() and ln.weight.grad is None
+    assert ln.weight.dtype == torch.float32
+    assert all(torch.equal(v, state[k]) for k, v in ln.state_dict().items())

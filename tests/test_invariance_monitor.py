@@ -1,0 +1,161 @@
+"""FinalNormInvarianceMonitor on real Trainers: cadence and validation points, the model's mode,
+custom losses and probe batches, a model without a final norm."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    CONTEXT,
+    NORMS,
+    VOCAB,
+    WIDTH,
+    char_data,
+    events,
+    fit,
+    gpt,
+    loader,
+    monitor,
+    scalars,
+    trainer,
+    windows,
+)
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from test_layernorm_monitor_conditions import swap_norms
+from torch import nn
+
+from lnmonitor import FinalNormInvarianceMonitor
+from lnmonitor.invariance import final_norm_bypass
+from lnmonitor.tiny import TinyGPTModule
+
+
+class ModeSpy(Callback):
+    def __init__(self):
+        self.modes = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.modes.append(pl_module.training)
+
+
+def test_invariance_monitor_in_a_trainer(tmp_path):
+    data, module = char_data(6)
+    inv = FinalNormInvarianceMonitor(every_n_steps=2, probe_size=4)
+    spy = ModeSpy()
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
+    t = trainer(6, [inv, spy], validate_every=6, logger=tb, val_check_interval=3)
+    t.fit(module, datamodule=data)
+    logged = scalars(events(tb.log_dir))
+    # cadence at 0, 2, 4; validation ends at 3 and 6
+    assert sorted(logged["lnmonitor/invariance/shift_5/dloss"]) == [0, 2, 3, 4, 6]
+    for step in (0, 2, 3, 4, 6):
+        for case in ("shift_5", "shift_1000"):
+            assert logged[f"lnmonitor/invariance/{case}/dloss"][step] == 0.0
+            assert logged[f"lnmonitor/invariance/{case}/max_dlogit"][step] == 0.0
+        assert abs(logged["lnmonitor/invariance/axis_5/dloss"][step]) > 1e-4
+        assert logged["lnmonitor/invariance/axis_5/out_residual"][step] > 0.1
+        assert 0 < logged["lnmonitor/invariance/scale_3/out_residual"][step] < 0.1
+    assert "lnmonitor/invariance/scale_slope" in logged
+    assert all(spy.modes)  # the model went back to train mode
+    res = inv.last_result
+    assert res.rows == 4 * CONTEXT and res.final_norm == "model.lnf"
+    assert res.cases["scale_3"].expected_residual == pytest.approx(
+        res.cases["scale_3"].out_residual, rel=1e-9)
+
+
+def test_invariance_monitor_custom_loss_and_explicit_probe():
+    data, module = char_data(2)
+    x = torch.randint(0, len(data.vocab), (3, CONTEXT))
+    calls = []
+
+    def loss_fn(m, b):
+        calls.append(b[0].shape)
+        return m(*b)[1]
+
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=(x, x),
+                                     loss_fn=loss_fn, final_norm="model.lnf", cases=["shift_5"],
+                                     scales=[1.0, 0.01], keep_history=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(2, [inv], validate_every=2).fit(module, datamodule=data)
+    # steps 0 and 1, and the point after the last update (taken at the end of each step)
+    assert [h["step"] for h in inv.history] == [0, 1, 2]
+    assert set(calls) == {torch.Size([3, CONTEXT])}
+    assert inv.history[0]["lnmonitor/invariance/shift_5/dloss"] == 0.0
+    assert "lnmonitor/invariance/shift_5/max_dlogit" not in inv.history[0]
+
+
+def test_model_without_a_final_norm_is_said_clearly():
+    """No norm before the head: the last norm to run is a block's ln2, whose input goes on
+    through the residual, so the loss is not invariant to it.  The invariance monitor
+    says so (once) and logs nothing; LayerNormMonitor measures the blocks as usual."""
+    batch = windows(2, seed=1)
+    normal = gpt(2)
+    assert final_norm_bypass(normal, batch, "model.lnf") == 0.0  # a true final norm
+    rms = swap_norms(gpt(2), lambda d: nn.RMSNorm(d, eps=1e-5))
+    assert final_norm_bypass(rms, batch, "model.lnf") == 0.0
+    for final in (None, "model.blocks.1.ln2"):
+        module = gpt(3)
+        module.model.lnf = nn.Identity()
+        assert final_norm_bypass(module, batch, "model.blocks.1.ln2") > 0.1
+        mon = monitor()
+        inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+                                         probe_batch=batch, final_norm=final)
+        trainer, caught = fit(module, loader(12, 4), [mon, inv], 3)
+        assert trainer.global_step == 3
+        said = [w for w in caught if "is not a final norm" in w]
+        assert len(said) == 1 and "'model.blocks.1.ln2'" in said[0]
+        assert ("final_norm='model.blocks.1.ln2'" in said[0]) == (final is not None)
+        assert inv.history == [] and inv.last_result is None
+        assert "residual" in inv.disabled_reason
+        assert mon.order == NORMS[:-1] and len(mon.history) == 3
+        assert "lnmonitor/ladder/attenuation" in mon.history[0]
+
+
+def test_a_callback_reused_for_a_second_fit_probes_the_second_model():
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True)
+    fit(gpt(2), loader(8, 4), [inv], 2)
+    first_probe = inv._probe
+    fit(gpt(2, seed=1), loader(8, 4, seed=1), [inv], 2)
+    assert [h["step"] for h in inv.history] == [0, 1, 2]
+    assert not torch.equal(inv._probe[0], first_probe[0])  # this fit's batch, not the last one's
+
+
+class ValidationOnlyStep(TinyGPTModule):
+    """A module with a validation_step but no val_dataloader: its loaders come from fit()."""
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def test_the_probe_comes_from_the_validation_loader_given_to_fit():
+    module = ValidationOnlyStep(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=2)
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_size=2)
+    val = loader(8, 4, seed=7)
+    _, caught = fit(module, loader(8, 4), [inv], 2, val=val, **{"val_check_interval": 2,
+                                                              "check_val_every_n_epoch": None})
+    assert not any("no validation data" in w for w in caught)
+    assert torch.equal(inv._probe[0], next(iter(val))[0][:2])
+
+
+class LogitsOnly(TinyGPTModule):
+    """forward(x) returns logits; a two-argument call raises TypeError."""
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+
+def test_an_error_from_the_users_forward_turns_the_monitor_off_and_training_goes_on():
+    module = LogitsOnly(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=3)
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=windows(2))
+    t, caught = fit(module, loader(12, 4), [inv], 3)
+    assert t.global_step == 3
+    said = [w for w in caught if "FinalNormInvarianceMonitor is off" in w]
+    assert len(said) == 1 and "TypeError" in said[0] and inv.disabled_reason is not None

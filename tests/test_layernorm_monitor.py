@@ -1,0 +1,287 @@
+"""LayerNormMonitor on real Trainers: values read back from TensorBoard and CSV against an
+independent float64 recomputation, cadence, resume, no logger, skipped rows, setup errors."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import warnings
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    CONTEXT,
+    WIDTH,
+    assert_close_history,
+    char_data,
+    events,
+    fit,
+    float64_reference,
+    gpt,
+    loader,
+    monitor,
+    scalars,
+    trainer,
+)
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, geometry
+from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+
+
+class Capture(Callback):
+    """Weights and batch at the start of the given optimizer steps (before the update)."""
+
+    def __init__(self, steps):
+        self.steps, self.seen = set(steps), {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.steps and trainer.global_step not in self.seen:
+            self.seen[trainer.global_step] = (
+                copy.deepcopy(pl_module.state_dict()), [t.clone() for t in batch]
+            )
+
+
+class HookSpy(Callback):
+    """Counts forward hooks on the norms at every batch start (after the monitor's)."""
+
+    def __init__(self):
+        self.hooks = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        count = sum(
+            len(m._forward_hooks) for m in pl_module.modules() if isinstance(m, nn.LayerNorm)
+        )
+        self.hooks.setdefault(trainer.global_step, count)
+
+
+def test_values_in_tensorboard_match_float64(tmp_path):
+    steps = 5
+    data, module = char_data(steps)
+    monitor = LayerNormMonitor(every_n_steps=2)
+    capture = Capture([0, 2, 4])
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
+    csv_logger = CSVLogger(tmp_path, name="csv", version=0)
+    t = trainer(steps, [monitor, capture], validate_every=steps, logger=[tb, csv_logger])
+    t.fit(module, datamodule=data)
+
+    logged = scalars(events(tb.log_dir))
+    names = [f"model.blocks.{i}.ln{j}" for i in range(2) for j in (1, 2)] + ["model.lnf"]
+    assert monitor.order == names
+    for step in (0, 2, 4):
+        ref = float64_reference(module, capture.seen[step][1], state=capture.seen[step][0])
+        for name in names:
+            r = ref[name]
+            got = {q: logged[f"lnmonitor/{q}/{name}"][step] for q in (
+                "sigma", "inv_sigma", "rms", "eps_over_var", "transmission",
+                "share_median", "share_p90", "share_max", "skipped_rows")}
+            assert got["share_max"] == pytest.approx(r["share"].max(), abs=1e-4)
+            assert abs(got["share_median"] - np.median(r["share"])) <= SHARE_RESOLUTION + 1e-5
+            assert abs(got["share_p90"] - np.quantile(r["share"], 0.9)) <= SHARE_RESOLUTION + 1e-5
+            v = np.median(r["var"])
+            sigma = math.sqrt(v + r["eps"])
+            assert got["sigma"] == pytest.approx(sigma, rel=SIGMA_RESOLUTION + 1e-5)
+            assert got["inv_sigma"] == pytest.approx(1 / sigma, rel=SIGMA_RESOLUTION + 1e-5)
+            assert got["eps_over_var"] == pytest.approx(r["eps"] / v, rel=VAR_RESOLUTION + 1e-5)
+            assert got["transmission"] == pytest.approx(r["eps"] / (v + r["eps"]),
+                                                        rel=VAR_RESOLUTION + 1e-5)
+            assert got["rms"] == pytest.approx(math.sqrt(np.median(r["ms"])),
+                                               rel=SIGMA_RESOLUTION + 1e-5)
+            assert got["skipped_rows"] == 0
+        n_rows = 4 * CONTEXT
+        assert logged["lnmonitor/share_baseline/median"][step] == pytest.approx(
+            geometry.share_median(WIDTH, 2), rel=1e-6)
+        assert logged["lnmonitor/share_baseline/max"][step] == pytest.approx(
+            geometry.max_share_median(WIDTH, 2, n_rows), rel=1e-6)
+        first, last = names[0], names[-1]
+        assert logged["lnmonitor/ladder/attenuation"][step] == pytest.approx(
+            logged[f"lnmonitor/inv_sigma/{first}"][step] / logged[f"lnmonitor/inv_sigma/{last}"][step],
+            rel=1e-5)
+        assert logged["lnmonitor/ladder/growth"][step] == pytest.approx(
+            logged[f"lnmonitor/rms/{last}"][step] / logged[f"lnmonitor/rms/{first}"][step], rel=1e-5)
+    assert sorted(logged["lnmonitor/share_max/model.lnf"]) == [0, 2, 4]
+
+    # the CSV logger got the same numbers
+    rows = list(csv.DictReader(open(Path(csv_logger.log_dir) / "metrics.csv")))
+    csv_vals = {int(r["step"]): float(r["lnmonitor/share_max/model.lnf"])
+                for r in rows if r.get("lnmonitor/share_max/model.lnf")}
+    assert csv_vals == pytest.approx(logged["lnmonitor/share_max/model.lnf"], rel=1e-6)
+
+
+def test_cadence_accumulation_and_no_hooks_between(tmp_path):
+    steps = 7
+    data, module = char_data(steps * 2)
+    monitor = LayerNormMonitor(every_n_steps=3, keep_history=True)
+    spy = HookSpy()
+    t = trainer(steps, [monitor, spy], validate_every=steps, accumulate_grad_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module, datamodule=data)
+    assert [h["step"] for h in monitor.history] == [0, 3, 6]
+    assert spy.hooks == {s: (5 if s % 3 == 0 else 0) for s in range(steps)}
+    # both micro-batches of the step are measured: 2 * batch * context rows per norm
+    assert all(s.rows == 2 * 4 * CONTEXT for s in monitor.last_summaries)
+    assert all(len(m._forward_hooks) == 0 for m in module.modules())
+
+
+def test_default_cadence_is_log_every_n_steps():
+    data, module = char_data(6)
+    monitor = LayerNormMonitor(keep_history=True)
+    t = trainer(6, [monitor], validate_every=6, log_every_n_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module, datamodule=data)
+    assert monitor.every_n_steps == 4
+    assert [h["step"] for h in monitor.history] == [0, 4]
+
+
+def test_no_logger_keeps_history_and_warns_once():
+    data, module = char_data(4)
+    monitor = LayerNormMonitor(every_n_steps=1)
+    t = trainer(4, [monitor], validate_every=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(module, datamodule=data)
+    ours = [w for w in caught if "has no logger" in str(w.message)]
+    assert len(ours) == 1 and "LayerNormMonitor.history" in str(ours[0].message)
+    assert [h["step"] for h in monitor.history] == [0, 1, 2, 3]
+    assert "lnmonitor/share_median/model.lnf" in monitor.history[0]
+
+
+def test_resume_continues_the_cadence(tmp_path):
+    data, module = char_data(12)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True,
+                           save_top_k=0)
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
+    first = LayerNormMonitor(every_n_steps=3)
+    t = trainer(5, [first, ckpt], validate_every=5, logger=tb, enable_checkpointing=True)
+    t.fit(module, datamodule=data)
+    assert first.state_dict()["last_logged_step"] == 3
+
+    data, module = char_data(12)
+    second = LayerNormMonitor(every_n_steps=3)
+    tb2 = TensorBoardLogger(tmp_path, name="tb", version=0)
+    t = trainer(12, [second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")], validate_every=12, logger=tb2,
+                           enable_checkpointing=True)
+    t.fit(module, datamodule=data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert second.state_dict()["last_logged_step"] == 9
+    logged = events(tb2.log_dir).Scalars("lnmonitor/share_max/model.lnf")
+    assert [e.step for e in logged] == [0, 3, 6, 9]
+
+
+class RowsModule(L.LightningModule):
+    """Rows of width d through one norm; some rows NaN (masked after the norm), some with a
+    zero gradient."""
+
+    def __init__(self, d=8, norm=None, nan_rows=(), dead_rows=()):
+        super().__init__()
+        self.norm = norm if norm is not None else nn.LayerNorm(d, elementwise_affine=False)
+        self.lin = nn.Linear(d, 1)
+        self.nan_rows, self.dead_rows = list(nan_rows), list(dead_rows)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        x = x.clone()
+        x[:, self.nan_rows] = float("nan")
+        x.requires_grad_(True)
+        y = self.norm(x)
+        keep = torch.ones(x.shape[1], 1)
+        keep[self.nan_rows + self.dead_rows] = 0.0
+        y = torch.where(keep > 0, y, 0.0)
+        return self.lin(y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 6, self.norm_width())), batch_size=4)
+
+    def norm_width(self):
+        return getattr(self.norm, "normalized_shape", (8,))[0]
+
+
+def test_skipped_rows_are_counted_and_training_goes_on():
+    module = RowsModule(nan_rows=[1], dead_rows=[4])
+    monitor = LayerNormMonitor(every_n_steps=1, keep_history=True)
+    t = trainer(3, [monitor], validate_every=3, limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module)
+    assert t.global_step == 3 and all(torch.isfinite(p).all() for p in module.parameters())
+    for h in monitor.history:
+        assert h["lnmonitor/skipped_rows/norm"] == 2 * 4  # two of six rows, batch of 4
+        assert 0.0 <= h["lnmonitor/share_median/norm"] <= 1.0
+    assert monitor.last_summaries[0].measured_rows == 5 * 4  # only the NaN row has no sigma
+
+
+def test_no_norm_or_empty_selection_fails_at_setup():
+    class NoNorm(RowsModule):
+        def __init__(self):
+            super().__init__(norm=nn.Identity())
+
+        def norm_width(self):
+            return 8
+
+    with pytest.raises(MisconfigurationException, match="found no normalisation layer.*Linear"):
+        trainer(1, [LayerNormMonitor()], validate_every=1).fit(NoNorm())
+    with pytest.raises(MisconfigurationException, match="found no normalisation layer"):
+        trainer(1, [FinalNormInvarianceMonitor()], validate_every=1).fit(NoNorm())
+    with pytest.raises(MisconfigurationException, match=r"select none.*: norm\. Fix"):
+        trainer(1, [LayerNormMonitor(include="*.ln1")], validate_every=1).fit(RowsModule())
+    data, module = char_data(1)
+    with pytest.raises(MisconfigurationException, match="excluded by include/exclude"):
+        monitor = LayerNormMonitor(exclude="*lnf", final_norm="model.lnf")
+        trainer(1, [monitor], validate_every=1).fit(module, datamodule=data)
+    with pytest.raises(MisconfigurationException, match="is not a norm"):
+        trainer(1, [LayerNormMonitor(final_norm="model.head")], validate_every=1).fit(module, datamodule=data)
+    with pytest.raises(MisconfigurationException, match="not a normalisation layer.*model.lnf"):
+        monitor = FinalNormInvarianceMonitor(final_norm="model.head")
+        trainer(1, [monitor], validate_every=1).fit(module, datamodule=data)
+
+
+def test_width_two_is_a_clear_error():
+    module = RowsModule(d=2, norm=nn.LayerNorm(2))
+    with pytest.raises(MisconfigurationException, match="'norm' has width 2.*exclude=\\['norm'\\]"):
+        trainer(1, [LayerNormMonitor()], validate_every=1).fit(module)
+    rms = RowsModule(d=2, norm=nn.RMSNorm(2))  # k = 1 < 2: fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(1, [LayerNormMonitor(every_n_steps=1)], validate_every=1, limit_val_batches=0).fit(rms)
+
+
+def test_bf16_autocast_and_fallback_probe_batch():
+    """bf16-mixed training: statistics still in float32 and finite; a module without
+    validation data is probed on its first training batch, with a warning."""
+    module = RowsModule(d=16, norm=nn.LayerNorm(16))
+    ln = LayerNormMonitor(every_n_steps=1, keep_history=True)
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+                                     loss_fn=lambda m, b: m.training_step(b, 0), scales=())
+    t = trainer(2, [ln, inv], validate_every=2, precision="bf16-mixed", limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(module)
+    assert any("probes the first training batch" in str(w.message) for w in caught)
+    assert [h["step"] for h in ln.history] == [0, 1]
+    assert all(math.isfinite(v) for h in ln.history for v in h.values())
+    assert 0 < ln.history[-1]["lnmonitor/share_median/norm"] < 1
+    assert inv.history[0]["lnmonitor/invariance/shift_5/dloss"] == 0.0
+    assert abs(inv.history[0]["lnmonitor/invariance/axis_5/dloss"]) > 0
+
+
+def test_a_callback_reused_for_a_second_fit_logs_it():
+    """The per-fit state (last logged step, the norms, the history) starts afresh at setup:
+    the second fit's history is exactly what a fresh monitor logs for it."""
+    mon, fresh = monitor(), monitor()
+    fit(gpt(3), loader(12, 4), [mon], 3)
+    fit(gpt(3, seed=1), loader(12, 4, seed=1), [mon], 3)
+    fit(gpt(3, seed=1), loader(12, 4, seed=1), [fresh], 3)
+    assert [h["step"] for h in mon.history] == [0, 1, 2]
+    assert_close_history(mon.history, fresh.history, exact=True)

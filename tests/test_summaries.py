@@ -1,0 +1,91 @@
+"""lnmonitor.summaries: fixed-bin quantiles within one bin, merging like one batch, empty summaries."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    Net,
+    run_tap,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lnmonitor import summaries as S
+from lnmonitor.taps import StepRows
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=1, max_size=300),
+    st.sampled_from([0.1, 0.5, 0.9]),
+)
+def test_hist_quantile_within_one_bin(values, q):
+    layout = S.Layout(1)
+    v = np.asarray(values)
+    counts = np.bincount(np.minimum((v * layout.share_bins).astype(int), layout.share_bins - 1),
+                         minlength=layout.share_bins)
+    est = S.hist_quantile(counts, layout.share_edges(), q, v.min(), v.max())
+    assert abs(est - np.quantile(v, q)) <= S.SHARE_RESOLUTION + 1e-12
+
+
+def test_log_quantile_relative_resolution():
+    rng = np.random.default_rng(0)
+    v = np.exp(rng.normal(0, 3, 5000))
+    layout = S.Layout(1)
+    idx = np.floor((np.log10(v) - layout.log_lo) * layout.per_decade).astype(int)
+    counts = np.bincount(idx, minlength=layout.log_bins)
+    for q in (0.1, 0.5, 0.9):
+        est = S.hist_quantile(counts, layout.log_edges(), q, v.min(), v.max(), log=True)
+        assert abs(est / np.quantile(v, q) - 1) <= S.VAR_RESOLUTION
+
+
+def test_summaries_merge_like_one_batch():
+    torch.manual_seed(1)
+    model = Net(24, "layer")
+    x = torch.randn(40, 6)
+    layout = S.Layout(2)
+    _, whole, _ = run_tap(model, x)
+    model.zero_grad()
+    # the two halves, each with its own loss (the share is per row and scale-free)
+    _, a, _ = run_tap(model, x[:17])
+    _, b, _ = run_tap(model, x[17:])
+    one = S.merge(S.summarise(whole, layout, "cpu"), layout)
+    two = S.merge(
+        torch.stack([S.summarise(a, layout, "cpu"), S.summarise(b, layout, "cpu")]), layout
+    )
+    r1, r2 = S.read(one, layout), S.read(two, layout)
+    for s1, s2 in zip(r1, r2, strict=True):
+        assert s1.rows == s2.rows == 40
+        assert abs(s1.share_max - s2.share_max) < 1e-6
+        assert abs(s1.share_quantile(0.5) - s2.share_quantile(0.5)) <= 2 * S.SHARE_RESOLUTION
+        assert abs(s1.var_quantile(0.5) / s2.var_quantile(0.5) - 1) <= 2 * S.VAR_RESOLUTION
+        assert s1.var_min == s2.var_min and s1.var_max == s2.var_max
+
+
+def test_empty_summary_reads_as_nan():
+    layout = S.Layout(3)
+    out = S.summarise(StepRows(None, [], [], {}), layout, "cpu")
+    s = S.read(S.merge(out, layout), layout)[1]
+    assert s.rows == 0 and math.isnan(s.share_quantile(0.5)) and math.isnan(s.var_quantile(0.5))
+
+
+def test_vectorised_quantiles_equal_the_reference():
+    rng = np.random.default_rng(3)
+    layout = S.Layout(1)
+    share = rng.beta(1, 30, size=(4, 700)) ** 0.5
+    counts = np.stack([np.bincount(np.minimum((r * 4096).astype(int), 4095), minlength=4096)
+                       for r in share])
+    counts[2] = 0  # an empty row reads as nan
+    lo, hi = np.zeros(4), share.max(1)
+    got = S.hist_quantiles(counts.astype(np.float32), layout.share_edges(), (0.5, 0.9, 0.01), lo, hi)
+    for i in range(4):
+        for j, q in enumerate((0.5, 0.9, 0.01)):
+            ref = S.hist_quantile(counts[i], layout.share_edges(), q, lo[i], hi[i])
+            if i == 2:
+                assert math.isnan(got[i, j]) and math.isnan(ref)
+            else:
+                assert got[i, j] == pytest.approx(ref, rel=1e-12, abs=1e-15)
