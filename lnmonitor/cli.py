@@ -12,18 +12,30 @@ from lnmonitor.errors import UsageError
 COMMANDS = ("train_tiny", "eps_compare", "report", "analyze")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="lnmonitor", description="Watch what LayerNorm does to a transformer while it trains."
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser
+    )
     for name in COMMANDS:
         importlib.import_module(f"lnmonitor.commands.{name}").register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0) or bad arguments (2, one line already printed)
+        return int(done.code or 0)
     try:
         return args.func(args)
     except UsageError as err:

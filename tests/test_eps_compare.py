@@ -22,6 +22,7 @@ from lnmonitor.experiments.eps_compare import (
     parse_shard,
     run_experiment,
 )
+from lnmonitor.experiments.events import read_scalars
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 
@@ -108,7 +109,7 @@ def test_eps_and_seed_sit_in_the_hparams_tab_next_to_the_final_metrics(compared)
     record = json.loads((out / "eps=0.1" / "seed=0" / "result.json").read_text())
     (final,) = acc.Scalars("final/val_loss")  # the value the HPARAMS tab shows in that column
     assert final.step == 30 and math.isclose(final.value, record["val_loss"], rel_tol=1e-6)
-    curve = report.read_scalar_curve(out / "eps=0.1" / "seed=0")
+    curve = read_scalars(out / "eps=0.1" / "seed=0")["val/loss"]
     assert [step for step, _ in curve] == [9, 19, 29]
 
 
@@ -187,7 +188,7 @@ def test_a_run_killed_halfway_resumes_from_its_checkpoint(tmp_path):
     acc = EventAccumulator(str(events[1]))
     acc.Reload()
     assert min(e.step for e in acc.Scalars("train/loss")) >= 20
-    assert [step for step, _ in report.read_scalar_curve(folder)] == [9, 19, 29, 39]
+    assert [step for step, _ in read_scalars(folder)["val/loss"]] == [9, 19, 29, 39]
 
 
 # ---------------------------------------------------------------------------
@@ -246,6 +247,9 @@ def test_shards_are_disjoint_and_cover_the_grid(count):
         (["--max-steps", "0"], "max-steps must be a positive integer"),
         (["--devices", "2"], "one shard per device"),
         (["--data", "missing.txt"], "does not exist"),
+        (["--jobs", "0"], "--jobs must be a positive integer"),
+        (["--init", "xavier"], "invalid choice: 'xavier'"),
+        (["--decay", "none"], "invalid choice: 'none'"),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2_and_write_nothing(tmp_path, monkeypatch, args, message):
@@ -261,7 +265,7 @@ def _previous(out: Path, **recipe) -> None:
     """A results.json as an earlier invocation with ``recipe`` would have left it."""
     config = experiment_config(Recipe(**{**TINY_RECIPE, **recipe}), load_corpus())
     out.mkdir(parents=True)
-    files.atomic_write_json(out / "results.json", report.merge_results(out, config, [1e-5], [0]))
+    files.atomic_write_json(out / "results.json", report.merge_results(out, config, [(1e-5, 0)]))
 
 
 @pytest.mark.parametrize(
@@ -311,3 +315,25 @@ def test_parsers_keep_order_and_canonical_values():
 # ---------------------------------------------------------------------------
 # statistics and the verdict
 # ---------------------------------------------------------------------------
+
+
+def test_a_grid_grows_over_invocations_and_jobs_run_side_by_side(tmp_path):
+    """A second invocation with another eps adds its pairs to the grid asked for before (a
+    dose-response beside a comparison); --jobs 2 trains them in two worker processes, with
+    the same result as a run alone (one seed, one initialisation, one batch stream)."""
+    out = tmp_path / "out"
+    args = ["eps-compare", *TINY, "--max-steps", "4", "--val-every", "4", "--no-progress", "--out", str(out)]
+    assert cli(*args, "--eps", "1e-5", "--seeds", "0")[0] == 0
+    code, stdout, _ = cli(*args, "--eps", "1e-5", "0.1", "1", "--seeds", "0", "--jobs", "2")
+    assert code == 0 and "2 runs side by side" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["grid"]["pairs"] == [[1e-5, 0], [0.1, 0], [1.0, 0]] and results["missing"] == []
+    assert set(results["differences"]) == {"0.1", "1.0"}
+    alone = tmp_path / "alone"
+    assert cli(*args[:-1], str(alone), "--eps", "0.1", "--seeds", "0")[0] == 0
+    twin = json.loads((alone / "eps=0.1" / "seed=0" / "result.json").read_text())
+    side = json.loads((out / "eps=0.1" / "seed=0" / "result.json").read_text())
+    assert side["val_loss"] == pytest.approx(twin["val_loss"], rel=1e-5)
+    assert side["threads"] == max(1, twin["threads"] // 2)
+    assert "val/loss" in side["curves"] and "lnmonitor/transmission/model.lnf" in side["curves"]
+

@@ -69,3 +69,33 @@ def test_too_long_input_is_rejected():
     model = TinyGPT(GPTConfig(width=16, heads=2, depth=1, context=8))
     with pytest.raises(ValueError, match="exceeds the context"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_gpt2_initialisation_starts_the_stream_small():
+    """GPT-2's initialisation: weights N(0, 0.02), the residual projections 0.02 / sqrt(2 depth),
+    biases 0; the embedding stream starts at rms ~0.028 (PyTorch's default: ~1.4)."""
+    torch.manual_seed(0)
+    gpt2 = TinyGPT(GPTConfig(init="gpt2"))
+    torch.manual_seed(0)
+    default = TinyGPT(GPTConfig())
+    idx = torch.randint(0, 65, (8, 64))
+
+    def stream(m):
+        return (m.tok_emb(idx) + m.pos_emb(torch.arange(64))).pow(2).mean().sqrt().item()
+
+    assert 0.025 < stream(gpt2) < 0.032 and stream(default) > 1.0
+    assert gpt2.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert gpt2.blocks[1].attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
+    assert gpt2.blocks[0].mlp.fc.bias.abs().max().item() == 0.0
+    with pytest.raises(ValueError, match="init must be one of"):
+        GPTConfig(init="xavier")
+
+
+@pytest.mark.parametrize("decay, groups", [("all", [(0.1, 25)]), ("matrices", [(0.1, 11), (0.0, 14)])])
+def test_weight_decay_on_every_parameter_as_the_study_or_on_matrices(decay, groups):
+    from lnmonitor.tiny.module import TinyGPTModule
+
+    module = TinyGPTModule("abcdefgh", width=16, depth=2, heads=2, context=8, decay=decay)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert [(g["weight_decay"], len(g["params"])) for g in optimizer.param_groups] == groups
+

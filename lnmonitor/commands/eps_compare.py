@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                         "e.g. --shard $SLURM_ARRAY_TASK_ID/4; the report merges whatever is finished")
     parser.add_argument("--force", action="store_true",
                         help="redo this invocation's runs from scratch even if they finished")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained side by side, the torch threads split between them "
+                        "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar during each fit")
     add_recipe_arguments(parser)
     parser.set_defaults(func=run)
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     eps = parse_eps(args.eps)
     seeds = parse_seeds(args.seeds)
     shard = parse_shard(args.shard)
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be a positive integer (runs side by side), got {args.jobs}")
     if str(args.devices) == "auto":
         args.devices = "1"  # one process per run; a multi-GPU "auto" would start DDP
     elif str(args.devices) != "1":
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_experiment(
             experiment, text, args.out, shard=shard, force=args.force, monitor=not args.no_monitor,
-            progress=not args.no_progress,
+            progress=not args.no_progress, jobs=args.jobs,
             data_name=str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME,
         )
     except RunInterrupted as err:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
-from lnmonitor.tiny.recipe import Recipe
+from lnmonitor.tiny.recipe import DECAYS, INITS, Recipe
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=defaults.lr,
                         help="peak of the one-cycle learning rate (default: %(default)s)")
+    parser.add_argument("--init", choices=INITS, default=defaults.init,
+                        help="initialisation: PyTorch's own, as the study, or GPT-2's N(0, 0.02) "
+                        "(default: %(default)s)")
+    parser.add_argument("--decay", choices=DECAYS, default=defaults.decay,
+                        help="weight decay 0.1 on every parameter, as the study's AdamW, or on the "
+                        "matrices only (default: %(default)s)")
     for name in ("width", "depth", "heads", "context"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name),
                             help=f"model {name} (default: %(default)s)")
@@ -47,6 +53,7 @@ def trainer_kwargs(args: argparse.Namespace) -> dict:
 def recipe_from_args(args: argparse.Namespace, **overrides) -> Recipe:
     fields = dict(
         norm=args.norm, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+        init=args.init, decay=args.decay,
         width=args.width, depth=args.depth, heads=args.heads, context=args.context,
         val_every=min(args.val_every, args.max_steps) if args.max_steps > 0 else args.val_every,
         trainer_kwargs=trainer_kwargs(args),

@@ -16,6 +16,10 @@ Reliability:
 * ``shard=(i, n)`` runs only the pairs whose index in the grid is ``i`` modulo ``n``, so
   several processes sharing a file system split the work; each writes only its own
   records, and whichever publishes last merges everything present;
+* ``jobs=n`` runs n fits side by side in worker processes, the torch threads split
+  between them;
+* the grid of an output folder grows: a later invocation with other eps or seeds adds
+  its pairs to the ones asked for before;
 * everything that can be wrong with the input (eps, seeds, shard, a corrupt or foreign
   ``results.json``, record or checkpoint) raises :class:`UsageError` before anything is
   written.
@@ -25,17 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import os
 import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import atomic_write_json
-from lnmonitor.experiments.report import merge_results, publish
+from lnmonitor.experiments.report import merge_results, publish, results_pairs
 from lnmonitor.experiments.store import (
     RECORD_FORMAT,
     RECORD_NAME,
@@ -252,8 +258,8 @@ def measure(module, batches) -> dict:
 # one run
 # ---------------------------------------------------------------------------
 
-HPARAM_FIELDS = ("eps", "seed", "norm", "width", "depth", "heads", "context", "max_steps", "batch_size", "lr",
-                 "weight_decay", "grad_clip")
+HPARAM_FIELDS = ("eps", "seed", "norm", "init", "decay", "width", "depth", "heads", "context", "max_steps",
+                 "batch_size", "lr", "weight_decay", "grad_clip")
 FINAL_PREFIX = "final"
 # Headline figures of a run record, logged as ``final/<key>`` scalars at the last step.
 FINAL_METRICS = (
@@ -343,6 +349,9 @@ def run_one(
                              batch_size=recipe.batch_size).val_batches()
     measured = measure(module, batches)
     measure_seconds = time.perf_counter() - started
+    import torch
+
+    from lnmonitor.experiments.events import read_scalars
 
     record = {
         "format": RECORD_FORMAT,
@@ -358,8 +367,11 @@ def run_one(
         "monitors": bool(monitor),
         "data_name": data_name,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "threads": torch.get_num_threads(),
         "versions": _versions(),
         **measured,
+        "curves": {tag: [[step, float(f"{value:.6g}")] for step, value in points]
+                   for tag, points in read_scalars(folder, _is_curve).items()},
     }
     log_final(logger, record)
     atomic_write_json(folder / RECORD_NAME, record)
@@ -368,6 +380,16 @@ def run_one(
         f"{train_seconds:.1f} s training + {measure_seconds:.1f} s measuring"
     )
     return record
+
+
+# What a record keeps of the training logs: the losses and, per norm, what the ladder and
+# the eps question read (a report then needs no event file).
+CURVES = ("val/loss", "train/loss", "lnmonitor/ladder/")
+NORM_CURVES = ("eps_over_var", "transmission", "inv_sigma", "rms")
+
+
+def _is_curve(tag: str) -> bool:
+    return tag.startswith(CURVES) or any(tag.startswith(f"lnmonitor/{q}/") for q in NORM_CURVES)
 
 
 def _versions() -> dict:
@@ -410,15 +432,26 @@ def check_out(out: Path, config: dict) -> dict:
 def run_experiment(
     experiment: Experiment, text: str, out: Path, *, shard: tuple[int, int] = (0, 1),
     force: bool = False, monitor: bool = True, callbacks: Sequence = (), progress: bool = True,
-    echo: Callable[[str], None] = print, data_name: str | None = None,
+    echo: Callable[[str], None] = print, data_name: str | None = None, jobs: int = 1,
 ) -> dict:
     """Run this shard's pairs of the grid (skipping finished ones) and publish the results.
 
-    Returns the merged results (the content of ``results.json``).
+    The grid of ``out`` grows: it is every pair asked for there so far, so a dose-response
+    can be added to a two-eps comparison later.  ``jobs`` runs that many fits side by side
+    in their own processes, the torch threads split between them (``callbacks`` need
+    ``jobs=1``).  Returns the merged results (the content of ``results.json``); raises
+    :class:`RunInterrupted` after the others finished when a run did not reach its last step.
     """
+    import torch
+
+    if jobs > 1 and callbacks:
+        raise ValueError("extra callbacks cannot travel to worker processes: use jobs=1")
     out = Path(out)
     config = experiment_config(experiment.recipe, text)
     records = check_out(out, config)
+    existing = load_results(out)
+    asked = results_pairs(existing) if existing is not None else []
+    pairs = asked + [p for p in experiment.pairs() if p not in asked]
     mine = experiment.shard(*shard)
     from lnmonitor.tiny.checkpoint import checkpoint_state
     from lnmonitor.tiny.data import CharVocab
@@ -431,13 +464,14 @@ def run_experiment(
         _check_checkpoint(checkpoint_state(last), experiment.recipe_for(eps, seed), vocab, last)
 
     out.mkdir(parents=True, exist_ok=True)
-    publish(out, config, experiment.eps, experiment.seeds)  # results.json now guards --out
+    publish(out, config, pairs)  # results.json now guards --out
     for eps, seed in mine:  # what a --force killed while deleting left behind
         for trash in run_dir(out, eps, seed).parent.glob(f".trash-seed={seed}-*"):
             shutil.rmtree(trash, ignore_errors=True)
     total = len(mine)
     where = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""
-    echo(f"eps-compare: {total} of {len(experiment.pairs())} runs in this invocation{where}, out {out}")
+    echo(f"eps-compare: {total} of {len(pairs)} runs in this invocation{where}, out {out}")
+    todo = []
     for i, (eps, seed) in enumerate(mine, start=1):
         tag = f"[{i}/{total}] "
         folder = run_dir(out, eps, seed)
@@ -449,17 +483,55 @@ def run_experiment(
             echo(f"{tag}eps={eps_label(eps)} seed={seed}: skipped, finished before "
                  f"(val loss {record['val_loss']:.4f} nats/char)")
             continue
-        run_one(experiment, eps, seed, out, text, monitor=monitor, callbacks=callbacks, progress=progress,
-                echo=echo, tag=tag, data_name=data_name)
-        publish(out, config, experiment.eps, experiment.seeds)
-    results = publish(out, config, experiment.eps, experiment.seeds)
+        todo.append((eps, seed, tag))
+    failures: list[str] = []
+    jobs = max(1, min(jobs, len(todo)))
+    if jobs == 1:
+        for eps, seed, tag in todo:
+            try:
+                run_one(experiment, eps, seed, out, text, monitor=monitor, callbacks=callbacks,
+                        progress=progress, echo=echo, tag=tag, data_name=data_name)
+            except RunInterrupted as err:
+                failures.append(str(err))
+            publish(out, config, pairs)
+    else:
+        threads = max(1, torch.get_num_threads() // jobs)
+        echo(f"eps-compare: {jobs} runs side by side, {threads} torch thread(s) each")
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {
+                pool.submit(_run_in_worker, threads, experiment, eps, seed, out, text, monitor, tag,
+                            data_name): (eps, seed)
+                for eps, seed, tag in todo
+            }
+            for future in as_completed(futures):
+                eps, seed = futures[future]
+                try:
+                    future.result()
+                except Exception as err:  # noqa: BLE001 - the other runs go on; said at the end
+                    failures.append(f"eps={eps_label(eps)} seed={seed}: {type(err).__name__}: {err}")
+                publish(out, config, pairs)
+    results = publish(out, config, pairs)
     if results["missing"]:
         shown = ", ".join(f"eps={eps_label(m['eps'])} seed={m['seed']}" for m in results["missing"])
         echo(f"eps-compare: still missing (another shard, or not finished): {shown}")
     for diff in results["differences"].values():
         echo(f"eps-compare: {diff['verdict']}")
     echo(f"eps-compare: report {out / 'report.md'}; TensorBoard: tensorboard --logdir {out}")
+    if failures:
+        raise RunInterrupted("; ".join(failures))
     return results
+
+
+def _run_in_worker(threads: int, experiment: Experiment, eps: float, seed: int, out: Path, text: str,
+                   monitor: bool, tag: str, data_name: str | None) -> None:
+    """One run in a worker process of ``run_experiment(jobs > 1)``: its share of the threads,
+    no progress bar (lines from several fits would interleave)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    run_one(experiment, eps, seed, out, text, monitor=monitor, progress=False,
+            echo=lambda line: print(line, flush=True), tag=tag, data_name=data_name)
 
 
 __all__ = [

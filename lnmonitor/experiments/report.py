@@ -1,9 +1,9 @@
 """The report of an eps comparison: merge the run records, write ``results.json``,
 ``report.md`` and the figures.
 
-Everything here works from the run records (``results.json`` or the per-run
-``result.json`` files) and the TensorBoard event files alone, so ``lnmonitor report``
-rebuilds the report without torch, Lightning or any training.  The statistics are
+Everything here works from the run records alone (``results.json`` or the per-run
+``result.json`` files, which carry their training curves), so ``lnmonitor report``
+rebuilds the report without torch, Lightning, event files or any training.  The statistics are
 :mod:`lnmonitor.experiments.statistics`; the figures are
 :mod:`lnmonitor.experiments.report_figures`.
 """
@@ -30,7 +30,6 @@ from lnmonitor.experiments.store import (
     eps_label,
     grid_pairs,
     load_results,
-    run_dir,
     scan_records,
 )
 
@@ -60,19 +59,21 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
 # ---------------------------------------------------------------------------
 
 
-def merge_results(out: Path, config: dict, eps_values: Sequence[float], seeds: Sequence[int]) -> dict:
-    """The merged results of the grid ``eps_values x seeds`` from the records now on disk."""
+def merge_results(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -> dict:
+    """The merged results of the grid ``pairs`` ((eps, seed), every invocation's so far)
+    from the records now on disk."""
     on_disk = scan_records(out, config)
-    pairs = grid_pairs(eps_values, seeds)
+    pairs = [(float(e), int(s)) for e, s in pairs]
     records = {p: on_disk[p] for p in pairs if p in on_disk}
-    eps_values = [float(e) for e in eps_values]
+    eps_values = sorted({e for e, _ in pairs})
+    seeds = sorted({s for _, s in pairs})
     base = min(eps_values)
     train = sum(r.get("train_seconds") or 0.0 for r in records.values())
     measure = sum(r.get("measure_seconds") or 0.0 for r in records.values())
     return {
         "format": RESULTS_FORMAT,
         "config": config,
-        "grid": {"eps": eps_values, "seeds": [int(s) for s in seeds]},
+        "grid": {"pairs": [[e, s] for e, s in pairs], "eps": eps_values, "seeds": seeds},
         "runs": [records[p] for p in pairs if p in records],
         "missing": [{"eps": e, "seed": s} for (e, s) in pairs if (e, s) not in records],
         "not_in_grid": [{"eps": e, "seed": s} for (e, s) in sorted(on_disk) if (e, s) not in set(pairs)],
@@ -86,21 +87,29 @@ def merge_results(out: Path, config: dict, eps_values: Sequence[float], seeds: S
     }
 
 
+def results_pairs(results: dict) -> list[tuple[float, int]]:
+    """The (eps, seed) pairs of a results file's grid."""
+    grid = results["grid"]
+    if "pairs" in grid:
+        return [(float(e), int(s)) for e, s in grid["pairs"]]
+    return grid_pairs(grid["eps"], grid["seeds"])
+
+
 def records_of(results: dict) -> dict:
     return {(float(r["eps"]), int(r["seed"])): r for r in results["runs"]}
 
 
-def publish(out: Path, config: dict, eps_values: Sequence[float], seeds: Sequence[int]) -> dict:
+def publish(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -> dict:
     """Rebuild ``results.json``, ``report.md`` and the figures from the records on disk.
 
     Repeats until no record appeared meanwhile, so when several shards finish at once the
     last one to write has merged every record (each shard publishes after its own writes).
     """
     while True:
-        results = merge_results(out, config, eps_values, seeds)
+        results = merge_results(out, config, pairs)
         atomic_write_json(Path(out) / RESULTS_NAME, results)
         write_report(out, results)
-        again = {p for p in scan_records(out, config) if p in set(grid_pairs(eps_values, seeds))}
+        again = {p for p in scan_records(out, config) if p in set(results_pairs(results))}
         if again == set(records_of(results)):
             return results
 
@@ -115,34 +124,7 @@ def rebuild(out: Path) -> dict:
         raise UsageError(
             f"{str(out / RESULTS_NAME)!r} does not exist: pass the --out folder of an eps-compare run"
         )
-    return publish(out, results["config"], results["grid"]["eps"], results["grid"]["seeds"])
-
-
-# ---------------------------------------------------------------------------
-# event files
-# ---------------------------------------------------------------------------
-
-
-def read_scalar_curve(folder: Path, tag: str = "val/loss") -> list[tuple[int, float]]:
-    """``(step, value)`` of one scalar from the event files in ``folder``, one value per step.
-
-    A resumed run writes a second event file that repeats the steps after its checkpoint;
-    the later value of a step wins. Empty when the folder or the tag is absent.
-    """
-    folder = Path(folder)
-    if not folder.is_dir() or not any(folder.glob("events.out.tfevents.*")):
-        return []
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={SCALARS: 0})
-    acc.Reload()
-    if tag not in acc.Tags().get("scalars", []):
-        return []
-    by_step: dict[int, tuple[float, float]] = {}
-    for event in acc.Scalars(tag):
-        if event.step not in by_step or event.wall_time >= by_step[event.step][0]:
-            by_step[event.step] = (event.wall_time, event.value)
-    return [(step, value) for step, (_, value) in sorted(by_step.items())]
+    return publish(out, results["config"], results_pairs(results))
 
 
 # ---------------------------------------------------------------------------
@@ -276,7 +258,8 @@ def write_report(out: Path, results: dict) -> Path:
     out = Path(out)
     records = records_of(results)
     eps_values = [float(e) for e in results["grid"]["eps"]]
-    curves = {p: read_scalar_curve(run_dir(out, *p)) for p in records}
+    curves = {p: [tuple(point) for point in (r.get("curves") or {}).get("val/loss", [])]
+              for p, r in records.items()}
     figures = {
         "val_loss": figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),
         "ladder": figure_ladder(records, eps_values, out / FIGURES["ladder"]),

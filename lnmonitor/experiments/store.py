@@ -92,7 +92,8 @@ def load_results(out: Path) -> dict | None:
             f"{results.get('format')!r}, expected {RESULTS_FORMAT!r}); move it away or choose another --out"
         )
     grid = results.get("grid")
-    if not (isinstance(grid, dict) and all(isinstance(grid.get(k), list) for k in ("eps", "seeds"))):
+    if not (isinstance(grid, dict) and (isinstance(grid.get("pairs"), list)
+                                        or all(isinstance(grid.get(k), list) for k in ("eps", "seeds")))):
         raise UsageError(f"results file {str(path)!r} is corrupt (no eps/seed grid); move it away")
     return results
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lnmonitor.kinds import KINDS
-from lnmonitor.tiny.recipe import ATTENTIONS
+from lnmonitor.tiny.recipe import ATTENTIONS, INITS
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class GPTConfig:
     norm: Literal["layer", "rms"] = "layer"
     eps: float = 1e-5
     attention: Literal["sdpa", "explicit"] = "sdpa"
+    init: Literal["default", "gpt2"] = "default"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "width", "depth", "heads", "context", "mlp_ratio"):
@@ -50,6 +51,8 @@ class GPTConfig:
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -108,8 +111,10 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Character GPT with PyTorch's default initialisation (embeddings N(0, 1)), as in
-    the study: its first norm reads a residual stream of rms ~0.9 after training.
+    """Character GPT.  ``config.init == "default"`` keeps PyTorch's own initialisation
+    (embeddings N(0, 1)), as in the study: its first norm reads a residual stream of rms
+    ~0.9 after training.  ``"gpt2"`` is GPT-2's: weights N(0, 0.02), biases 0, the residual
+    projections N(0, 0.02 / sqrt(2 depth)), so the stream starts at rms ~0.03.
     ``forward(idx, targets=None)`` returns ``(logits, loss)``; loss is
     the mean cross-entropy in nats per character, or ``None`` without targets."""
 
@@ -121,6 +126,19 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.lnf = make_norm(config)
         self.head = nn.Linear(config.width, config.vocab_size, bias=False)
+        if config.init == "gpt2":
+            self._gpt2_init()
+
+    @torch.no_grad()
+    def _gpt2_init(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        for block in self.blocks:  # the projections that write into the residual stream
+            for proj in (block.attn.proj, block.mlp.proj):
+                proj.weight.normal_(0.0, 0.02 / math.sqrt(2 * self.config.depth))
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -7,11 +7,13 @@ import torch
 
 from lnmonitor.tiny.data import CharVocab
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
+from lnmonitor.tiny.recipe import DECAYS
 
 
 class TinyGPTModule(L.LightningModule):
-    """A :class:`TinyGPT` with the recipe's optimiser: AdamW (weight decay on the
-    matrices only), a one-cycle learning rate peaking at ``lr`` over ``max_steps``.
+    """A :class:`TinyGPT` with the recipe's optimiser: AdamW with ``weight_decay`` on every
+    parameter (``decay="all"``, the study's) or on the matrices only (``"matrices"``), and a
+    one-cycle learning rate peaking at ``lr`` over ``max_steps``.
 
     ``forward(x, y=None)`` returns ``(logits, loss)``. The vocabulary is a
     hyperparameter, so it travels with every checkpoint.
@@ -21,15 +23,17 @@ class TinyGPTModule(L.LightningModule):
         self, vocab: str, width: int = 128, depth: int = 4, heads: int = 4,
         context: int = 64, norm: str = "layer", eps: float = 1e-5,
         attention: str = "sdpa", lr: float = 3e-3, weight_decay: float = 0.1,
-        max_steps: int = 3000,
+        max_steps: int = 3000, decay: str = "all", init: str = "default",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.vocab = CharVocab(vocab)
         self.config = GPTConfig(
             vocab_size=len(self.vocab), width=width, depth=depth, heads=heads,
-            context=context, norm=norm, eps=eps, attention=attention,
+            context=context, norm=norm, eps=eps, attention=attention, init=init,
         )
+        if decay not in DECAYS:
+            raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
         self.model = TinyGPT(self.config)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
@@ -45,15 +49,15 @@ class TinyGPTModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].shape[0])
 
     def configure_optimizers(self):
-        matrices = [p for p in self.parameters() if p.dim() >= 2]
-        others = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": matrices, "weight_decay": self.hparams.weight_decay},
-                {"params": others, "weight_decay": 0.0},
-            ],
-            lr=self.hparams.lr,
-        )
+        decay = self.hparams.weight_decay
+        if self.hparams.decay == "all":
+            groups = [{"params": list(self.parameters()), "weight_decay": decay}]
+        else:
+            groups = [
+                {"params": [p for p in self.parameters() if p.dim() >= 2], "weight_decay": decay},
+                {"params": [p for p in self.parameters() if p.dim() < 2], "weight_decay": 0.0},
+            ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         schedule = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=self.hparams.lr, total_steps=self.hparams.max_steps
         )

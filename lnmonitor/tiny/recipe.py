@@ -13,9 +13,14 @@ from dataclasses import asdict, dataclass, field
 from lnmonitor.errors import UsageError
 from lnmonitor.kinds import KINDS
 
-__all__ = ["ATTENTIONS", "Recipe"]
+__all__ = ["ATTENTIONS", "DECAYS", "INITS", "Recipe"]
 
 ATTENTIONS = ("sdpa", "explicit")  # the tiny GPT's attention implementations
+# "default": PyTorch's own initialisation (embeddings N(0, 1)), as the study;
+# "gpt2": GPT-2's, N(0, 0.02) weights and 0.02 / sqrt(2 depth) on the residual projections
+INITS = ("default", "gpt2")
+# weight decay on every parameter (the study's AdamW), or on the matrices only
+DECAYS = ("all", "matrices")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class Recipe:
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.1
+    decay: str = "all"
+    init: str = "default"
     grad_clip: float = 1.0
     seed: int = 0
     val_every: int = 250
@@ -54,8 +61,9 @@ class Recipe:
                 raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
         if self.norm not in KINDS:
             raise UsageError(f"norm must be one of {', '.join(KINDS)}, got {self.norm!r}")
-        if self.attention not in ATTENTIONS:
-            raise UsageError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        for name, allowed in (("attention", ATTENTIONS), ("init", INITS), ("decay", DECAYS)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.width % self.heads:
             raise UsageError(
                 f"width {self.width} is not divisible by heads {self.heads}: "
@@ -70,7 +78,8 @@ class Recipe:
         return dict(
             vocab=vocab, width=self.width, depth=self.depth, heads=self.heads,
             context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
-            lr=float(self.lr), weight_decay=float(self.weight_decay), max_steps=self.max_steps,
+            lr=float(self.lr), weight_decay=float(self.weight_decay), decay=self.decay, init=self.init,
+            max_steps=self.max_steps,
         )
 
     def to_dict(self) -> dict:
