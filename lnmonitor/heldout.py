@@ -106,7 +106,7 @@ def measure_norm_rows(
         order += [i for i in cap.order if i not in order]
         for i, info in enumerate(norms):
             eps = info.eps(torch.float32)
-            weight = info.weight()
+            weight = info.gain()
             w = None if weight is None else weight.detach().reshape(-1).to("cpu", _F64)
             part = parts[i]
             for x, box, _ in cap.calls[i]:

@@ -16,16 +16,19 @@ checks this on one batch by transforming the final norm's input inside the forwa
   removing the model's own eps effect, which is real).
 
 How the input is transformed.  A forward hook on the final norm takes its input ``h``,
-applies the transform in float64 and replaces the norm's output by a float64 copy of
-the norm evaluated there, cast back to the output's dtype; the untransformed baseline
-goes through the same float64 path.  The delta-loss is therefore what the
-*transformation* does to the loss through the rest of the model at the model's own
-precision, without the float32 rounding of ``h + 1000`` or of the norm's own
-arithmetic (which would otherwise swamp the eps effect at small ``sigma``).  So the
-shift cases are zero to the last bit in float32 for a true LayerNorm, and non-zero for
-a norm that is not shift-invariant (an RMSNorm, or a custom norm that forgets to
-centre).  Only the final norm sees the transformed input (the hook replaces its
-output): a path that reads ``h`` around the final norm is not transformed.
+applies the transform in float64 and replaces the norm's output by the norm evaluated
+there in float64 from its checked form (:meth:`lnmonitor.norms.NormInfo.reference`:
+``gain * xhat + bias``, which the norm reproduced in float64 before it was measured), cast
+back to the output's dtype; the untransformed baseline goes through the same float64
+path.  The delta-loss is therefore what the *transformation* does to the loss through
+the rest of the model at the model's own precision, without the float32 rounding of
+``h + 1000`` or of the norm's own arithmetic (which would otherwise swamp the eps effect
+at small ``sigma``).  So the shift cases are zero to the last bit in float32 for a
+LayerNorm, and non-zero for a norm that is not shift-invariant (an RMSNorm; a
+hand-written "LayerNorm" that forgets to centre is found to be one).  Only the final norm
+sees the transformed input (the hook replaces its output): a path that reads ``h`` around
+the final norm is not transformed.  No copy of the module is made, so a sharded model
+(FSDP2) is probed the same way.
 
 The norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is computed per row in
 float64 on ``xhat`` (before the gain and bias), so for ``T h = a h + c 1`` it equals
@@ -60,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.geometry import row_stats
-from lnmonitor.hooks import Hooks, eager, eval_mode, float64_twin, unmeasured
+from lnmonitor.hooks import Hooks, eager, eval_mode, unmeasured
 from lnmonitor.norms import NormInfo, find_norms
 
 __all__ = [
@@ -363,26 +366,17 @@ def final_norm_invariance(
     norm, name = info.module, info.name
     ctx = autocast or nullcontext
 
-    state: dict = {"t": None, "h": None, "twin": None, "eps": None, "inside": False}
+    state: dict = {"t": None, "h": None, "eps": None}
 
     def hook(mod, args, output):
-        if state["inside"]:
-            return None  # the twin's own call of the module
         h = args[0].detach()
-        if state["twin"] is None:
-            state["eps"] = info.eps(h.dtype)
-            state["twin"] = float64_twin(norm)
         if state["h"] is None:
-            state["h"] = h
+            state["h"], state["eps"] = h, info.eps(h.dtype)
         h64 = h.to(torch.float64)
         if state["t"] is not None:
             h64 = _transform(h64, *state["t"])
-        state["inside"] = True
-        try:
-            with torch.autocast(h.device.type, enabled=False):
-                out = state["twin"](h64)
-        finally:
-            state["inside"] = False
+        with torch.autocast(h.device.type, enabled=False):
+            out = info.reference(h64, h.dtype)
         return out.to(output.dtype)
 
     def run(t):

@@ -144,8 +144,8 @@ def _norm_info(norm, kind: str | None, eps: float | None):
             return norm, kind, float(eps), float(eps), weight if isinstance(weight, Tensor) else None
         norm = info
     if eps is not None:
-        return norm.module, kind or norm.kind, float(eps), float(eps), norm.weight()
-    return norm.module, kind or norm.kind, norm.eps(torch.float32), norm.eps(torch.float64), norm.weight()
+        return norm.module, kind or norm.kind, float(eps), float(eps), norm.gain()
+    return norm.module, kind or norm.kind, norm.eps(torch.float32), norm.eps(torch.float64), norm.gain()
 
 
 def probe_norm_jacobian(

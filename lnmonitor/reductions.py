@@ -21,9 +21,24 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["FIELDS", "layernorm_backward_reductions", "row_reductions", "row_values"]
+__all__ = ["FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "layernorm_backward_reductions", "row_reductions",
+           "row_values"]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
+# A row whose |w| is below this fraction of the rms |w| of its call carries no information:
+# a structural zero (the query at position 0 of causal attention gets none) that float32
+# rounding of the other rows' terms turns into noise.  Its share is noise: it is skipped.
+ROUNDING_ROW = 1e-5
+
+
+def drop_rounding_rows(red: Tensor) -> Tensor:
+    """``red`` (:data:`FIELDS` x rows) with ``ww`` set to 0 on the rows whose gradient is
+    rounding (:data:`ROUNDING_ROW`), so that they are skipped and counted; one reduction."""
+    ww = red[3]
+    finite = torch.isfinite(ww)
+    mean = torch.where(finite, ww, 0.0).sum() / finite.sum().clamp_(min=1)  # of the finite rows
+    red[3] = torch.where((ww > (ROUNDING_ROW**2) * mean) | ~finite, ww, 0.0)  # the rest skipped later
+    return red
 
 
 def _buffers(workspace, n: int, d: int):

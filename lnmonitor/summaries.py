@@ -8,16 +8,18 @@ laid out by :class:`Layout`:
   - the dead-plane share: ``SHARE_BINS`` = 4096 linear bins on [0, 1], so a share
     quantile is resolved to ``SHARE_RESOLUTION`` = 1/4096 = 2.4e-4;
   - the norm's variance ``var`` (layer: ``mean((x-mu)^2)``; rms: ``mean(x^2)``) and the
-    stream's mean square ``ms = mean(x^2)``: ``LOG_BINS_PER_DECADE`` = 400 log-spaced
-    bins per decade on [1e-10, 1e10] (rows out of that range count in the end bins and
-    read as the range's ends), a relative resolution of
-    ``VAR_RESOLUTION`` = 10^(1/400) - 1 = 0.58% on ``var`` and ``eps/var``, half that
-    (0.29%, ``SIGMA_RESOLUTION``) on ``sigma = sqrt(var + eps)``, ``1/sigma`` and
-    ``rms = sqrt(ms)``.  Quantiles of sigma, 1/sigma, eps/var and the transmission
-    ``eps/(var+eps)`` are read from the ``var`` histogram, since each is a monotone
-    function of ``var`` (the median of sigma is ``sqrt(median(var) + eps)``).
+    stream's mean square ``ms = mean(x^2)``, over the *whole* float32 range: a row's bin
+    is the top 15 bits of its float32 value (the exponent and 7 mantissa bits,
+    ``VALUE_BINS`` = 32,768 bins), so a bin spans at most ``VAR_RESOLUTION`` = 2^-7 =
+    0.78% of its value on ``var`` and ``eps/var``, ``SIGMA_RESOLUTION`` = 0.39% on
+    ``sigma = sqrt(var + eps)``, ``1/sigma`` and ``rms = sqrt(ms)``, from 1e-38 to 3e38
+    alike, and no value is clamped.  Quantiles of sigma, 1/sigma, eps/var and the
+    transmission ``eps/(var+eps)`` are read from the ``var`` histogram, since each is a
+    monotone function of ``var`` (the median of sigma is ``sqrt(median(var) + eps)``).
 
-* per norm, the number of rows seen;
+* per norm, sums: the rows seen and, on the step that tells residual-stream norms from
+  branch norms, ``|dL/dx|^2`` and ``|dL/dx - J^T dL/dy|^2`` at the norm's input (the part of
+  the gradient that goes around the norm, :attr:`NormSummary.bypass`);
 * per norm, the exact maximum share.
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
@@ -42,12 +44,12 @@ from lnmonitor.reductions import row_values
 from lnmonitor.taps import StepRows
 
 __all__ = [
-    "LOG_BINS_PER_DECADE",
     "Layout",
     "NormSummary",
     "SHARE_BINS",
     "SHARE_RESOLUTION",
     "SIGMA_RESOLUTION",
+    "VALUE_BINS",
     "VAR_RESOLUTION",
     "hist_quantile",
     "hist_quantiles",
@@ -57,13 +59,14 @@ __all__ = [
 ]
 
 SHARE_BINS = 4096
-LOG_LO, LOG_HI = -10.0, 10.0
-LOG_BINS_PER_DECADE = 400
 SHARE_RESOLUTION = 1.0 / SHARE_BINS
-VAR_RESOLUTION = 10 ** (1.0 / LOG_BINS_PER_DECADE) - 1.0
+VALUE_MANTISSA_BITS = 7
+VALUE_SHIFT = 23 - VALUE_MANTISSA_BITS  # float32 bits dropped: the low mantissa bits
+VALUE_BINS = 1 << (31 - VALUE_SHIFT)  # every non-negative float32 bit pattern, 32,768 bins
+VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 1  # rows
+N_SUMS = 3  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2
 N_MAX = 1  # share max
 
 
@@ -73,17 +76,11 @@ class Layout:
 
     n_norms: int
     share_bins: int = SHARE_BINS
-    log_lo: float = LOG_LO
-    log_hi: float = LOG_HI
-    per_decade: int = LOG_BINS_PER_DECADE
-
-    @property
-    def log_bins(self) -> int:
-        return int(round((self.log_hi - self.log_lo) * self.per_decade))
+    value_bins: int = VALUE_BINS
 
     @property
     def per_norm(self) -> int:
-        return self.share_bins + 2 * self.log_bins
+        return self.share_bins + 2 * self.value_bins
 
     @property
     def hist_size(self) -> int:
@@ -101,9 +98,12 @@ class Layout:
     def share_edges(self) -> np.ndarray:
         return np.linspace(0.0, 1.0, self.share_bins + 1)
 
-    def log_edges(self) -> np.ndarray:
-        """Bin edges of the var/ms histograms in log10 units."""
-        return np.linspace(self.log_lo, self.log_hi, self.log_bins + 1)
+    def value_edges(self) -> np.ndarray:
+        """Bin edges of the var/ms histograms: the float32 values whose bits are ``i << 16``
+        (the bins of inf and nan read as inf)."""
+        first_inf = 0xFF << (23 - VALUE_SHIFT)  # exponent 255: inf and nan
+        index = np.minimum(np.arange(self.value_bins + 1, dtype=np.int64), first_inf)
+        return (index << VALUE_SHIFT).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def _to_device(values: list, device: torch.device) -> Tensor:
@@ -143,23 +143,26 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         nid = torch.repeat_interleave(ids.to(device), reps.to(device), output_size=m)
     share, share_ok, var, ms, stat_ok = row_values(data, d, layer)
 
-    sb, lb, per_norm = layout.share_bins, layout.log_bins, layout.per_norm
+    sb, vb, per_norm = layout.share_bins, layout.value_bins, layout.per_norm
     dump = layout.size  # one spare slot past the end collects the rows without a value
     base = nid * per_norm
     ones = torch.ones((), dtype=torch.float32, device=device).expand(m)
     i_share = (share * sb).clamp_(max=sb - 1).long().add_(base)
     flat.index_add_(0, torch.where(share_ok, i_share, dump), ones)
-    one = torch.ones((), dtype=var.dtype, device=device)
-    scale, shift = float(layout.per_decade), -layout.log_lo * layout.per_decade
-    for values, offset in ((var, sb), (ms, sb + lb)):
-        lv = torch.where(stat_ok, values, one).log10_().mul_(scale).add_(shift).clamp_(0, lb - 1)
-        flat.index_add_(0, torch.where(stat_ok, lv.long().add_(base + offset), dump), ones)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    for values, offset in ((var, sb), (ms, sb + vb)):
+        # the bin of a non-negative float32 is its top 15 bits: exponent and 7 mantissa bits
+        bits = torch.where(stat_ok, values, one).contiguous().view(torch.int32)
+        bins = bits.bitwise_right_shift(VALUE_SHIFT)
+        flat.index_add_(0, torch.where(stat_ok, bins.long().add_(base + offset), dump), ones)
 
     per_norm_rows = [0.0] * n
     for r in recs:
         per_norm_rows[r[0]] += r[1]
     sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
     sums[:, 0] = _to_device(per_norm_rows, device)
+    for index, parts in rows.bypass.items():
+        sums[index, 1:] = parts
     maxes = flat[layout.sum_end : layout.size]
     maxes.fill_(-math.inf)
     maxes.scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
@@ -194,7 +197,6 @@ def hist_quantiles(
     qs: Sequence[float],
     lo: np.ndarray,
     hi: np.ndarray,
-    log: bool = False,
 ) -> np.ndarray:
     """:func:`hist_quantile` for many histograms at once (vectorised over rows):
     ``counts`` is ``(n, bins)``, ``edges`` ``(bins + 1,)``, ``lo``/``hi`` ``(n,)``;
@@ -222,9 +224,8 @@ def hist_quantiles(
         ci = np.take_along_axis(counts, i, 1)
         before = np.take_along_axis(cum, i, 1) - ci
         frac = np.clip((r - before + 0.5) / np.maximum(ci, 1.0), 0.0, 1.0)
-        v = edges[i] + frac * (edges[i + 1] - edges[i])
-        if log:
-            v = 10.0**v
+        width = edges[i + 1] - edges[i]
+        v = edges[i] + frac * np.where(np.isfinite(width), width, 0.0)
         return np.minimum(np.maximum(v, lo), hi)
 
     v0 = order_stat(r0)
@@ -237,9 +238,9 @@ _EDGES: dict = {}
 
 
 def _edges(layout: Layout, which: str) -> np.ndarray:
-    key = (layout.share_bins, layout.log_lo, layout.log_hi, layout.per_decade, which)
+    key = (layout.share_bins, layout.value_bins, which)
     if key not in _EDGES:
-        _EDGES[key] = layout.share_edges() if which == "share" else layout.log_edges()
+        _EDGES[key] = layout.share_edges() if which == "share" else layout.value_edges()
     return _EDGES[key]
 
 
@@ -249,15 +250,13 @@ def hist_quantile(
     q: float,
     lo: float = -math.inf,
     hi: float = math.inf,
-    log: bool = False,
 ) -> float:
-    """Quantile ``q`` of the values binned in ``counts`` (bin ``i`` is ``edges[i]..edges[i+1]``,
-    in log10 units when ``log``).
+    """Quantile ``q`` of the values binned in ``counts`` (bin ``i`` is ``edges[i]..edges[i+1]``).
 
     Same definition as numpy's default: linear interpolation between the order statistics
     around the 0-based rank ``q (n - 1)``.  Each order statistic is placed inside its bin
     as if the bin's values were evenly spread across it and clamped to ``[lo, hi]`` (the
-    exact extremes), so the error is at most one bin width (relative, for log bins).
+    exact extremes), so the error is at most one bin width.
     """
     counts = np.asarray(counts, dtype=np.float64)
     n = int(round(counts.sum()))
@@ -273,9 +272,8 @@ def hist_quantile(
         i = min(int(np.searchsorted(cum, r + 0.5, side="left")), len(counts) - 1)
         before = cum[i] - counts[i]
         frac = (r - before + 0.5) / counts[i] if counts[i] > 0 else 0.5
-        value = edges[i] + min(max(frac, 0.0), 1.0) * (edges[i + 1] - edges[i])
-        if log:
-            value = 10.0**value
+        width = edges[i + 1] - edges[i]
+        value = edges[i] + min(max(frac, 0.0), 1.0) * (width if math.isfinite(width) else 0.0)
         return min(max(value, lo), hi)
 
     low = order_stat(r0)
@@ -305,6 +303,7 @@ class NormSummary:
     ms_min: float
     ms_max: float
     layout: Layout
+    bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
     ms_counts: np.ndarray | None = None
@@ -327,19 +326,19 @@ class NormSummary:
         if not self.measured_rows:
             return math.nan
         return hist_quantile(
-            self.var_counts, self.layout.log_edges(), q, self.var_min, self.var_max, log=True
+            self.var_counts, _edges(self.layout, "value"), q, self.var_min, self.var_max
         )
 
 
-def _occupied(counts: np.ndarray, log_edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _occupied(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lower edge of the first and upper edge of the last occupied bin of each row (linear
     units); nan for empty rows."""
     occupied = counts > 0
     first = occupied.argmax(1)
     last = counts.shape[1] - 1 - occupied[:, ::-1].argmax(1)
     empty = ~occupied.any(1)
-    lo = np.where(empty, np.nan, 10.0 ** log_edges[first])
-    hi = np.where(empty, np.nan, 10.0 ** log_edges[last + 1])
+    lo = np.where(empty, np.nan, edges[first])
+    hi = np.where(empty, np.nan, edges[last + 1])
     return lo, hi
 
 
@@ -353,19 +352,18 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     if isinstance(merged, Tensor):
         merged = merged.detach().cpu().numpy()
     merged = np.asarray(merged)
-    n, sb, lb = layout.n_norms, layout.share_bins, layout.log_bins
+    n, sb, lb = layout.n_norms, layout.share_bins, layout.value_bins
     hist = merged[: layout.hist_size].reshape(n, layout.per_norm)
     sums = merged[layout.hist_size : layout.sum_end].reshape(n, N_SUMS).astype(np.float64)
     maxes = merged[layout.sum_end : layout.size].reshape(n, N_MAX).astype(np.float64)
     share_c, var_c, ms_c = hist[:, :sb], hist[:, sb : sb + lb], hist[:, sb + lb :]
-    log_edges = _edges(layout, "log")
-    var_lo, var_hi = _occupied(var_c, log_edges)
-    ms_lo, ms_hi = _occupied(ms_c, log_edges)
+    value_edges = _edges(layout, "value")
+    var_lo, var_hi = _occupied(var_c, value_edges)
+    ms_lo, ms_hi = _occupied(ms_c, value_edges)
     with np.errstate(invalid="ignore", over="ignore"):
         q_share = hist_quantiles(share_c, _edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[:, 0])
-        q_both = hist_quantiles(np.concatenate((var_c, ms_c)), log_edges, (0.5,),
-                                np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)),
-                                log=True)
+        q_both = hist_quantiles(np.concatenate((var_c, ms_c)), value_edges, (0.5,),
+                                np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)))
         q_var, q_ms = q_both[:n], q_both[n:]
     share_rows = share_c.sum(1, dtype=np.float64)
     var_rows = var_c.sum(1, dtype=np.float64)
@@ -387,6 +385,7 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 ms_min=float(ms_lo[i]),
                 ms_max=float(ms_hi[i]),
                 layout=layout,
+                bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 share_counts=share_c[i].astype(np.float64) if counts else None,
                 var_counts=var_c[i].astype(np.float64) if counts else None,
                 ms_counts=ms_c[i].astype(np.float64) if counts else None,

@@ -32,12 +32,21 @@ blocks backwards) does not reorder the ladder.  Forward passes run inside
 :func:`lnmonitor.hooks.unmeasured` (the probes' own passes) are ignored.  The private
 torch APIs these decisions use are looked up once, with a plain fallback
 (:mod:`lnmonitor.torch_internals`).
+
+The gain (``weight``, ``1 + weight``, ...) is read in the forward hook, while the model
+itself has it at hand (a sharded model gathers it for its forward).  With
+``attach(bypass=True)`` a third hook, on the norm's *input*, compares the whole gradient
+there with the part that came through the norm (``J^T dL/dy``): what goes around it
+(``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says whether the norm
+reads the residual stream, whose input flows on past it, or a branch.  A hook never
+raises into the user's backward: an error stops the tap for the step and is kept in
+:attr:`NormTap.error`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +54,7 @@ from torch import Tensor, nn
 from lnmonitor import torch_internals
 from lnmonitor.hooks import Hooks, measuring
 from lnmonitor.norms import NormInfo
-from lnmonitor.reductions import layernorm_backward_reductions, row_reductions
+from lnmonitor.reductions import drop_rounding_rows, layernorm_backward_reductions, row_reductions
 
 __all__ = ["NormTap", "StepRows"]
 
@@ -57,12 +66,15 @@ class StepRows:
     ``data`` is ``(5, rows)`` float32 (:data:`~lnmonitor.reductions.FIELDS`), ``records``
     lists, per hooked call, ``(norm index, rows, d, eps, dead_dim)`` in the order the
     gradients arrived.  ``order`` holds the norm indices in the order their forward first ran.
+    ``bypass`` maps a norm index to the float32 pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)``
+    summed over its rows, when it was measured.
     """
 
     data: Tensor | None
     records: list[tuple[int, int, int, float, int]]
     order: list[int]
     eps: dict[int, float]
+    bypass: dict[int, Tensor] = field(default_factory=dict)
 
 
 class NormTap:
@@ -75,26 +87,45 @@ class NormTap:
 
     def __init__(self, norms: Sequence[NormInfo]) -> None:
         self.norms = list(norms)
+        self.error: BaseException | None = None
         self._hooks = Hooks()
+        self._bypass_step = False
         self._chunks: list[Tensor] = []
         self._records: list[tuple[int, int, int, float, int]] = []
         self._order: list[int] = []
         self._seen: set[int] = set()
         self._eps: dict[int, float] = {}
-        self._pending: list[list] = []
+        self._bypass: dict[int, Tensor] = {}
+        self._pending: list[dict] = []
         self._workspace: tuple[Tensor, Tensor] | None = None
 
-    def attach(self) -> None:
+    def attach(self, bypass: bool = False) -> None:
         if self._hooks:
             return
-        for index, info in enumerate(self.norms):
-            self._hooks.forward(info.module, self._forward_hook(index))
+        self._bypass_step = bypass
+        for index in range(len(self.norms)):
+            self._hooks.forward(self.norms[index].module, self._forward_hook(index))
 
     def detach(self) -> None:
         self._hooks.remove()
         for box in self._pending:
             box.clear()
         self._pending = []
+
+    def _guarded(self, fn):
+        """``fn`` that never raises into the user's forward or backward: the first error is
+        kept in :attr:`error` and the tap stops for the rest of the step."""
+
+        def hook(*args):
+            if self.error is not None:
+                return None
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001 - never stop the user's training
+                self.error = err
+            return None
+
+        return hook
 
     def _forward_hook(self, index: int):
         info = self.norms[index]
@@ -119,46 +150,55 @@ class NormTap:
             saved = None
             if not packing and info.kind == "layer":
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
-            box = [(x, saved)]  # the only references we hold; cleared by the backward hook
+            # the only references we hold, cleared by the backward hooks or detach()
+            box = {"x": x, "saved": saved, "gain": info.gain()}
             self._pending.append(box)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
-                output.grad_fn.register_hook(self._node_hook(index, info, box))
+                output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
             else:
-                output.register_hook(self._grad_hook(index, info, box))
+                output.register_hook(self._guarded(self._grad_hook(index, info, box)))
+            if self._bypass_step and x.requires_grad:
+                box["awaits_input"] = True
+                x.register_hook(self._guarded(self._input_hook(index, box)))
 
-        return hook
+        return self._guarded(hook)
 
-    def _take(self, box: list):
-        item = box.pop()
+    def _take(self, box: dict) -> tuple[Tensor, tuple | None, Tensor | None]:
+        x, saved, gain = box.pop("x"), box.pop("saved"), box.pop("gain")
+        if not box.get("awaits_input"):  # else the input hook, or detach(), lets it go
+            self._drop(box)
+        return x, saved, gain
+
+    def _drop(self, box: dict) -> None:
         try:
             self._pending.remove(box)
         except ValueError:
             pass
-        return item
 
-    def _grad_hook(self, index: int, info: NormInfo, box: list):
+    def _grad_hook(self, index: int, info: NormInfo, box: dict):
         def hook(grad: Tensor) -> None:
-            if not box:
+            if "x" not in box:
                 return
-            x, _ = self._take(box)
+            x, _, gain = self._take(box)
             d = x.shape[-1] if info.width is None else info.width
             if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
                 return  # not rows of this norm, or no room outside the dead subspace
             eps = info.eps(x.dtype)
             self._eps[index] = eps
-            args = (
-                x.reshape(-1, d), grad.reshape(-1, d), info.kind, info.weight(),
-                self._scratch(x.numel(), x.device),
-            )
+            rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
+            args = (rows, grads, info.kind, gain, self._scratch(x.numel(), x.device))
             self._run(row_reductions, args, x.device.type, index, d, eps, info)
+            if self._bypass_step:
+                with torch.no_grad():
+                    box["through"] = _through(rows, grads, info.kind, eps, gain)
 
         return hook
 
-    def _node_hook(self, index: int, info: NormInfo, box: list):
+    def _node_hook(self, index: int, info: NormInfo, box: dict):
         def hook(grad_inputs, grad_outputs) -> None:
-            if not box:
+            if "x" not in box:
                 return
-            x, (mean, rstd) = self._take(box)
+            x, (mean, rstd), gain = self._take(box)
             g = grad_outputs[0] if grad_outputs else None
             if g is None:
                 return
@@ -169,20 +209,38 @@ class NormTap:
             self._eps[index] = eps
             dx = grad_inputs[0] if grad_inputs else None
             if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
-                args = (x, g, info.kind, info.weight(), self._scratch(x.numel(), x.device))
+                args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
                 self._run(row_reductions, args, x.device.type, index, d, eps, info)
                 return
-            args = (g, dx, mean, rstd, eps, info.weight(), self._scratch(x.numel(), x.device))
+            args = (g, dx, mean, rstd, eps, gain, self._scratch(x.numel(), x.device))
             self._run(layernorm_backward_reductions, args, x.device.type, index, d, eps, info)
+            if self._bypass_step:
+                box["through"] = dx.detach().reshape(-1, d)
+
+        return hook
+
+    def _input_hook(self, index: int, box: dict):
+        """The whole gradient at the norm's input against the part through the norm."""
+
+        def hook(total: Tensor) -> None:
+            through = box.pop("through", None)
+            self._drop(box)
+            box.clear()
+            if through is None or total.numel() != through.numel():
+                return
+            with torch.no_grad():
+                g = total.detach().reshape(through.shape).float()
+                parts = torch.stack((g.square().sum(), (g - through.float()).square().sum()))
+            self._bypass[index] = parts if index not in self._bypass else self._bypass[index] + parts
 
         return hook
 
     def _run(self, fn, args, device: str, index: int, d: int, eps: float, info: NormInfo) -> None:
         if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
             with torch.no_grad(), torch.autocast(device, enabled=False):
-                red = fn(*args)
+                red = drop_rounding_rows(fn(*args))
         else:  # the usual backward: no graph, no autocast, no context to enter
-            red = fn(*args)
+            red = drop_rounding_rows(fn(*args))
         self._chunks.append(red)
         self._records.append((index, red.shape[1], d, eps, info.dead_dim))
 
@@ -198,8 +256,23 @@ class NormTap:
         data = None
         if self._chunks:
             data = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks, dim=1)
-        rows = StepRows(data, self._records, self._order, dict(self._eps))
+        rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass)
         self._chunks, self._records, self._order = [], [], []
-        self._seen, self._eps = set(), {}
+        self._seen, self._eps, self._bypass = set(), {}, {}
         self._workspace = None
+        self._bypass_step = False
         return rows
+
+
+def _through(x: Tensor, g: Tensor, kind: str, eps: float, gain: Tensor | None) -> Tensor:
+    """``J^T dL/dy`` of a norm in float32: ``(1/sigma) (w - mean(w) - (w.xhat/d) xhat)`` with
+    ``w = gain * dL/dy`` (RMSNorm: without the mean)."""
+    x, g = x.float(), g.float()
+    w = g * gain.detach().reshape(-1).float() if gain is not None else g
+    xc = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+    sigma = (xc.square().mean(-1, keepdim=True) + eps).sqrt()
+    xhat = xc / sigma
+    out = w - (w * xhat).mean(-1, keepdim=True) * xhat
+    if kind == "layer":
+        out = out - w.mean(-1, keepdim=True)
+    return out / sigma

@@ -160,7 +160,7 @@ def float64_reference(module, batch, state=None, loss_fn=None) -> dict[str, dict
         x, g = found[info.name]
         d = x.shape[-1]
         x, g = x.reshape(-1, d).numpy(), g.reshape(-1, d).numpy()
-        weight = info.weight()
+        weight = info.gain()
         w = g * weight.detach().numpy() if weight is not None else g
         var = x.var(1) if info.kind == "layer" else (x**2).mean(1)
         out[info.name] = dict(share=qr_share(x, w, info.kind), var=var, ms=(x**2).mean(1),

@@ -130,13 +130,27 @@ class NotCentred(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def test_a_final_norm_that_is_not_shift_invariant_shows():
+def test_a_norm_declared_as_what_it_does_not_compute_is_refused_not_measured():
+    """NotCentred declares itself a LayerNorm but does not centre: its declaration does not
+    reproduce its output, so it is refused with the mismatch; declared as the RMSNorm it is,
+    its shift case moves the loss (shifts are not an RMSNorm invariance)."""
+    from lnmonitor.norms import discover_norms
+
     model = tiny()
     model.lnf = NotCentred(32)
-    res = final_norm_invariance(model, batch(), cases=("shift_5", "scale_3"), scales=())
+    found = discover_norms(model)
+    assert "lnf" not in [n.name for n in found.norms]
+    (refusal,) = [r for r in found.refused if r.name == "lnf"]
+    assert "not reproduced as declared" in refusal.reason and "layer norm" in refusal.reason
+    with pytest.raises(ValueError, match="not a normalisation layer"):
+        final_norm_invariance(model, batch(), "lnf", cases=("shift_5",), scales=())
+    NotCentred.lnmonitor_norm_kind = "rms"
+    try:
+        res = final_norm_invariance(model, batch(), "lnf", cases=("shift_5", "scale_3"), scales=())
+    finally:
+        NotCentred.lnmonitor_norm_kind = "layer"
+    assert res.kind == "rms"
     assert res.cases["shift_5"].dloss != 0.0 and res.cases["shift_5"].max_dlogit > 1e-3
-    # the residual is computed from the declared kind's xhat (centred): it stays zero
-    assert res.cases["shift_5"].out_residual < 1e-12
 
 
 def test_restores_mode_and_rng_and_custom_loss_fn():

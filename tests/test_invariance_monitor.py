@@ -3,6 +3,7 @@ custom losses and probe batches, a model without a final norm."""
 
 from __future__ import annotations
 
+import csv
 import warnings
 
 import pytest
@@ -24,7 +25,7 @@ from conftest import (
     windows,
 )
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from test_layernorm_monitor_conditions import swap_norms
 from torch import nn
 
@@ -142,20 +143,49 @@ def test_the_probe_comes_from_the_validation_loader_given_to_fit():
 
 
 class LogitsOnly(TinyGPTModule):
-    """forward(x) returns logits; a two-argument call raises TypeError."""
+    """forward(x) returns logits (a two-argument call raises TypeError); the loss is computed
+    in training_step, which also logs it."""
 
     def forward(self, x):
         return self.model(x)[0]
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train/loss", loss)
+        return loss
 
 
-def test_an_error_from_the_users_forward_turns_the_monitor_off_and_training_goes_on():
+def test_a_forward_that_returns_logits_is_probed_through_training_step(tmp_path):
     module = LogitsOnly(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=3)
+    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=windows(2),
+                                     keep_history=True)
+    t, _ = fit(module, loader(12, 4), [inv], 3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    assert t.global_step == 3 and inv.disabled_reason is None
+    assert [h["step"] for h in inv.history] == [0, 1, 2, 3]
+    h = inv.history[0]
+    assert h["lnmonitor/invariance/shift_5/dloss"] == 0.0 and abs(h["lnmonitor/invariance/axis_5/dloss"]) > 0
+    assert "lnmonitor/invariance/shift_5/max_dlogit" not in h  # training_step returns no logits
+    logged = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    assert len([r for r in logged if r.get("train/loss")]) == 3  # the probes logged nothing
+
+
+class NoLossAnywhere(LogitsOnly):
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+        opt.step()
+
+
+def test_without_any_loss_the_monitor_says_how_to_pass_one_and_training_goes_on():
+    module = NoLossAnywhere(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=3)
     inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=windows(2))
     t, caught = fit(module, loader(12, 4), [inv], 3)
-    assert t.global_step == 3
+    assert t.global_step == 3 and inv.last_result is None
     said = [w for w in caught if "FinalNormInvarianceMonitor is off" in w]
-    assert len(said) == 1 and "TypeError" in said[0] and inv.disabled_reason is not None
+    assert len(said) == 1 and "loss_fn=lambda module, batch" in said[0]
+    assert "forward(*batch): TypeError" in said[0] and "manual optimisation" in said[0]

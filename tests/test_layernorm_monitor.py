@@ -13,8 +13,10 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     CONTEXT,
+    VOCAB,
     WIDTH,
     assert_close_history,
     char_data,
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, geometry
 from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.tiny import TinyGPTModule
 
 
 class Capture(Callback):
@@ -285,3 +288,82 @@ def test_a_callback_reused_for_a_second_fit_logs_it():
     fit(gpt(3, seed=1), loader(12, 4, seed=1), [fresh], 3)
     assert [h["step"] for h in mon.history] == [0, 1, 2]
     assert_close_history(mon.history, fresh.history, exact=True)
+
+
+class PostNormed(TinyGPTModule):
+    """OLMo2's pattern: each branch's output normed before it is added; no pre-norm."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        for block in self.model.blocks:
+            block.post_attn = nn.LayerNorm(WIDTH)
+
+    def forward(self, x, y=None):
+        m = self.model
+        h = m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1]))
+        for block in m.blocks:
+            h = h + block.post_attn(block.attn(h))
+        logits = m.head(m.lnf(h))
+        return logits, None if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_only_residual_stream_norms_are_rungs_and_ladder_overrides_it(caplog):
+    module = PostNormed(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=2)
+    mon = monitor(exclude=["*.ln1", "*.ln2"])  # the unused pre-norms of the tiny GPT
+    _, caught = fit(module, loader(8, 4), [mon], 2)
+    roles = {n.name: n.role for n in mon.norms}
+    assert roles == {"model.blocks.0.post_attn": "post", "model.blocks.1.post_attn": "post",
+                     "model.lnf": "final"}
+    assert "lnmonitor/ladder/attenuation" not in mon.history[0]  # one rung: nothing to compare
+    assert sum("the ladder has 1 rung(s)" in w for w in caught) == 1
+    assert mon.history[0]["lnmonitor/share_median/model.blocks.0.post_attn"] > 0  # measured anyway
+    named = monitor(exclude=["*.ln1", "*.ln2"], ladder=["model.blocks.*.post_attn", "model.lnf"])
+    module = PostNormed(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=2)
+    fit(module, loader(8, 4), [named], 2)
+    assert [n.role for n in named.norms] == ["residual", "residual", "final"]
+    h = named.history[0]
+    assert h["lnmonitor/ladder/attenuation"] == pytest.approx(
+        h["lnmonitor/inv_sigma/model.blocks.0.post_attn"] / h["lnmonitor/inv_sigma/model.lnf"], rel=1e-6)
+
+
+class TinyRows(L.LightningModule):
+    """Rows of variance 1e-12 through one LayerNorm: far below the old histogram's 1e-10."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(16, eps=1e-5), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.out(self.norm(1e-6 * x)).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_variance_far_below_1e_10_is_read_not_clamped():
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    x = (x - x.mean(1, keepdim=True)) / x.std(1, unbiased=False, keepdim=True)  # every row: var 1 -> 1e-12
+    mon = monitor()
+    fit(TinyRows(), DataLoader(TensorDataset(x), batch_size=64), [mon], 1)
+    h = mon.history[0]
+    assert h["lnmonitor/eps_over_var/norm"] == pytest.approx(1e7, rel=VAR_RESOLUTION)
+    assert h["lnmonitor/rms/norm"] == pytest.approx(1e-6, rel=SIGMA_RESOLUTION)
+    assert h["lnmonitor/transmission/norm"] == pytest.approx(1e-5 / (1e-12 + 1e-5), rel=1e-6)
+
+
+def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monkeypatch):
+    import lnmonitor.taps as taps
+
+    def broken(*args):
+        raise RuntimeError("a model the taps do not understand")
+
+    monkeypatch.setattr(taps, "row_reductions", broken)
+    monkeypatch.setattr(taps, "layernorm_backward_reductions", broken)
+    mon = monitor()
+    t, caught = fit(gpt(3), loader(12, 4), [mon], 3)
+    assert t.global_step == 3 and mon.history == []
+    said = [w for w in caught if "LayerNormMonitor is off" in w]
+    assert len(said) == 1 and "a model the taps do not understand" in said[0]
+    assert all(not m._forward_hooks for m in mon.norms[0].module.modules())

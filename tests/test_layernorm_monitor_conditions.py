@@ -361,7 +361,7 @@ class T5LayerNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gain 1 + weight: not a norm of its weight, so lnmonitor must not pretend it is."""
+    """Gain 1 + weight, as Gemma's: found with that gain, never measured as a norm of weight."""
 
     def forward(self, x):
         return super().forward(x) / self.weight * (1.0 + self.weight)
@@ -371,7 +371,7 @@ def test_handwritten_norms_are_told_apart_by_their_output():
     """Found by class name, kept only if the forward computes that norm of its weight: the
     kind is the one the output matches and a missing eps is measured (even 1e-12), so a
     hand-written norm with eps=0.1 hard-coded is measured exactly like nn.LayerNorm(eps=0.1);
-    a norm of 1 + weight is left out rather than measured wrongly."""
+    a norm of 1 + weight is found with that gain (its output says so), never with weight."""
     cases = [(LayerNorm(8, eps=0.1), "layer", 0.1), (LayerNorm(8, bias=False, eps=1e-12), "layer", 1e-12),
              (T5LayerNorm(8), "rms", 1e-6), (RMSNorm(8, eps=3e-4), "rms", 3e-4)]
     for module, kind, eps in cases:
@@ -381,7 +381,8 @@ def test_handwritten_norms_are_told_apart_by_their_output():
     gemma = GemmaRMSNorm(8)
     with torch.no_grad():
         gemma.weight.uniform_(0.5, 1.5)
-    assert describe_norm(gemma) is None
+    info = describe_norm(gemma)
+    assert info.kind == "rms" and torch.equal(info.gain(), 1.0 + gemma.weight)
 
     make = lambda d: LayerNorm(d, eps=0.1)  # noqa: E731
     hand = monitor()

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from lnmonitor.norms import find_norms, register_norm, select_norms, unregister_norm
+from lnmonitor.norms import (
+    assign_roles,
+    discover_norms,
+    find_norms,
+    register_norm,
+    select_norms,
+    unregister_norm,
+)
 
 # ---------------------------------------------------------------------------
 # discovery
@@ -79,7 +88,7 @@ def test_discovery_kinds_order_and_protocol():
         found = find_norms(model)
         foreign = [f for f in found if f.name == "5"][0]
         assert foreign.kind == "rms" and foreign.eps() == 1e-4 and foreign.width == 8
-        assert foreign.weight() is model[5].scale
+        assert foreign.gain() is model[5].scale
     finally:
         unregister_norm(ForeignNorm)
     assert "5" not in [f.name for f in find_norms(model)]
@@ -116,3 +125,85 @@ def test_select_by_glob():
 def test_width_below_dead_dimension_raises_in_geometry_terms():
     info = find_norms(nn.Sequential(nn.LayerNorm(2)))[0]
     assert info.width == 2 and info.dead_dim == 2
+
+
+class UnitOffset(nn.Module):
+    """Gemma's RMSNorm: x / rms * (1 + weight), weight zero at initialisation."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def test_a_gain_of_one_plus_weight_is_found_by_its_output_even_at_initialisation():
+    """Named like nothing lnmonitor knows, so declared; at weight = 0 a gain of `weight` would
+    make every row look empty: the check picks 1 + weight from the output."""
+    UnitOffset.lnmonitor_norm_kind = "rms"
+    try:
+        refused = discover_norms(nn.Sequential(UnitOffset(8)))
+    finally:
+        del UnitOffset.lnmonitor_norm_kind
+    assert refused.norms == [] and "not reproduced as declared" in refused.refused[0].reason
+    register_norm(UnitOffset, "rms", offset=1.0)
+    try:
+        (info,) = find_norms(nn.Sequential(UnitOffset(8)))
+        assert info.kind == "rms" and torch.equal(info.gain(), torch.ones(8))
+        register_norm(UnitOffset, "rms", gain=lambda m: 1.0 + m.weight)
+        (info,) = find_norms(nn.Sequential(UnitOffset(8)))
+        assert torch.equal(info.gain(), torch.ones(8))
+        register_norm(UnitOffset, "rms", offset=0.0)  # a wrong declaration: refused, with numbers
+        found = discover_norms(nn.Sequential(UnitOffset(8)))
+        assert found.norms == [] and "max relative error" in found.refused[0].reason
+        assert "register_norm(UnitOffset" in found.refused[0].reason
+    finally:
+        unregister_norm(UnitOffset)
+    with pytest.raises(TypeError, match="offset"):
+        register_norm(UnitOffset, "rms", offset="one")
+    with pytest.raises(TypeError, match="gain"):
+        register_norm(UnitOffset, "rms", gain=1.0)
+
+
+def test_the_float64_reference_is_the_norms_own_output():
+    torch.manual_seed(0)
+    for module in (nn.LayerNorm(16), nn.RMSNorm(16, eps=1e-5), LitGPTRMSNorm(16)):
+        with torch.no_grad():
+            module.weight.uniform_(0.5, 1.5)
+        (info,) = find_norms(nn.Sequential(module))
+        x = torch.randn(5, 16, dtype=torch.float64)
+        twin = copy.deepcopy(module).double()
+        torch.testing.assert_close(info.reference(x, torch.float64), twin(x), rtol=1e-12, atol=1e-12)
+
+
+class LitGPTRMSNorm(nn.Module):
+    """LitGPT's RMSNorm with add_unit_offset=True."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.add_unit_offset = eps, True
+
+    def forward(self, x):
+        norm = torch.mean(x * x, dim=-1, keepdim=True)
+        return x * torch.rsqrt(norm + self.eps) * (1 + self.weight)
+
+
+def test_roles_from_what_the_gradient_does_at_each_input():
+    norms = find_norms(nn.Sequential(*(nn.LayerNorm(8) for _ in range(5))))
+    names = [n.name for n in norms]
+    bypass = dict(zip(names, [0.9, 0.0, 0.5, 1e-7, 0.0], strict=True))
+    roles = [n.role for n in assign_roles(norms, bypass)]
+    assert roles == ["residual", "post", "residual", "post", "final"]
+    qk = [n.with_role(None) for n in norms]
+    object.__setattr__(qk[1], "name", "layers.0.attn.q_norm")
+    assert assign_roles(qk, {**bypass, "layers.0.attn.q_norm": 0.0})[1].role == "qk"
+    # no final norm: the last norm's input flows on, so it is only the last rung
+    assert [n.role for n in assign_roles(norms, {**bypass, "4": 0.8})][-1] == "residual"
+    # unmeasured (no gradient reached the input): a rung, not a branch
+    assert [n.role for n in assign_roles(norms, {})] == ["residual"] * 4 + ["residual"]
+    # ladder= names the rungs; the last of them is the final norm
+    assert [n.role for n in assign_roles(norms, bypass, ladder=["0", "2"])] == [
+        "residual", "post", "final", "post", "post"]

@@ -72,7 +72,7 @@ def test_gain_spread_is_finite_reported_and_moved_by_training(trained):
     for info in norms:
         p = probe_norm_jacobian(info, cap.norms[info.name][-1])
         assert math.isfinite(p.gain_spread) and 1.0 < p.gain_spread < 10.0, info.name
-        g = info.weight().detach().double().abs()
+        g = info.gain().detach().double().abs()
         assert p.gain_spread <= float(g.max() / g.min()) * (1 + 1e-9)  # P cannot add spread
     fresh = TinyGPTModule(module.vocab.chars, width=PROBE_WIDTH, depth=2, heads=2, context=32)
     info = find_norms(fresh)[0]

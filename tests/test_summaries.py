@@ -32,15 +32,28 @@ def test_hist_quantile_within_one_bin(values, q):
     assert abs(est - np.quantile(v, q)) <= S.SHARE_RESOLUTION + 1e-12
 
 
-def test_log_quantile_relative_resolution():
+@pytest.mark.parametrize("centre", [1e-30, 9.8e-13, 1.0, 1e12, 1e30])
+def test_value_quantiles_resolve_the_whole_float32_range(centre):
+    """var and ms bins are the top 15 bits of the float32 value: every quantile within 2^-7
+    of its value from 1e-30 to 1e30 (no clamp: a row of var 9.8e-13 reads 9.8e-13)."""
     rng = np.random.default_rng(0)
-    v = np.exp(rng.normal(0, 3, 5000))
+    v = (centre * np.exp(rng.normal(0, 2, 3001))).astype(np.float32)
     layout = S.Layout(1)
-    idx = np.floor((np.log10(v) - layout.log_lo) * layout.per_decade).astype(int)
-    counts = np.bincount(idx, minlength=layout.log_bins)
+    counts = np.bincount(v.view(np.int32) >> S.VALUE_SHIFT, minlength=layout.value_bins)
     for q in (0.1, 0.5, 0.9):
-        est = S.hist_quantile(counts, layout.log_edges(), q, v.min(), v.max(), log=True)
-        assert abs(est / np.quantile(v, q) - 1) <= S.VAR_RESOLUTION
+        est = S.hist_quantile(counts, layout.value_edges(), q, float(v.min()), float(v.max()))
+        assert abs(est / np.quantile(v.astype(np.float64), q) - 1) <= S.VAR_RESOLUTION
+
+
+def test_value_edges_are_the_float32_bit_patterns():
+    """Bins of width at most 2^-7 of their value over every normal float32 (1.2e-38 up); the
+    bins of inf and nan read as inf."""
+    edges = S.Layout(1).value_edges()
+    finite = edges[np.isfinite(edges)]
+    assert edges[0] == 0.0 and np.isinf(edges[-1]) and np.all(np.diff(finite) > 0)
+    normal = np.flatnonzero(finite >= np.finfo(np.float32).tiny)
+    lower, upper = finite[normal[:-1]], finite[normal[1:]]
+    assert np.max((upper - lower) / lower) <= S.VAR_RESOLUTION * (1 + 1e-12)
 
 
 def test_summaries_merge_like_one_batch():

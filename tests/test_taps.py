@@ -33,7 +33,7 @@ def test_rows_match_float64(kind):
     for index, count, d, eps, k in rows.records:
         info = norms[index]
         xin, g = (t.double().reshape(-1, d).numpy() for t in cap[index])
-        w = g * info.weight().detach().double().numpy()
+        w = g * info.gain().detach().double().numpy()
         chunk = rows.data[:, start : start + count]
         start += count
         share, ok, var, ms, stat_ok = row_values(chunk, float(d), float(k == 2))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lnmonitor.norms import NormInfo
+from lnmonitor.norms import NormInfo, Refusal
 
 
 def no_norm_message(owner: str, module: nn.Module) -> str:
@@ -37,3 +37,21 @@ def say_measured_eps(owner: str, norms: Sequence[NormInfo]) -> None:
         f"and the transmission). To state it instead: lnmonitor.register_norm({classes[0]}, "
         f"{measured[0].kind!r}, eps=<value>)."
     )
+
+
+def refused_message(owner: str, refused: Sequence[Refusal]) -> str | None:
+    """One message naming the modules that look like norms but are not measured, and why."""
+    if not refused:
+        return None
+    by_class: dict[str, list[Refusal]] = {}
+    for r in refused:
+        by_class.setdefault(r.cls, []).append(r)
+    parts = []
+    for cls, rs in by_class.items():
+        names = ", ".join(r.name for r in rs[:3]) + (", ..." if len(rs) > 3 else "")
+        parts.append(f"{cls} ({len(rs)}: {names}): {rs[0].reason}")
+    return (
+        f"{owner}: {len(refused)} module(s) look like normalisation layers but are not measured, "
+        f"the rest of the model is: {'; '.join(parts)}."
+    )
+

@@ -17,7 +17,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.discovery import no_norm_message, say_measured_eps
+from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
+from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
 from lnmonitor.callbacks.sink import MetricSink, finite, tags
 from lnmonitor.invariance import (
     CASES,
@@ -28,7 +29,7 @@ from lnmonitor.invariance import (
     find_final_norm,
 )
 from lnmonitor.metric_names import INVARIANCE
-from lnmonitor.norms import NormInfo, find_norms
+from lnmonitor.norms import NormInfo, discover_norms
 
 __all__ = ["FinalNormInvarianceMonitor"]
 
@@ -50,7 +51,9 @@ class FinalNormInvarianceMonitor(Callback):
     final norm evaluated in float64 there (only the final norm sees the transformed
     input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
     mode and the RNG state are restored; only rank zero computes (no collectives, the
-    other ranks go on training); a compiled model is probed eagerly.
+    other ranks go on training), except for a sharded model (FSDP, FSDP2), whose forward
+    needs every rank: then all ranks probe rank zero's probe batch together and rank zero
+    logs; a compiled model is probed eagerly.
 
     Before its first run it checks, with one gradient pass on the probe batch
     (:func:`lnmonitor.invariance.final_norm_bypass`), that the final norm's input reaches
@@ -70,8 +73,10 @@ class FinalNormInvarianceMonitor(Callback):
         probe_size: keep only the first ``probe_size`` samples of each tensor of the
             probe batch (the runs are 13 forward passes of it); ``None`` keeps all.
         loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
-            the default calls ``module(*batch)`` (e.g. ``forward(x, y)``) and accepts
-            a loss or ``(logits, loss)``.
+            ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
+            ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
+            ``training_step(batch, 0)`` returns, with ``self.log`` muted (automatic
+            optimisation only); see :mod:`lnmonitor.callbacks.probe_loss`.
         final_norm: qualified name of the final norm; ``None`` finds the last
             normalisation layer to run in the forward.
         cases: the cases to run, a subset of ``("shift_5", "shift_1000", "scale_3",
@@ -154,7 +159,9 @@ class FinalNormInvarianceMonitor(Callback):
         self._norms: list[NormInfo] = []
         self._probe: Any = None
         self._first_train_batch: Any = None
+        self._loss: Callable | None = self.loss_fn
         self._last_started_step = -1
+        self._sharded = False
         self._final_name: str | None = self.final_norm
         self._checked_final = False
         self._enabled = False
@@ -191,15 +198,21 @@ class FinalNormInvarianceMonitor(Callback):
 
     def _start(self, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
-        self._norms = find_norms(pl_module)
+        discovery = discover_norms(pl_module)
+        self._norms = discovery.norms
+        refused = refused_message("FinalNormInvarianceMonitor", discovery.refused)
         if not self._norms:
-            raise MisconfigurationException(no_norm_message("FinalNormInvarianceMonitor", pl_module))
+            detail = f" {refused}" if refused else ""
+            raise MisconfigurationException(no_norm_message("FinalNormInvarianceMonitor", pl_module) + detail)
+        if refused:
+            self._sink.warn_once("refused", refused)
         if self.final_norm is not None and self.final_norm not in [n.name for n in self._norms]:
             raise MisconfigurationException(
                 f"FinalNormInvarianceMonitor: final_norm={self.final_norm!r} is not a "
                 f"normalisation layer; found: {', '.join(n.name for n in self._norms)}."
             )
         say_measured_eps("FinalNormInvarianceMonitor", self._norms)
+        self._sharded = _sharded(pl_module)
         self._enabled = self.disabled_reason is None
 
     @override
@@ -257,7 +270,7 @@ class FinalNormInvarianceMonitor(Callback):
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         if not self._enabled or step <= self._sink.last_step:
             return
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero and not self._sharded:
             self._sink.last_step = step
             return
         try:
@@ -265,8 +278,14 @@ class FinalNormInvarianceMonitor(Callback):
             if probe is None:
                 return
             result = self._measure(trainer, pl_module, probe)
+        except NoLoss as err:
+            self._disable(str(err))
+            return
         except Exception as err:  # noqa: BLE001 - never stop the user's training
-            self._disable(f"{type(err).__name__}: {err}")
+            self._disable(
+                f"{type(err).__name__}: {err}. If the model needs a particular loss or final norm, pass "
+                "loss_fn=lambda module, batch: ... and final_norm='...'"
+            )
             return
         if result is None:
             return
@@ -277,12 +296,14 @@ class FinalNormInvarianceMonitor(Callback):
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult | None:
         autocast = trainer.precision_plugin.forward_context
+        if self._loss is None:
+            self._loss = probe_loss(pl_module, probe)
         if self._final_name is None:
-            self._final_name = find_final_norm(pl_module, probe, self.loss_fn, self._norms)
+            self._final_name = find_final_norm(pl_module, probe, self._loss, self._norms)
         if not self._checked_final:
             self._checked_final = True
             bypass = final_norm_bypass(
-                pl_module, probe, self._final_name, loss_fn=self.loss_fn, autocast=autocast
+                pl_module, probe, self._final_name, loss_fn=self._loss, autocast=autocast
             )
             if bypass > BYPASS_TOLERANCE:
                 how = ("final_norm=" if self.final_norm else "the last norm to run, ")
@@ -296,7 +317,7 @@ class FinalNormInvarianceMonitor(Callback):
                 )
                 return None
         return final_norm_invariance(
-            pl_module, probe, self._final_name, loss_fn=self.loss_fn, cases=self.cases,
+            pl_module, probe, self._final_name, loss_fn=self._loss, cases=self.cases,
             scales=self.scales, autocast=autocast, norms=self._norms,
         )
 
@@ -319,6 +340,8 @@ class FinalNormInvarianceMonitor(Callback):
             size = self.probe_size
             batch = apply_to_collection(batch, Tensor, lambda t: t[:size] if t.ndim > 0 else t)
         batch = apply_to_collection(batch, Tensor, lambda t: t.detach().clone())
+        if self._sharded:  # every rank probes the same rows: rank zero's
+            batch = trainer.strategy.broadcast(apply_to_collection(batch, Tensor, lambda t: t.cpu()), src=0)
         self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
         return self._probe
 
@@ -346,6 +369,17 @@ class FinalNormInvarianceMonitor(Callback):
         self._sink.last_step = int(state_dict.get("last_logged_step", -1))
         if self.final_norm is None and state_dict.get("final_norm"):
             self._final_name = state_dict["final_norm"]
+
+
+def _sharded(module) -> bool:
+    """Whether ``module`` holds parameters sharded across ranks (FSDP2's ``fully_shard``,
+    FSDP1), so that its forward is a collective every rank must join."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    return any(isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"
+               for m in module.modules())
 
 
 def _first_batch(loaders):

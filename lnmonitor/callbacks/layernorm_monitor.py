@@ -20,11 +20,11 @@ from typing_extensions import override
 
 from lnmonitor import geometry
 from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.discovery import no_norm_message, say_measured_eps
+from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
 from lnmonitor.callbacks.sink import MetricSink, finite, tags, write_histogram
 from lnmonitor.hooks import compiled, eager
 from lnmonitor.metric_names import PREFIX, per_norm
-from lnmonitor.norms import NormInfo, find_norms, select_norms
+from lnmonitor.norms import FINAL, RUNGS, NormInfo, assign_roles, discover_norms, select_norms
 from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.taps import NormTap
 
@@ -53,7 +53,13 @@ class LayerNormMonitor(Callback):
             ``"model.blocks.*"``); only matching norms are measured.  ``None``: all.
         exclude: glob pattern(s) of norms to leave out.
         final_norm: qualified name of the final norm (the ladder's last rung); ``None``
-            takes the last selected norm to run in the forward.
+            takes the last norm to run whose input gradient does not go around it.
+        ladder: glob pattern(s) naming the norms that read the residual stream, the rungs
+            of the 1/sigma ladder (e.g. ``"model.layers.*.input_layernorm"``); ``None``
+            finds them on the first measured step: a norm whose input flows on past it
+            (part of the gradient there goes around the norm) reads the stream, a QK-norm or
+            a norm of a branch's output does not.  All selected norms are measured either
+            way; only the rungs enter the attenuation and growth.
         histograms: also write TensorBoard histograms of the per-row share and sigma.
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
             when the Trainer has no logger.
@@ -93,8 +99,8 @@ class LayerNormMonitor(Callback):
                                                 width and dead-subspace dimension
     ``lnmonitor/share_baseline/max``            median of the max of as many random rows as
                                                 were measured (compare with ``share_max``)
-    ``lnmonitor/ladder/attenuation``            ``inv_sigma(first norm) / inv_sigma(final)``
-    ``lnmonitor/ladder/growth``                 ``rms(final) / rms(first norm)``
+    ``lnmonitor/ladder/attenuation``            ``inv_sigma(first rung) / inv_sigma(last rung)``
+    ``lnmonitor/ladder/growth``                 ``rms(last rung) / rms(first rung)``
     ==========================================  ==============================================
 
     When the selected norms differ in width or kind, the baselines are logged per norm
@@ -127,11 +133,13 @@ class LayerNormMonitor(Callback):
         final_norm: str | None = None,
         histograms: bool = False,
         keep_history: bool | None = None,
+        ladder: str | Sequence[str] | None = None,
     ) -> None:
         self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
         self.include = arguments.patterns(include, "include")
         self.exclude = arguments.patterns(exclude, "exclude")
         self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+        self.ladder = arguments.patterns(ladder, "ladder")
         self.histograms = arguments.flag(histograms, "histograms")
         self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
         self.every_n_steps: int | None = self._every_arg
@@ -142,6 +150,7 @@ class LayerNormMonitor(Callback):
         self._layout: Layout | None = None
         self._measuring: int | None = None
         self._stance = None
+        self._roles_known = False
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -162,7 +171,7 @@ class LayerNormMonitor(Callback):
             return
         self._stop()
         self.norms, self.order, self.last_summaries = [], [], []
-        self._tap, self._layout = None, None
+        self._tap, self._layout, self._roles_known = None, None, False
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
 
@@ -182,9 +191,14 @@ class LayerNormMonitor(Callback):
             )
 
     def _select(self, pl_module: LightningModule) -> list[NormInfo]:
-        found = find_norms(pl_module)
+        discovery = discover_norms(pl_module)
+        found = discovery.norms
+        refused = refused_message("LayerNormMonitor", discovery.refused)
         if not found:
-            raise MisconfigurationException(no_norm_message("LayerNormMonitor", pl_module))
+            detail = f" {refused}" if refused else ""
+            raise MisconfigurationException(no_norm_message("LayerNormMonitor", pl_module) + detail)
+        if refused:
+            self._sink.warn_once("refused", refused)
         selected = select_norms(found, self.include, self.exclude)
         names = [n.name for n in found]
         if not selected:
@@ -202,7 +216,9 @@ class LayerNormMonitor(Callback):
                     f"with exclude=[{info.name!r}]."
                 )
         if self.final_norm is not None and self.final_norm not in [n.name for n in selected]:
-            where = "is excluded by include/exclude" if self.final_norm in names else "is not a norm"
+            refusal = next((r for r in discovery.refused if r.name == self.final_norm), None)
+            where = ("is excluded by include/exclude" if self.final_norm in names else
+                     f"is not measured: {refusal.reason}" if refusal else "is not a norm")
             raise MisconfigurationException(
                 f"LayerNormMonitor: final_norm={self.final_norm!r} {where}; the selected norms "
                 f"are {', '.join(n.name for n in selected)}."
@@ -249,7 +265,7 @@ class LayerNormMonitor(Callback):
             # while it compiles break its graph): the measured step runs eagerly
             self._stance = eager()
             self._stance.__enter__()
-            self._tap.attach()
+            self._tap.attach(bypass=not self._roles_known)
 
     @override
     def on_train_batch_end(
@@ -261,6 +277,13 @@ class LayerNormMonitor(Callback):
         self._tap.detach()
         self._leave_eager()
         rows = self._tap.collect()
+        if self._tap.error is not None:  # a hook could not measure this model: say so, stop
+            err, self._tap = self._tap.error, None
+            self._sink.warn_once("off", (
+                f"LayerNormMonitor is off for the rest of this run: measuring step {step} failed "
+                f"inside a norm's hook ({type(err).__name__}: {err}); training goes on. If a norm "
+                "computes something lnmonitor misreads, leave it out with exclude=[...]."))
+            return
         if rows.order:
             self.order = [self.norms[i].name for i in rows.order]
         flat = summarise(rows, self._layout, pl_module.device)
@@ -269,6 +292,8 @@ class LayerNormMonitor(Callback):
         summaries = read(merge(flat, self._layout), self._layout, counts=self.histograms)
         eps = {i: rows.eps.get(i, info.eps()) for i, info in enumerate(self.norms)}
         self.last_summaries = summaries
+        if not self._roles_known:
+            self._assign_roles(summaries)
         self._warn_unmeasured(step, summaries)
         metrics = finite(self._metrics(summaries, eps))
         if self._sink.last_step < 0:
@@ -298,6 +323,34 @@ class LayerNormMonitor(Callback):
             "TorchScript). Said once.",
         )
 
+    def _assign_roles(self, summaries: list[NormSummary]) -> None:
+        """Which norms are rungs, from what this step's gradient does at each norm's input."""
+        by_name = {n.name: n for n in self.norms}
+        ordered = [by_name[n] for n in self.order if n in by_name]
+        ordered += [n for n in self.norms if n.name not in self.order]
+        bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
+        roles = {n.name: n.role for n in assign_roles(ordered, bypass, self.ladder, self.final_norm)}
+        self.norms = [info.with_role(roles[info.name]) for info in self.norms]
+        self._roles_known = True
+        rungs = [n for n in ordered if roles[n.name] in RUNGS]
+        others = [n for n in ordered if roles[n.name] not in RUNGS]
+        final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
+        said = (f"LayerNormMonitor: the ladder has {len(rungs)} rungs, the norms that read the residual "
+                f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "
+                f"final norm {final or 'none'}")
+        if others:
+            groups = sorted({roles[n.name] for n in others})
+            said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
+                     f"{', '.join(n.name for n in others[:3])}{', ...' if len(others) > 3 else ''}) "
+                     "are measured but are not rungs")
+        rank_zero_info(said + (" (as ladder=... says)." if self.ladder else
+                               "; ladder=[...] names the rungs instead."))
+        if len(rungs) < 2:
+            self._sink.warn_once("one-rung", (
+                f"LayerNormMonitor: the ladder has {len(rungs)} rung(s), so no attenuation or growth "
+                "is logged: only these norms read the residual stream. Name the rungs with "
+                "ladder=[...] if they are others."))
+
     def _metrics(self, summaries: list[NormSummary], eps: dict[int, float]) -> dict[str, float]:
         m: dict[str, float] = {}
         inv_sigma, rms = {}, {}
@@ -316,10 +369,12 @@ class LayerNormMonitor(Callback):
             m[per_norm("share_max", n)] = s.share_max
             m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
         m.update(self._baselines(summaries))
+        roles = {n.name: n.role for n in self.norms}
         order = [n for n in self.order if n in inv_sigma] or [n.name for n in self.norms]
-        first = order[0]
-        last = self.final_norm if self.final_norm is not None else order[-1]
-        if first != last:
+        rungs = [n for n in order if roles.get(n) in RUNGS or roles.get(n) is None]
+        final = next((n for n in rungs if roles.get(n) == FINAL), None)
+        if len(rungs) >= 2:
+            first, last = rungs[0], final or rungs[-1]
             m[f"{PREFIX}/ladder/attenuation"] = inv_sigma[first] / inv_sigma[last]
             m[f"{PREFIX}/ladder/growth"] = rms[last] / rms[first]
         return m
@@ -390,9 +445,9 @@ class LayerNormMonitor(Callback):
         for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
             write_histogram(writer, f"{PREFIX}/hist/share/{info.name}", step,
                             s.share_counts, s.layout.share_edges(), group=64)
-            sigma_edges = np.sqrt(10.0 ** s.layout.log_edges() + eps[i])
-            write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,
-                            s.var_counts, sigma_edges, group=20)
+            sigma_edges = np.sqrt(s.layout.value_edges() + eps[i])
+            write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,  # 1/8 octave buckets
+                            s.var_counts, sigma_edges, group=16)
 
     # -- checkpointing ---------------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""Run by tests/test_monitor_ddp.py: fit a tiny GPT with LayerNormMonitor on ``devices``
-CPU processes (``ddp`` with gloo when more than one) on one fixed global batch of 8
-windows per step, and write rank zero's history and the number of collectives as JSON.
+"""Run by tests/test_distributed.py: fit a tiny GPT with both monitors on
+``devices`` CPU processes on one fixed global batch of 8 windows per step, and write rank
+zero's histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp`` (gloo)
+or ``fsdp2``: Lightning's ModelParallelStrategy with ``fully_shard`` applied to every block
+and the model in ``configure_model``.
 
-Usage: python tests/ddp_monitor_script.py DEVICES OUT.json
+Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lnmonitor import LayerNormMonitor
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.module import TinyGPTModule
 
 GLOBAL_BATCH, CONTEXT, STEPS = 8, 16, 2
@@ -59,16 +61,38 @@ class Counting(LayerNormMonitor):
         trainer.strategy.all_gather = counted
 
 
+class ShardedGPT(TinyGPTModule):
+    """The tiny GPT sharded with FSDP2 when the strategy gives it a device mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 def main() -> None:
-    devices, out = int(sys.argv[1]), sys.argv[2]
+    strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    module = TinyGPTModule(VOCAB, width=32, depth=2, heads=2, context=CONTEXT, max_steps=STEPS)
+    cls = ShardedGPT if strategy == "fsdp2" else TinyGPTModule
+    module = cls(VOCAB, width=32, depth=2, heads=2, context=CONTEXT, max_steps=STEPS)
     monitor = Counting(every_n_steps=1, keep_history=True)
+    probe = tuple(t[:4] for t in Windows()[:4])
+    invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
+                                            keep_history=True, scales=(1.0, 0.1, 0.01))
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        chosen = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    else:
+        chosen = "ddp" if devices > 1 else "auto"
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        accelerator="cpu", devices=devices, strategy=chosen,
         max_steps=STEPS, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, callbacks=[monitor], limit_val_batches=0,
+        enable_model_summary=False, callbacks=[monitor, invariance], limit_val_batches=0,
         use_distributed_sampler=False,
     )
     trainer.fit(module, datamodule=Data())
@@ -76,6 +100,7 @@ def main() -> None:
         rows = [s.rows for s in monitor.last_summaries]
         with open(out, "w") as f:
             json.dump({"history": monitor.history, "collectives": Counting.collectives,
+                       "invariance": invariance.history, "disabled": invariance.disabled_reason,
                        "rows": rows, "world": trainer.world_size}, f)
 
 
