@@ -7,10 +7,11 @@ checks this on one batch by transforming the final norm's input inside the forwa
 * cases (:data:`CASES`): ``shift_5`` (h + 5), ``shift_1000`` (h + 1000), ``scale_3`` (3h),
   ``scale_3_shift_5`` (3h + 5) and the control ``axis_5`` (h + 5 e_0, coordinate 0 only,
   which must move the loss);
-* the scale sweep over ``a`` in :data:`SWEEP_SCALES`: per-``a`` delta-loss and median
-  ``eps/v`` at that scale (``eps / (a^2 v)``), a least-squares fit of ``log|dloss|``
-  against ``log(eps/v)`` over the points with ``1e-5 < eps/v < 10`` and a non-zero
-  delta-loss (``slope``; ``constant = exp(intercept)``), and the points with
+* the scale sweep over ``a`` in :data:`SWEEP_SCALES`: per-``a`` *signed* delta-loss and
+  median ``eps/v`` at that scale (``eps / (a^2 v)``), a least-squares fit of ``log|dloss|``
+  against ``log(eps/v)`` over the points with ``1e-5 < eps/v < 10`` whose delta-loss has
+  one sign, at least three of them (:func:`fit_sweep`; ``slope``, ``constant =
+  exp(intercept)``, ``fit_note`` saying how or why not), and the points with
   ``eps/v <= 1e-5`` whose loss moved flagged as float32 rounding, not eps (only when the
   unscaled input's ``eps/v`` is below 1e-5 too: otherwise a large ``a`` moves the loss by
   removing the model's own eps effect, which is real).
@@ -68,6 +69,7 @@ from lnmonitor.norms import NormInfo, find_norms
 
 __all__ = [
     "CASES",
+    "PROBE_WINDOWS",
     "CaseResult",
     "FIT_RANGE",
     "InvarianceResult",
@@ -77,11 +79,18 @@ __all__ = [
     "final_norm_bypass",
     "final_norm_invariance",
     "find_final_norm",
+    "fit_sweep",
     "restored",
     "split_output",
 ]
 
 CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
+# The probe rows, one definition for every tool (the monitor's default probe_size, analyze,
+# eps-compare): the first PROBE_WINDOWS samples of the held-out data.  Across disjoint sets
+# of windows spanning the held-out text, the spread of a real delta-loss (scale 3 at
+# eps = 0.1) falls as 1/sqrt(windows): 0.37, 0.18, 0.08 of its mean at 8, 32, 128
+# (benchmarks/probe_rows.py).
+PROBE_WINDOWS = 64
 SWEEP_SCALES = (1e3, 1e1, 1.0, 1e-1, 1e-2, 3e-3, 1e-3, 1e-4)
 FIT_RANGE = (1e-5, 10.0)
 ROUNDING_BELOW = 1e-5
@@ -117,9 +126,9 @@ class SweepPoint:
     """One scale ``a`` of the sweep."""
 
     scale: float
-    dloss: float
+    dloss: float  # signed: loss(a h) - loss(h), nats
     eps_over_var: float  # median over rows of eps / (a^2 v)
-    in_fit: bool
+    in_fit: bool  # in the window and used by the fit (see fit_sweep)
     rounding: bool  # eps/v <= 1e-5 here and at a = 1, yet the loss moved: float32 rounding
 
 
@@ -136,6 +145,7 @@ class InvarianceResult:
     sweep: list[SweepPoint] = field(default_factory=list)
     slope: float = math.nan
     constant: float = math.nan
+    fit_note: str = ""  # how the sweep was fitted, or why it was not (fit_sweep)
 
     @property
     def rounding_scales(self) -> list[float]:
@@ -430,20 +440,50 @@ def final_norm_invariance(
         )
 
     v_med = float(torch.nanmedian(v[v > 0])) if bool((v > 0).any()) else math.nan
-    fx, fy = [], []
     for a in scales:
         dl = float(sweep_losses[a]) - base
         ratio = eps / (a * a * v_med) if v_med > 0 else math.nan
         moved = dl != 0.0 and math.isfinite(dl)
-        in_fit = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]
+        in_window = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]
         # Rounding only when eps can explain nothing: tiny eps/v at this scale *and* at
         # a = 1 (else a large a moves the loss by removing the model's own eps effect).
         rounding = moved and max(ratio, eps / v_med) <= ROUNDING_BELOW
-        res.sweep.append(SweepPoint(a, dl, ratio, in_fit, bool(rounding)))
-        if in_fit:
-            fx.append(math.log(ratio))
-            fy.append(math.log(abs(dl)))
-    if len(set(fx)) >= 2:
-        slope, intercept = np.polyfit(np.asarray(fx), np.asarray(fy), 1)
-        res.slope, res.constant = float(slope), float(math.exp(intercept))
+        res.sweep.append(SweepPoint(a, dl, ratio, in_window, bool(rounding)))
+    res.slope, res.constant, res.fit_note = fit_sweep(res.sweep)
     return res
+
+
+def fit_sweep(sweep: Sequence[SweepPoint]) -> tuple[float, float, str]:
+    """``(slope, constant, note)`` of ``|dloss| = constant (eps/v)^slope`` over the points in
+    the window, or nan and nan with the reason there is no meaningful fit.
+
+    The delta-loss has a sign (scaling the input down shrinks the logits, which can lower a
+    held-out loss), and a power law fits one sign: the fit uses the longest run of window
+    points, consecutive in eps/v, whose delta-loss has one sign, and needs at least three
+    (two points fit any line).  Points of the other sign leave the window points out of the
+    fit (``in_fit`` false) and the note says where the sign changes.
+    """
+    window = sorted((p for p in sweep if p.in_fit), key=lambda p: p.eps_over_var)
+    runs: list[list[SweepPoint]] = []
+    for p in window:
+        if runs and (runs[-1][-1].dloss > 0) == (p.dloss > 0):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    best = max(runs, key=len, default=[])
+    for p in window:
+        p.in_fit = any(p is q for q in best)
+    if len(best) < 3:
+        why = (f"{len(window)} point(s) in the window {FIT_RANGE[0]:g} < eps/v < {FIT_RANGE[1]:g}"
+               if len(runs) <= 1 else
+               f"the delta-loss changes sign in the window, leaving {len(best)} point(s) of one sign")
+        return math.nan, math.nan, f"no fit: {why}, fewer than 3"
+    fx = np.log([p.eps_over_var for p in best])
+    fy = np.log([abs(p.dloss) for p in best])
+    slope, intercept = np.polyfit(fx, fy, 1)
+    sign = "positive" if best[0].dloss > 0 else "negative"
+    note = f"fitted on {len(best)} points with a {sign} delta-loss, eps/v {best[0].eps_over_var:.2g} .. " \
+           f"{best[-1].eps_over_var:.2g}"
+    if len(runs) > 1:
+        note += f"; the delta-loss changes sign in the window ({len(window) - len(best)} point(s) left out)"
+    return float(slope), float(math.exp(intercept)), note

@@ -337,3 +337,14 @@ def test_a_grid_grows_over_invocations_and_jobs_run_side_by_side(tmp_path):
     assert side["threads"] == max(1, twin["threads"] // 2)
     assert "val/loss" in side["curves"] and "lnmonitor/transmission/model.lnf" in side["curves"]
 
+    for figure in ("dose_response.png", "transmission_and_rms_over_training.png", "transmission_by_norm.png"):
+        assert (out / figure).read_bytes()[:4] == b"\x89PNG", figure
+    assert "![Dose-response" in (out / "report.md").read_text()
+    # --remeasure measures the finished runs again from their checkpoints, training nothing
+    code, stdout, _ = cli(*args, "--eps", "1e-5", "0.1", "1", "--seeds", "0", "--remeasure")
+    assert code == 0 and stdout.count("measured again") == 3
+    again = json.loads((out / "eps=0.1" / "seed=0" / "result.json").read_text())
+    assert again["remeasured"] and again["curves"] == side["curves"] and again["train_seconds"] == side[
+        "train_seconds"]
+    assert again["val_loss"] == pytest.approx(side["val_loss"], rel=1e-6)
+    assert cli(*args, "--eps", "0.1", "--seeds", "0", "--remeasure", "--force")[0] == 2

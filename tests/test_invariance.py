@@ -218,3 +218,27 @@ def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch
     model(*batch())[1].backward()
     tap.detach()
     assert tap.collect().data is not None
+
+
+def _points(*pairs):
+    from lnmonitor.invariance import SweepPoint
+
+    return [SweepPoint(a, dl, ev, True, False) for a, dl, ev in pairs]
+
+
+def test_the_sweep_is_fitted_on_one_sign_and_at_least_three_points():
+    from lnmonitor.invariance import fit_sweep
+
+    law = _points(*[(a, 0.05 * ev, ev) for a, ev in ((0.1, 1e-4), (0.01, 1e-2), (0.003, 0.1), (0.001, 1.0))])
+    slope, constant, note = fit_sweep(law)
+    assert slope == pytest.approx(1.0) and constant == pytest.approx(0.05) and note.startswith("fitted on 4")
+    # scaling down first lowers the held-out loss (negative), then raises it: fit the longer run
+    mixed = _points((0.1, -2e-6, 1e-4), (0.01, -2e-4, 1e-2), (0.003, -2e-3, 0.1), (0.001, 0.3, 1.0))
+    slope, _, note = fit_sweep(mixed)
+    assert slope == pytest.approx(1.0) and "changes sign" in note and "negative" in note
+    assert [p.in_fit for p in mixed] == [True, True, True, False]
+    two = _points((10.0, 1e-4, 1e-4), (0.1, 0.05, 1.0))  # eps = 0.1: two points in the window
+    slope, constant, note = fit_sweep(two)
+    assert math.isnan(slope) and math.isnan(constant) and "2 point(s) in the window" in note
+    split = _points((0.1, -1e-6, 1e-4), (0.01, 1e-4, 1e-2), (0.003, -1e-3, 0.1), (0.001, 0.3, 1.0))
+    assert "changes sign" in fit_sweep(split)[2] and math.isnan(fit_sweep(split)[0])

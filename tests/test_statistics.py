@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from scipy import stats
 
@@ -63,3 +64,12 @@ def test_unpaired_seeds_are_left_out_of_the_difference():
     recs = _records({(1e-5, 0): 1.5, (1e-5, 1): 1.6, (0.1, 1): 1.7, (0.1, 2): 1.9})
     diff = statistics.paired_difference(recs, 0.1, 1e-5)
     assert diff["seeds"] == [1] and math.isclose(diff["mean"], 0.1)
+
+
+def test_intervals_of_positive_quantities_are_computed_on_log_scale():
+    values = [1e-6, 3e-6, 2e-5]
+    linear, log = statistics.interval(values), statistics.interval(values, log=True)
+    assert linear["lo"] < 0  # a t interval of a residual reaching below zero
+    assert 0 < log["lo"] < log["mean"] < log["hi"]
+    assert log["mean"] == pytest.approx(math.exp(np.mean(np.log(values))))
+    assert statistics.interval([1e-6, -1.0, 0.0], log=True)["n"] == 1  # not positive: dropped

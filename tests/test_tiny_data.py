@@ -1,9 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
 from lnmonitor.errors import UsageError
 from lnmonitor.tiny.corpus import load_corpus
-from lnmonitor.tiny.data import CharDataModule, CharVocab, RandomWindows
+from lnmonitor.tiny.data import CharDataModule, CharVocab, RandomWindows, _spread_order, windows_at
 
 
 def test_default_corpus_is_installed_text():
@@ -70,3 +71,19 @@ def test_validation_windows_are_fixed_and_held_out():
 def test_text_too_short_for_the_context():
     with pytest.raises(UsageError, match="too short for context"):
         CharDataModule("abcdefghij" * 100, context=128)
+
+
+def test_every_prefix_of_the_held_out_windows_spreads_over_the_held_out_text():
+    """The held-out windows come in an order whose every prefix is spread over the whole
+    held-out text (the first ones are the invariance probe's rows)."""
+    order = _spread_order(512)
+    assert sorted(order.tolist()) == list(range(512))
+    for n in (8, 64, 200):
+        gaps = np.diff(np.sort(order[:n].numpy()))
+        assert gaps.max() <= 2 * 512 / n, n  # within twice the even spacing: no block, no hole
+    data = CharDataModule(load_corpus(), val_windows=512)
+    x = torch.cat([b[0] for b in data.val_batches()])
+    high = len(data.val_tokens) - data.context - 1
+    offsets = torch.linspace(0, high, 512).long()[order]
+    expected, _ = windows_at(data.val_tokens, offsets, data.context)
+    assert torch.equal(x, expected)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -22,6 +23,7 @@ from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
 from lnmonitor.callbacks.sink import MetricSink, finite, tags
 from lnmonitor.invariance import (
     CASES,
+    PROBE_WINDOWS,
     SWEEP_SCALES,
     InvarianceResult,
     final_norm_bypass,
@@ -67,11 +69,12 @@ class FinalNormInvarianceMonitor(Callback):
         every_n_steps: cadence in optimizer steps; ``None``: only after validation.
         on_validation: also run after each validation.
         probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
-            first batch of the validation data the Trainer uses (a datamodule's, the
-            module's or the loaders given to ``fit``), else the first training batch
-            (with a warning: it is not held out).
-        probe_size: keep only the first ``probe_size`` samples of each tensor of the
-            probe batch (the runs are 13 forward passes of it); ``None`` keeps all.
+            first ``probe_size`` samples of the validation data the Trainer uses (a
+            datamodule's, the module's or the loaders given to ``fit``; as many batches
+            as it takes), else the first training batch (with a warning: it is not held out).
+        probe_size: the probe's rows: the first ``probe_size`` samples (default 64, the
+            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is 13 forward
+            passes of them); ``None`` keeps one whole batch.
         loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
             ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
             ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
@@ -125,7 +128,7 @@ class FinalNormInvarianceMonitor(Callback):
         every_n_steps: int | None = 1000,
         on_validation: bool = True,
         probe_batch: Any = None,
-        probe_size: int | None = 8,
+        probe_size: int | None = PROBE_WINDOWS,
         loss_fn: Callable[[LightningModule, Any], Any] | None = None,
         final_norm: str | None = None,
         cases: Sequence[str] = CASES,
@@ -326,7 +329,7 @@ class FinalNormInvarianceMonitor(Callback):
             return self._probe
         batch = self.probe_batch
         if batch is None:
-            batch = _first_batch(trainer.val_dataloaders)
+            batch = _first_samples(trainer.val_dataloaders, self.probe_size)
         if batch is None:
             batch = self._first_train_batch
             if batch is None:
@@ -382,16 +385,46 @@ def _sharded(module) -> bool:
                for m in module.modules())
 
 
-def _first_batch(loaders):
-    """The first batch of the first loader in ``trainer.val_dataloaders`` (a loader, or a
-    list or dict of them); None when there is none or it cannot be read."""
+def _first_samples(loaders, size: int | None):
+    """The first ``size`` samples of the first loader in ``trainer.val_dataloaders`` (a
+    loader, or a list or dict of them), gathered from as many batches as it takes (batches
+    that are tensors or tuples, lists or mappings of them; otherwise the first batch); None
+    when there is none or it cannot be read."""
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     elif isinstance(loaders, dict):
         loaders = next(iter(loaders.values()), None)
     if loaders is None:
         return None
+    batches, seen = [], 0
     try:
-        return next(iter(loaders))
+        for batch in loaders:
+            batches.append(batch)
+            samples = _samples(batch)
+            seen += samples or 0
+            if size is None or samples is None or seen >= size:
+                break
     except Exception:  # noqa: BLE001 - an empty or unreadable loader: fall back
-        return None
+        pass
+    if len(batches) <= 1:
+        return batches[0] if batches else None
+    return _concat(batches)
+
+
+def _samples(batch) -> int | None:
+    """Samples in a batch whose tensors share their first dimension, else None."""
+    sizes = set()
+    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0] if t.ndim else None))
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
+def _concat(batches: list):
+    first = batches[0]
+    if isinstance(first, Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)({k: _concat([b[k] for b in batches]) for k in first})
+    if isinstance(first, (tuple, list)):
+        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    return first

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                         "e.g. --shard $SLURM_ARRAY_TASK_ID/4; the report merges whatever is finished")
     parser.add_argument("--force", action="store_true",
                         help="redo this invocation's runs from scratch even if they finished")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="train nothing: measure this invocation's finished runs again from their "
+                        "checkpoints (after an lnmonitor update) and rebuild the report")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained side by side, the torch threads split between them "
                         "(default: %(default)s)")
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     shard = parse_shard(args.shard)
     if args.jobs < 1:
         raise UsageError(f"--jobs must be a positive integer (runs side by side), got {args.jobs}")
+    if args.remeasure and args.force:
+        raise UsageError("--remeasure measures finished runs again, --force trains them again: choose one")
     if str(args.devices) == "auto":
         args.devices = "1"  # one process per run; a multi-GPU "auto" would start DDP
     elif str(args.devices) != "1":
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_experiment(
             experiment, text, args.out, shard=shard, force=args.force, monitor=not args.no_monitor,
-            progress=not args.no_progress, jobs=args.jobs,
+            progress=not args.no_progress, jobs=args.jobs, remeasure=args.remeasure,
             data_name=str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME,
         )
     except RunInterrupted as err:

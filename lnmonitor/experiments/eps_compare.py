@@ -221,15 +221,16 @@ def measure(module, batches) -> dict:
     inv = m.invariance
     sweep = [asdict(p) for p in inv.sweep]
     at = {p["scale"]: p for p in sweep}
-    final = norms[order[-1]]
+    first, final = norms[order[0]], norms[order[-1]]
     headline = {
         "val_loss": m.val_loss,
         "scale_slope": inv.slope,
         "scale_constant": inv.constant,
-        "dloss_scale_3": abs(inv.cases["scale_3"].dloss),
-        "dloss_scale_0.01": abs(at[0.01]["dloss"]) if 0.01 in at else math.nan,
+        "dloss_scale_3": inv.cases["scale_3"].dloss,  # signed
+        "dloss_scale_0.01": at[0.01]["dloss"] if 0.01 in at else math.nan,
         "out_residual_scale_3": inv.cases["scale_3"].out_residual,
         "final_eps_over_var": final["eps_over_var"],
+        "first_transmission": first["transmission"],
         "final_transmission": final["transmission"],
         "max_transmission": max(n["transmission"] for n in norms.values()),
         "attenuation": m.attenuation,
@@ -246,7 +247,7 @@ def measure(module, batches) -> dict:
         "windows": m.windows,
         "invariance": {
             "final_norm": inv.final_norm, "rows": inv.rows, "base_loss": inv.base_loss,
-            "slope": inv.slope, "constant": inv.constant,
+            "slope": inv.slope, "constant": inv.constant, "fit_note": inv.fit_note,
             "cases": {name: asdict(c) for name, c in inv.cases.items()},
             "sweep": sweep,
             "rounding_scales": inv.rounding_scales,
@@ -264,8 +265,8 @@ FINAL_PREFIX = "final"
 # Headline figures of a run record, logged as ``final/<key>`` scalars at the last step.
 FINAL_METRICS = (
     "val_loss", "scale_slope", "scale_constant", "dloss_scale_3", "dloss_scale_0.01", "out_residual_scale_3",
-    "final_eps_over_var", "final_transmission", "max_transmission", "attenuation", "growth",
-    "final_share_median", "mean_share_median",
+    "final_eps_over_var", "first_transmission", "final_transmission", "max_transmission", "attenuation",
+    "growth", "final_share_median", "mean_share_median",
 )
 
 
@@ -392,6 +393,32 @@ def _is_curve(tag: str) -> bool:
     return tag.startswith(CURVES) or any(tag.startswith(f"lnmonitor/{q}/") for q in NORM_CURVES)
 
 
+def remeasure_run(out: Path, eps: float, seed: int, text: str, record: dict,
+                  echo: Callable[[str], None] = print, tag: str = "") -> dict:
+    """Measure a finished run again from its checkpoint with this lnmonitor's measurement
+    (:func:`measure`) and rewrite its record: the training part (steps, curves, timings,
+    the fit's own loss) stays, the measurement is replaced."""
+    from lnmonitor.tiny.checkpoint import load_checkpoint
+    from lnmonitor.tiny.data import CharDataModule
+
+    folder = run_dir(out, eps, seed)
+    last = folder / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        raise UsageError(f"{str(last)!r} is missing: the run's record can be kept, not measured again")
+    started = time.perf_counter()
+    module, _ = load_checkpoint(last)
+    batches = CharDataModule(text, vocab=module.vocab, context=module.config.context,
+                             batch_size=record["config"]["recipe"]["batch_size"]).val_batches()
+    measured = measure(module, batches)
+    updated = {**record, **measured, "val_loss": measured["headline"]["val_loss"],
+               "measure_seconds": time.perf_counter() - started, "versions": _versions(),
+               "remeasured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write_json(folder / RECORD_NAME, updated)
+    echo(f"{tag}eps={eps_label(eps)} seed={seed}: measured again, val loss {updated['val_loss']:.4f} "
+         f"nats/char ({updated['measure_seconds']:.1f} s)")
+    return updated
+
+
 def _versions() -> dict:
     import lightning
     import torch
@@ -433,14 +460,17 @@ def run_experiment(
     experiment: Experiment, text: str, out: Path, *, shard: tuple[int, int] = (0, 1),
     force: bool = False, monitor: bool = True, callbacks: Sequence = (), progress: bool = True,
     echo: Callable[[str], None] = print, data_name: str | None = None, jobs: int = 1,
+    remeasure: bool = False,
 ) -> dict:
     """Run this shard's pairs of the grid (skipping finished ones) and publish the results.
 
     The grid of ``out`` grows: it is every pair asked for there so far, so a dose-response
     can be added to a two-eps comparison later.  ``jobs`` runs that many fits side by side
     in their own processes, the torch threads split between them (``callbacks`` need
-    ``jobs=1``).  Returns the merged results (the content of ``results.json``); raises
-    :class:`RunInterrupted` after the others finished when a run did not reach its last step.
+    ``jobs=1``).  ``remeasure`` trains nothing: it measures this shard's finished runs
+    again from their checkpoints (:func:`remeasure_run`).  Returns the merged results (the
+    content of ``results.json``); raises :class:`RunInterrupted` after the others finished
+    when a run did not reach its last step.
     """
     import torch
 
@@ -471,6 +501,13 @@ def run_experiment(
     total = len(mine)
     where = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""
     echo(f"eps-compare: {total} of {len(pairs)} runs in this invocation{where}, out {out}")
+    if remeasure:
+        for i, (eps, seed) in enumerate(mine, start=1):
+            if (eps, seed) in records:
+                remeasure_run(out, eps, seed, text, records[(eps, seed)], echo, f"[{i}/{total}] ")
+            else:
+                echo(f"[{i}/{total}] eps={eps_label(eps)} seed={seed}: not finished, nothing to measure")
+        return publish(out, config, pairs)
     todo = []
     for i, (eps, seed) in enumerate(mine, start=1):
         tag = f"[{i}/{total}] "
@@ -547,6 +584,7 @@ __all__ = [
     "parse_eps",
     "parse_seeds",
     "parse_shard",
+    "remeasure_run",
     "run_experiment",
     "run_one",
 ]

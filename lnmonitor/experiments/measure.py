@@ -10,8 +10,10 @@ tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
   (:mod:`lnmonitor.heldout`): the dead-plane shares against the random baseline and the
   1/sigma ladder;
 * the final norm's invariance cases and scale sweep (:mod:`lnmonitor.invariance`) on the
-  *probe rows*: the first :data:`PROBE_WINDOWS` held-out windows, whatever
-  ``norm_batches`` is, so that every tool measures one checkpoint on the same rows.
+  *probe rows*: the first :data:`~lnmonitor.invariance.PROBE_WINDOWS` held-out windows
+  (spread over the held-out text), whatever ``norm_batches`` is -- the rows the
+  invariance monitor probes by default too, so every tool measures one checkpoint on the
+  same rows.
 
 The norms are found once here and passed down to every measurement.
 """
@@ -25,12 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.heldout import LadderRow, NormRows, ShareRow, measure_norm_rows, share_table, sigma_ladder
-from lnmonitor.invariance import InvarianceResult, final_norm_invariance
+from lnmonitor.invariance import PROBE_WINDOWS, InvarianceResult, final_norm_invariance
 from lnmonitor.norms import NormInfo, find_norms
 
-__all__ = ["PROBE_WINDOWS", "Measurement", "held_out_loss", "measure", "probe_rows", "tiny_loss"]
-
-PROBE_WINDOWS = 128  # held-out windows the invariance cases and the scale sweep run on
+__all__ = ["Measurement", "held_out_loss", "measure", "probe_rows", "tiny_loss"]
 
 Batch = tuple[Tensor, Tensor]
 

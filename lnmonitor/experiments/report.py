@@ -18,9 +18,12 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import atomic_write_json, atomic_write_text
 from lnmonitor.experiments.report_figures import (
     FIGURES,
+    figure_dose_response,
     figure_invariance,
     figure_ladder,
     figure_shares,
+    figure_training_curves,
+    figure_transmission_by_norm,
     figure_val_loss,
 )
 from lnmonitor.experiments.statistics import aggregate, paired_difference
@@ -38,14 +41,15 @@ REPORT_NAME = "report.md"
 # (key in a record's "headline", label, format). Keys absent from every record are left out.
 HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("val_loss", "validation loss (nats/char)", ".4f"),
-    ("scale_slope", "scale sweep: slope of log abs(delta loss) on log(eps/var)", ".3f"),
-    ("scale_constant", "scale sweep: constant", ".3g"),
-    ("dloss_scale_3", "abs(delta loss), final-norm input scaled by 3", ".3g"),
-    ("dloss_scale_0.01", "abs(delta loss), final-norm input scaled by 0.01", ".3g"),
-    ("out_residual_scale_3", "final-norm output residual at scale 3 (float64)", ".3g"),
-    ("final_eps_over_var", "final norm: eps/var (median row)", ".3g"),
-    ("final_transmission", "final norm: transmission eps/(var+eps) (median row)", ".3g"),
-    ("max_transmission", "largest median transmission over the norms", ".3g"),
+    ("scale_slope", "scale sweep: slope of log abs(delta loss) on log(eps/var), runs with a fit", ".3f"),
+    ("scale_constant", "scale sweep: constant, runs with a fit (geometric mean)", ".3g"),
+    ("dloss_scale_3", "delta loss (signed), final-norm input scaled by 3", ".3g"),
+    ("dloss_scale_0.01", "delta loss (signed), final-norm input scaled by 0.01", ".3g"),
+    ("out_residual_scale_3", "final-norm output residual at scale 3, float64 (geometric mean)", ".3g"),
+    ("final_eps_over_var", "final norm: eps/var, median row (geometric mean)", ".3g"),
+    ("first_transmission", "first norm: transmission eps/(var+eps), median row (geometric mean)", ".3g"),
+    ("final_transmission", "final norm: transmission eps/(var+eps), median row (geometric mean)", ".3g"),
+    ("max_transmission", "largest median transmission over the norms (geometric mean)", ".3g"),
     ("attenuation", "1/sigma ladder: attenuation, first norm / last norm", ".3f"),
     ("growth", "residual rms growth, last norm / first norm", ".3f"),
     ("final_share_median", "final norm: median dead-plane share", ".4f"),
@@ -167,11 +171,15 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     lines = ["# eps comparison", ""]
     lines.append(
         f"Tiny GPT (width {recipe.get('width')}, depth {recipe.get('depth')}, heads {recipe.get('heads')}, "
-        f"context {recipe.get('context')}, {recipe.get('norm')} norm), {recipe.get('max_steps')} steps of "
-        f"batch {recipe.get('batch_size')}, peak lr {recipe.get('lr')}; data: {data_name} "
+        f"context {recipe.get('context')}, {recipe.get('norm')} norm, {recipe.get('init', 'default')} "
+        f"initialisation), {recipe.get('max_steps')} steps of batch {recipe.get('batch_size')}, peak lr "
+        f"{recipe.get('lr')}, weight decay {recipe.get('weight_decay')} on "
+        f"{'every parameter' if recipe.get('decay', 'all') == 'all' else 'the matrices'}; data: {data_name} "
         f"({data.get('chars')} characters, sha256 {str(data.get('sha256'))[:12]}). "
         f"eps {', '.join(eps_label(e) for e in grid['eps'])}; seeds {', '.join(map(str, grid['seeds']))}. "
-        "Intervals are Student-t 95% intervals across seeds; measurements are on the fixed held-out windows."
+        "Intervals are Student-t 95% intervals across seeds, computed on the logarithms for the figures "
+        "that are positive by nature (their geometric mean then); measurements are on the fixed "
+        "held-out windows, the invariance on the probe rows."
     )
     lines.append("")
     lines.append(f"Runs finished: {len(present)} of {len(present) + len(missing)}.")
@@ -215,6 +223,12 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         lines.append(f"Seeds: {', '.join(map(str, agg['seeds']))}.")
         lines.append("")
         lines += _table(agg)
+        notes = [((r.get("invariance") or {}).get("fit_note") or "") for r in present
+                 if eps_label(r["eps"]) == label]
+        fitted = sum(1 for n in notes if n.startswith("fitted"))
+        unfit = sorted({n for n in notes if n.startswith("no fit")})
+        lines += ["", f"Scale sweep fitted in {fitted} of {len(notes)} runs"
+                  + (f"; otherwise {'; '.join(unfit)}." if unfit else ".")]
         lines.append("")
 
     baseline = next((r.get("share_baseline") for r in present if r.get("share_baseline")), None)
@@ -228,6 +242,9 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     lines += ["## Figures", ""]
     captions = {
         "val_loss": "Validation loss during training, one line per seed",
+        "dose_response": "Dose-response: validation loss, transmission and the ladder against eps",
+        "training_curves": "Transmission and stream rms of the first and final norm over training",
+        "transmission_by_norm": "Transmission of every norm over training, largest eps",
         "ladder": "The 1/sigma ladder per eps",
         "invariance": "Invariance error against eps/var (log-log) with the fitted lines",
         "shares": "Median dead-plane share per norm against the random baseline",
@@ -262,6 +279,10 @@ def write_report(out: Path, results: dict) -> Path:
               for p, r in records.items()}
     figures = {
         "val_loss": figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),
+        "dose_response": figure_dose_response(records, eps_values, out / FIGURES["dose_response"]),
+        "training_curves": figure_training_curves(records, eps_values, out / FIGURES["training_curves"]),
+        "transmission_by_norm": figure_transmission_by_norm(
+            records, eps_values, out / FIGURES["transmission_by_norm"]),
         "ladder": figure_ladder(records, eps_values, out / FIGURES["ladder"]),
         "invariance": figure_invariance(records, eps_values, out / FIGURES["invariance"]),
         "shares": figure_shares(records, eps_values, out / FIGURES["shares"]),

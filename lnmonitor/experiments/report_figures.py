@@ -12,10 +12,16 @@ from lnmonitor.experiments.plotting import new_figure, save_png, short_name
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label
 
-__all__ = ["FIGURES", "figure_invariance", "figure_ladder", "figure_shares", "figure_val_loss"]
+__all__ = [
+    "FIGURES", "figure_dose_response", "figure_invariance", "figure_ladder", "figure_shares",
+    "figure_training_curves", "figure_transmission_by_norm", "figure_val_loss",
+]
 
 FIGURES = {
     "val_loss": "val_loss_curves.png",
+    "dose_response": "dose_response.png",
+    "training_curves": "transmission_and_rms_over_training.png",
+    "transmission_by_norm": "transmission_by_norm.png",
     "ladder": "inv_sigma_ladder.png",
     "invariance": "invariance_vs_eps_over_var.png",
     "shares": "share_medians.png",
@@ -189,5 +195,117 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
     ax.set_title("Dead-plane share per norm (bars: mean over seeds, 95% interval)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
+    save_png(fig, path)
+    return True
+
+
+def _by_eps(records: dict, eps_values: Sequence[float]) -> dict[float, list[dict]]:
+    return {e: [r for (x, _), r in sorted(records.items()) if x == e] for e in eps_values}
+
+
+def figure_dose_response(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    """Three panels against eps (log): the validation loss per seed with the mean and its
+    95% interval; the transmission eps/(var+eps) at the first and the final norm (geometric
+    mean over seeds); the ladder's attenuation and the stream's growth.  Needs 3 eps."""
+    runs = _by_eps(records, eps_values)
+    eps = [e for e in sorted(eps_values) if runs[e]]
+    if len(eps) < 3:
+        return False
+    fig = new_figure(12.0, 3.8)
+    ax_loss, ax_t, ax_l = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
+    for e in eps:
+        losses = [r["headline"]["val_loss"] for r in runs[e]]
+        ax_loss.scatter([e] * len(losses), losses, color="0.6", s=12, zorder=2)
+        cell = interval(losses)
+        err = [[cell["mean"] - cell["lo"]], [cell["hi"] - cell["mean"]]] if cell["lo"] is not None else None
+        ax_loss.errorbar([e], [cell["mean"]], yerr=err, fmt="o", color="tab:blue", capsize=3, zorder=3)
+    for key, label, color in (("first_transmission", "first norm", "tab:orange"),
+                              ("final_transmission", "final norm", "tab:green")):
+        means = [interval([r["headline"].get(key) for r in runs[e]], log=True)["mean"] for e in eps]
+        ax_t.plot(eps, means, "o-", color=color, label=label)
+    ax_t.plot(eps, eps, ":", color="0.5", label="eps itself")
+    for key, label in (("attenuation", "attenuation"), ("growth", "growth")):
+        ax_l.plot(eps, [interval([r["headline"].get(key) for r in runs[e]])["mean"] for e in eps], "o-",
+                  label=label)
+    for ax in (ax_loss, ax_t, ax_l):
+        ax.set_xscale("log")
+        ax.set_xlabel("eps")
+        ax.grid(alpha=0.3, which="both")
+    ax_t.set_yscale("log")
+    ax_loss.set_ylabel("validation loss (nats/char)")
+    ax_loss.set_title("validation loss: seeds, mean, 95% interval", fontsize=9)
+    ax_t.set_ylabel("transmission eps/(var+eps), median row")
+    ax_t.set_title("how much each norm stops normalising", fontsize=9)
+    ax_l.set_title("1/sigma ladder: attenuation; rms growth", fontsize=9)
+    for ax in (ax_t, ax_l):
+        ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
+def _curve_mean(runs: list[dict], tag: str) -> tuple[list[int], list[float]]:
+    """The geometric mean over runs of one training curve, on the steps all runs logged."""
+    curves = [dict(map(tuple, (r.get("curves") or {}).get(tag, []))) for r in runs]
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    values = [float(np.exp(np.mean([np.log(max(c[s], 1e-300)) for c in curves]))) for s in steps]
+    return steps, values
+
+
+def figure_training_curves(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    """Over training, per eps (geometric mean over seeds, from the monitors' logs): the
+    transmission at the first and the final norm, and the rms of the stream they read."""
+    runs = _by_eps(records, eps_values)
+    names = next((r.get("norm_order") for rs in runs.values() for r in rs if r.get("norm_order")), None)
+    if not names or not any(r.get("curves") for rs in runs.values() for r in rs):
+        return False
+    colors = _colors(eps_values)
+    fig = new_figure(11.0, 7.0)
+    panels = [(f"lnmonitor/transmission/{names[0]}", "transmission, first norm"),
+              (f"lnmonitor/transmission/{names[-1]}", "transmission, final norm"),
+              (f"lnmonitor/rms/{names[0]}", "rms of the stream, first norm"),
+              (f"lnmonitor/rms/{names[-1]}", "rms of the stream, final norm")]
+    for i, (tag, title) in enumerate(panels, start=1):
+        ax = fig.add_subplot(2, 2, i)
+        for e in sorted(eps_values):
+            steps, values = _curve_mean(runs[e], tag)
+            if steps:
+                ax.plot(steps, values, color=colors[e], label=f"eps={eps_label(e)}")
+        ax.set_yscale("log")
+        ax.set_title(f"{title} ({short_name(tag.rsplit('/', 1)[-1])})", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3, which="both")
+        if i == 1:
+            ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
+def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path: Path) -> bool:
+    """For the largest eps: every norm's transmission over training (geometric mean over
+    seeds) as a heatmap, norms in forward order: which norms stop normalising, when."""
+    eps = max(eps_values)
+    runs = [r for (e, _), r in sorted(records.items()) if e == eps]
+    names = next((r.get("norm_order") for r in runs if r.get("norm_order")), None)
+    if not names or not any(r.get("curves") for r in runs):
+        return False
+    rows, steps = [], None
+    for name in names:
+        s, v = _curve_mean(runs, f"lnmonitor/transmission/{name}")
+        if not s:
+            return False
+        steps = s if steps is None else steps
+        rows.append(v[: len(steps)])
+    grid = np.log10(np.maximum(np.asarray([r[: min(map(len, rows))] for r in rows]), 1e-12))
+    fig = new_figure(9.0, 0.35 * len(names) + 1.8)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
+                      extent=(steps[0], steps[grid.shape[1] - 1], len(names) - 0.5, -0.5))
+    ax.set_yticks(range(len(names)), [short_name(n) for n in names], fontsize=7)
+    ax.set_xlabel("optimizer step")
+    ax.set_title(f"eps={eps_label(eps)}: log10 transmission eps/(var+eps) per norm over training", fontsize=9)
+    fig.colorbar(image, ax=ax, label="log10 transmission")
     save_png(fig, path)
     return True

@@ -17,28 +17,35 @@ from scipy import stats
 
 from lnmonitor.experiments.store import eps_label
 
-__all__ = ["CONFIDENCE", "aggregate", "interval", "paired_difference", "verdict"]
+__all__ = ["CONFIDENCE", "LOG_SCALE", "aggregate", "interval", "paired_difference", "verdict"]
 
 CONFIDENCE = 0.95
 
 
-def interval(values: Sequence[float], confidence: float = CONFIDENCE) -> dict:
+def interval(values: Sequence[float], confidence: float = CONFIDENCE, log: bool = False) -> dict:
     """Mean and two-sided Student-t interval of ``values`` (non-finite values are dropped).
 
     ``half_width``, ``lo``, ``hi`` and ``sd`` are None when fewer than two values remain:
-    one seed says nothing about the spread across seeds.
+    one seed says nothing about the spread across seeds.  With ``log`` (for a quantity that
+    is positive by nature: a residual, eps/var, a transmission) the interval is computed
+    on the logarithms, so it cannot reach below zero: ``mean`` is the geometric mean,
+    ``lo``/``hi`` its multiplicative interval, ``sd`` and ``half_width`` in log units;
+    values that are not positive are dropped.
     """
-    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v) and (v > 0 or not log)],
+                   dtype=float)
     n = int(x.size)
-    out = {"n": n, "mean": None, "sd": None, "half_width": None, "lo": None, "hi": None}
+    out = {"n": n, "mean": None, "sd": None, "half_width": None, "lo": None, "hi": None, "log": log}
     if n == 0:
         return out
-    mean = float(x.mean())
-    out["mean"] = mean
+    y = np.log(x) if log else x
+    mean = float(y.mean())
+    out["mean"] = math.exp(mean) if log else mean
     if n >= 2:
-        sd = float(x.std(ddof=1))
+        sd = float(y.std(ddof=1))
         half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-        out.update(sd=sd, half_width=half, lo=mean - half, hi=mean + half)
+        lo, hi = (math.exp(mean - half), math.exp(mean + half)) if log else (mean - half, mean + half)
+        out.update(sd=sd, half_width=half, lo=lo, hi=hi)
     return out
 
 
@@ -84,8 +91,14 @@ def verdict(diff: dict) -> str:
     )
 
 
+# headline figures that are positive by nature: their intervals are computed on log scale
+LOG_SCALE = ("scale_constant", "out_residual_scale_3", "final_eps_over_var", "final_transmission",
+             "first_transmission", "max_transmission")
+
+
 def aggregate(records: dict, eps_values: Sequence[float]) -> dict:
-    """Per eps, the interval of every headline figure across the seeds present."""
+    """Per eps, the interval of every headline figure across the seeds present (on log scale
+    for the figures of :data:`LOG_SCALE`)."""
     out = {}
     for eps in eps_values:
         runs = [r for (e, _), r in sorted(records.items()) if e == eps]
@@ -93,6 +106,6 @@ def aggregate(records: dict, eps_values: Sequence[float]) -> dict:
         out[eps_label(eps)] = {
             "eps": eps,
             "seeds": [r["seed"] for r in runs],
-            "figures": {k: interval([r["headline"].get(k) for r in runs]) for k in keys},
+            "figures": {k: interval([r["headline"].get(k) for r in runs], log=k in LOG_SCALE) for k in keys},
         }
     return out

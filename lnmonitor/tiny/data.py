@@ -79,6 +79,21 @@ class RandomWindows(IterableDataset):
             yield self.batch(index)
 
 
+def _spread_order(n: int) -> torch.Tensor:
+    """A permutation of ``range(n)`` whose every prefix is spread over the whole range: the
+    indices sorted by the bit-reversal of their position in ``[0, 1)`` (van der Corput)."""
+
+    def radical_inverse(i: int) -> float:
+        out, base = 0.0, 0.5
+        while i:
+            out += base * (i & 1)
+            i, base = i >> 1, base / 2
+        return out
+
+    keys = [radical_inverse(i) for i in range(n)]
+    return torch.tensor(sorted(range(n), key=keys.__getitem__))
+
+
 class CharDataModule(L.LightningDataModule):
     """Character batches from ``text``: 90/10 train/validation split (by position).
 
@@ -116,10 +131,13 @@ class CharDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=None)
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed held-out batches (inputs, targets), identical for every seed."""
+        """The fixed held-out batches (inputs, targets), identical for every seed: windows
+        evenly spaced over the held-out text, in an interleaved order (bit-reversed
+        positions) so that the first ``n`` of them, for any ``n``, spread over all of it --
+        the first ones are the invariance probe's rows."""
         high = len(self.val_tokens) - self.context - 1
         count = min(self.val_windows, high // self.context + 1)
-        offsets = torch.linspace(0, high, count).long()
+        offsets = torch.linspace(0, high, count).long()[_spread_order(count)]
         inputs, targets = windows_at(self.val_tokens, offsets, self.context)
         return list(zip(inputs.split(self.batch_size), targets.split(self.batch_size), strict=True))
 
