@@ -9,7 +9,7 @@ import sys
 from lnmonitor.errors import UsageError
 
 # Each module under lnmonitor.commands registers one subcommand.
-COMMANDS = ("train_tiny", "eps_compare", "report", "analyze")
+COMMANDS = ("train_tiny", "eps_compare", "report", "analyze", "summarize")
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -152,10 +152,12 @@ class InvarianceResult:
         return [p.scale for p in self.sweep if p.rounding]
 
     def metrics(self, prefix: str = "lnmonitor/invariance") -> dict[str, float]:
-        """The logged metric names and values (cases without logits omit max_dlogit)."""
+        """The logged metric names and values (cases without logits omit max_dlogit; a
+        delta-loss of exactly zero has no log10 and gets none, which the caller drops)."""
         out: dict[str, float] = {}
         for name, c in self.cases.items():
             out[f"{prefix}/{name}/dloss"] = c.dloss
+            out[f"{prefix}/{name}/log10_abs_dloss"] = math.log10(abs(c.dloss)) if c.dloss else math.nan
             if c.max_dlogit is not None:
                 out[f"{prefix}/{name}/max_dlogit"] = c.max_dlogit
             out[f"{prefix}/{name}/out_residual"] = c.out_residual

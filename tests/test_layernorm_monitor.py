@@ -135,7 +135,7 @@ def test_cadence_accumulation_and_no_hooks_between(tmp_path):
     assert all(len(m._forward_hooks) == 0 for m in module.modules())
 
 
-def test_default_cadence_is_log_every_n_steps():
+def test_default_cadence_is_log_every_n_steps_and_the_last_step_is_always_measured():
     data, module = char_data(6)
     monitor = LayerNormMonitor(keep_history=True)
     t = trainer(6, [monitor], validate_every=6, log_every_n_steps=4)
@@ -143,7 +143,7 @@ def test_default_cadence_is_log_every_n_steps():
         warnings.simplefilter("ignore")
         t.fit(module, datamodule=data)
     assert monitor.every_n_steps == 4
-    assert [h["step"] for h in monitor.history] == [0, 4]
+    assert [h["step"] for h in monitor.history] == [0, 4, 5]  # 5: the fit's last step
 
 
 def test_no_logger_keeps_history_and_warns_once():
@@ -167,7 +167,7 @@ def test_resume_continues_the_cadence(tmp_path):
     first = LayerNormMonitor(every_n_steps=3)
     t = trainer(5, [first, ckpt], validate_every=5, logger=tb, enable_checkpointing=True)
     t.fit(module, datamodule=data)
-    assert first.state_dict()["last_logged_step"] == 3
+    assert first.state_dict()["last_logged_step"] == 4  # 0, 3 and the fit's last step
 
     data, module = char_data(12)
     second = LayerNormMonitor(every_n_steps=3)
@@ -175,9 +175,9 @@ def test_resume_continues_the_cadence(tmp_path):
     t = trainer(12, [second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")], validate_every=12, logger=tb2,
                            enable_checkpointing=True)
     t.fit(module, datamodule=data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    assert second.state_dict()["last_logged_step"] == 9
+    assert second.state_dict()["last_logged_step"] == 11
     logged = events(tb2.log_dir).Scalars("lnmonitor/share_max/model.lnf")
-    assert [e.step for e in logged] == [0, 3, 6, 9]
+    assert [e.step for e in logged] == [0, 3, 4, 6, 9, 11]  # each fit ends measured
 
 
 class RowsModule(L.LightningModule):

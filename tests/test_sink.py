@@ -3,9 +3,12 @@ HPARAMS session with the module's hyperparameters, histograms."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import (
     CONTEXT,
+    NORMS,
     WIDTH,
     char_data,
     events,
@@ -18,6 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.callbacks.sink import MetricSink
+from lnmonitor.invariance import CASES
 
 
 def test_tensorboard_layout_hparams_and_histograms(tmp_path):
@@ -39,11 +43,17 @@ def test_tensorboard_layout_hparams_and_histograms(tmp_path):
     assert cats == [
         "lnmonitor: 1/sigma ladder", "lnmonitor: dead-plane share", "lnmonitor: final-norm invariance",
     ]
-    ladder = charts["1/sigma by norm, in forward order"]
-    assert len(ladder) == 5 and ladder[0].endswith("model\\.blocks\\.0\\.ln1")
-    assert ladder[-1].endswith("model\\.lnf")
-    assert "lnmonitor/share_baseline/median.*" in charts["median share vs random median"]
-    assert len(charts["delta-loss by case"]) == 5
+    logged = acc.Tags()["scalars"]
+
+    def matched(chart: str) -> list[str]:  # TensorBoard matches a chart's regexes with re.match
+        return sorted(t for t in logged if any(re.match(rx, t) for rx in charts[chart]))
+
+    assert matched("1/sigma by norm") == sorted(f"lnmonitor/inv_sigma/{n}" for n in NORMS)
+    assert "lnmonitor/share_baseline/median" in matched("median share vs random median")
+    assert matched("delta-loss by case") == sorted(f"lnmonitor/invariance/{c}/dloss" for c in CASES)
+    # exactly zero (the shifts of a LayerNorm) has no log10: only the other three cases
+    assert matched("log10 |delta-loss| by case") == sorted(
+        f"lnmonitor/invariance/{c}/log10_abs_dloss" for c in ("scale_3", "scale_3_shift_5", "axis_5"))
 
     ssi = acc.SummaryMetadata("_hparams_/session_start_info")
     info = plugin_data_pb2.HParamsPluginData.FromString(ssi.plugin_data.content).session_start_info
@@ -51,10 +61,18 @@ def test_tensorboard_layout_hparams_and_histograms(tmp_path):
     assert info.hparams["lnmonitor/norm_kind"].string_value == "layer"
     assert info.hparams["lnmonitor/final_norm"].string_value == "auto"
     assert info.hparams["width"].number_value == WIDTH  # the module's own hparams survive
+    assert info.hparams["seed"].number_value == 0 and info.hparams["batch_size"].number_value == 4
+    assert len(module.hparams.vocab) > 64 and "vocab" not in info.hparams  # a long string: no column
     exp = acc.SummaryMetadata("_hparams_/experiment")
     names = [m.name.tag for m in plugin_data_pb2.HParamsPluginData.FromString(
         exp.plugin_data.content).experiment.metric_infos]
-    assert "lnmonitor/ladder/attenuation" in names and "lnmonitor/invariance/scale_slope" in names
+    # TensorBoard shows the first five metric columns: the headline ones, readable numbers
+    assert names[:5] == [
+        "lnmonitor/ladder/attenuation", "lnmonitor/invariance/scale_3/log10_abs_dloss",
+        "lnmonitor/log10_eps_over_var/model.lnf", "lnmonitor/invariance/scale_slope",
+        "lnmonitor/share_median/model.lnf",
+    ]
+    assert names[-1] == "hp_metric"
 
     hists = acc.Tags()["histograms"]
     assert "lnmonitor/hist/share/model.lnf" in hists and "lnmonitor/hist/sigma/model.lnf" in hists

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
@@ -20,7 +21,7 @@ from typing_extensions import override
 from lnmonitor.callbacks import arguments
 from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
 from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
-from lnmonitor.callbacks.sink import MetricSink, finite, tags
+from lnmonitor.callbacks.sink import MetricSink, finite
 from lnmonitor.invariance import (
     CASES,
     PROBE_WINDOWS,
@@ -32,6 +33,7 @@ from lnmonitor.invariance import (
 )
 from lnmonitor.metric_names import INVARIANCE
 from lnmonitor.norms import NormInfo, discover_norms
+from lnmonitor.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
 
@@ -55,7 +57,9 @@ class FinalNormInvarianceMonitor(Callback):
     mode and the RNG state are restored; only rank zero computes (no collectives, the
     other ranks go on training), except for a sharded model (FSDP, FSDP2), whose forward
     needs every rank: then all ranks probe rank zero's probe batch together and rank zero
-    logs; a compiled model is probed eagerly.
+    logs; a compiled model is probed eagerly.  With ``every_n_steps`` set, a fit that ends
+    at a point not probed yet (after its last update) is probed there too, so the curve
+    reaches the end of training.
 
     Before its first run it checks, with one gradient pass on the probe batch
     (:func:`lnmonitor.invariance.final_norm_bypass`), that the final norm's input reaches
@@ -86,6 +90,7 @@ class FinalNormInvarianceMonitor(Callback):
             "scale_3_shift_5", "axis_5")``.
         scales: the sweep's scales (default ``1e3, 1e1, 1, 1e-1, 1e-2, 3e-3, 1e-3,
             1e-4``); an empty tuple skips the sweep.
+        summary: print the last point's residuals at the end of the fit (global rank zero).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
             when the Trainer has no logger.
 
@@ -108,6 +113,9 @@ class FinalNormInvarianceMonitor(Callback):
     ``lnmonitor/invariance/<case>/dloss``             loss(transformed) - loss (nats); zero
                                                       for the shifts, eps-sized for the
                                                       scales, clearly non-zero for ``axis_5``
+    ``lnmonitor/invariance/<case>/log10_abs_dloss``   ``log10 |dloss|``, readable across the
+                                                      decades between the cases (none when
+                                                      dloss is exactly 0)
     ``lnmonitor/invariance/<case>/max_dlogit``        max |delta logit| (logit units), when
                                                       the forward returns logits
     ``lnmonitor/invariance/<case>/out_residual``      median over rows of
@@ -133,6 +141,7 @@ class FinalNormInvarianceMonitor(Callback):
         final_norm: str | None = None,
         cases: Sequence[str] = CASES,
         scales: Sequence[float] = SWEEP_SCALES,
+        summary: bool = True,
         keep_history: bool | None = None,
     ) -> None:
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
@@ -150,6 +159,7 @@ class FinalNormInvarianceMonitor(Callback):
         self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
         self.cases = arguments.choices(cases, "cases", CASES)
         self.scales = arguments.scales(scales, "scales")
+        self.summary = arguments.flag(summary, "summary")
         self._sink = MetricSink(
             "FinalNormInvarianceMonitor", arguments.optional_flag(keep_history, "keep_history")
         )
@@ -188,7 +198,7 @@ class FinalNormInvarianceMonitor(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(pl_module)
-        metrics = [f"{INVARIANCE}/{c}/dloss" for c in ("scale_3", "axis_5") if c in self.cases]
+        metrics = [f"{INVARIANCE}/{c}/log10_abs_dloss" for c in ("scale_3", "axis_5") if c in self.cases]
         if self.scales:
             metrics.append(f"{INVARIANCE}/scale_slope")
         params = {"lnmonitor/final_norm": self._final_name or "auto"}
@@ -220,6 +230,13 @@ class FinalNormInvarianceMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.every_n_steps is not None:  # the point after the last update, unless taken
+            self._run(trainer, pl_module, trainer.global_step)
+        if self.summary and self.last_result is not None and trainer.is_global_zero:
+            step = self._sink.last_step
+            point = {tag: [(step, v)] for tag, v in finite(self.last_result.metrics()).items()}
+            head = f"lnmonitor summary: final norm {self._final_name}"
+            rank_zero_info("\n".join([head, *invariance_lines(point)]))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
             when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
             if self.on_validation:
@@ -349,17 +366,15 @@ class FinalNormInvarianceMonitor(Callback):
         return self._probe
 
     def _layout_categories(self) -> dict[str, dict]:
+        """Charts by regex, the same for every run (see LayerNormMonitor's)."""
         p = INVARIANCE
-        charts = {
-            "delta-loss by case": ["Multiline", tags([f"{p}/{c}/dloss" for c in self.cases])],
-            "max |delta-logit| by case": ["Multiline", tags([f"{p}/{c}/max_dlogit" for c in self.cases])],
-            "float64 norm-output residual by case": ["Multiline", tags(
-                [f"{p}/{c}/out_residual" for c in self.cases])],
-        }
-        if self.scales:
-            charts["scale sweep: slope and constant"] = ["Multiline", tags(
-                [f"{p}/scale_slope", f"{p}/scale_constant"])]
-        return {"lnmonitor: final-norm invariance": charts}
+        return {"lnmonitor: final-norm invariance": {
+            "log10 |delta-loss| by case": ["Multiline", [f"{p}/[^/]+/log10_abs_dloss"]],
+            "delta-loss by case": ["Multiline", [f"{p}/[^/]+/dloss$"]],
+            "max |delta-logit| by case": ["Multiline", [f"{p}/[^/]+/max_dlogit"]],
+            "float64 norm-output residual by case": ["Multiline", [f"{p}/[^/]+/out_residual"]],
+            "scale sweep: slope and constant": ["Multiline", [f"{p}/scale_(slope|constant)"]],
+        }}
 
     # -- checkpointing ---------------------------------------------------------------
 

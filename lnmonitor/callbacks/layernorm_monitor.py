@@ -21,11 +21,13 @@ from typing_extensions import override
 from lnmonitor import geometry
 from lnmonitor.callbacks import arguments
 from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
-from lnmonitor.callbacks.sink import MetricSink, finite, tags, write_histogram
+from lnmonitor.callbacks.sink import MetricSink, finite, write_histogram
 from lnmonitor.hooks import compiled, eager
 from lnmonitor.metric_names import PREFIX, per_norm
 from lnmonitor.norms import FINAL, RUNGS, NormInfo, assign_roles, discover_norms, select_norms
+from lnmonitor.pictures import heatmap_picture, ladder_picture
 from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
+from lnmonitor.summary import Trail, ladder_grid, summary_text
 from lnmonitor.taps import NormTap
 
 __all__ = ["LayerNormMonitor"]
@@ -35,7 +37,8 @@ class LayerNormMonitor(Callback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
     Every ``every_n_steps`` optimizer steps (default: the Trainer's
-    ``log_every_n_steps``; gradient accumulation does not multiply the count) the
+    ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
+    last optimizer step of the fit when the Trainer knows it, the
     selected norms are hooked for the whole step, over every row (token) of the global
     batch: all micro-batches and, under DDP, all ranks.  On the other steps no hook is
     registered.  Per row the monitor measures, in float32 on the device, the norm's
@@ -43,8 +46,8 @@ class LayerNormMonitor(Callback):
     share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
     span{xhat} for RMSNorm); see docs/design.md.  The rows are summarised in fixed-bin
     histograms (:mod:`lnmonitor.summaries`: share resolved to 2.4e-4, sigma and rms to
-    0.29% relative, eps/var to 0.58%), reduced across ranks with one ``all_gather`` per
-    logging step, and read on the host once.
+    0.39% relative, eps/var to 0.78%, over the whole float32 range), reduced across ranks
+    with one ``all_gather`` per logging step, and read on the host once.
 
     Args:
         every_n_steps: measure the steps whose index (``trainer.global_step`` before the
@@ -61,6 +64,11 @@ class LayerNormMonitor(Callback):
             a norm of a branch's output does not.  All selected norms are measured either
             way; only the rungs enter the attenuation and growth.
         histograms: also write TensorBoard histograms of the per-row share and sigma.
+        images: log the ladder as a picture at every logging step (1/sigma and rms of each
+            rung against depth, the final norm marked; about 5 ms) and 1/sigma of every rung
+            against depth and step at the end of the fit, to every logger that takes images.
+        summary: print a one-screen summary of the ladder and the shares at the end of the
+            fit (global rank zero).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
             when the Trainer has no logger.
 
@@ -90,6 +98,8 @@ class LayerNormMonitor(Callback):
     ``lnmonitor/eps_over_var/<norm>``           median ``eps / v`` (dimensionless)
     ``lnmonitor/transmission/<norm>``           median ``eps / (v + eps)``: the fraction the
                                                 Jacobian passes along the scale direction
+    ``lnmonitor/log10_eps_over_var/<norm>``     ``log10`` of the median ``eps / v`` (these two
+    ``lnmonitor/log10_transmission/<norm>``     span decades: read them on this scale)
     ``lnmonitor/share_median/<norm>``           median dead-plane share ``|P w| / |w|`` (0..1)
     ``lnmonitor/share_p90/<norm>``              its 90th percentile
     ``lnmonitor/share_max/<norm>``              its exact maximum
@@ -101,7 +111,13 @@ class LayerNormMonitor(Callback):
                                                 were measured (compare with ``share_max``)
     ``lnmonitor/ladder/attenuation``            ``inv_sigma(first rung) / inv_sigma(last rung)``
     ``lnmonitor/ladder/growth``                 ``rms(last rung) / rms(first rung)``
+    ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward
+                                                order (0 first), -1 for a norm that is not a
+                                                rung; logged once, at the first measured step
     ==========================================  ==============================================
+
+    With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at every measured
+    step) and ``lnmonitor/ladder_over_training`` (at the end of the fit).
 
     When the selected norms differ in width or kind, the baselines are logged per norm
     as ``lnmonitor/share_baseline/median/<norm>`` and ``.../max/<norm>``.  With a
@@ -134,6 +150,8 @@ class LayerNormMonitor(Callback):
         histograms: bool = False,
         keep_history: bool | None = None,
         ladder: str | Sequence[str] | None = None,
+        images: bool = True,
+        summary: bool = True,
     ) -> None:
         self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
         self.include = arguments.patterns(include, "include")
@@ -141,6 +159,8 @@ class LayerNormMonitor(Callback):
         self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
         self.ladder = arguments.patterns(ladder, "ladder")
         self.histograms = arguments.flag(histograms, "histograms")
+        self.images = arguments.flag(images, "images")
+        self.summary = arguments.flag(summary, "summary")
         self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
         self.every_n_steps: int | None = self._every_arg
         self.norms: list[NormInfo] = []
@@ -151,6 +171,8 @@ class LayerNormMonitor(Callback):
         self._measuring: int | None = None
         self._stance = None
         self._roles_known = False
+        self._last_step: int | None = None
+        self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -172,6 +194,7 @@ class LayerNormMonitor(Callback):
         self._stop()
         self.norms, self.order, self.last_summaries = [], [], []
         self._tap, self._layout, self._roles_known = None, None, False
+        self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
 
@@ -183,6 +206,8 @@ class LayerNormMonitor(Callback):
         self._layout = Layout(len(self.norms))
         say_measured_eps("LayerNormMonitor", self.norms)
         self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
+        last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self._last_step = int(last) - 1 if math.isfinite(last) else None
         if compiled(pl_module):
             rank_zero_info(
                 "LayerNormMonitor: the model is compiled (torch.compile); its measured steps run "
@@ -236,6 +261,19 @@ class LayerNormMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
+        if not trainer.is_global_zero or not self._trail:
+            return
+        try:
+            curves = self._trail.curves()
+            rungs, steps, grid = ladder_grid(curves)
+            if self.images and len(steps) > 1:
+                picture = heatmap_picture([n.removeprefix("model.") for n in rungs], steps, grid,
+                                          "1/sigma of each rung over training (forward order, top down)")
+                self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", steps[-1], picture)
+            if self.summary:
+                rank_zero_info(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
+        except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
+            self._sink.warn_once("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
 
     def _stop(self) -> None:
         """End a measured step early (an exception, the end of the fit): no hook, no row left."""
@@ -259,7 +297,8 @@ class LayerNormMonitor(Callback):
         if self._tap is None or self._measuring is not None:
             return
         step = trainer.global_step
-        if step % self.every_n_steps == 0 and step > self._sink.last_step:
+        due = step % self.every_n_steps == 0 or step == self._last_step  # the last step, always
+        if due and step > self._sink.last_step:
             self._measuring = step
             # compiled code ignores hooks registered after it compiled (and hooks present
             # while it compiles break its graph): the measured step runs eagerly
@@ -298,10 +337,40 @@ class LayerNormMonitor(Callback):
         metrics = finite(self._metrics(summaries, eps))
         if self._sink.last_step < 0:
             self._sink.add_layout(self._layout_categories())
-        self._sink.log(
+            metrics.update(self._ladder_positions())
+        logged = self._sink.log(
             trainer, step, metrics,
             (lambda writer, s: self._histograms(writer, s, summaries, eps)) if self.histograms else None,
         )
+        if logged and trainer.is_global_zero:
+            self._trail.add(step, metrics)
+            if self.images:
+                self._log_picture(trainer, step, metrics)
+
+    def _rungs(self) -> list[str]:
+        """The rungs' names in forward order."""
+        role = {info.name: info.role for info in self.norms}
+        return [name for name in self.order if role.get(name) in RUNGS]
+
+    def _ladder_positions(self) -> dict[str, float]:
+        """``lnmonitor/ladder_position/<norm>``: each rung's place in forward order, -1 for the
+        norms that are not rungs (logged once, so a summary read back knows the ladder)."""
+        place = {name: float(i) for i, name in enumerate(self._rungs())}
+        return {per_norm("ladder_position", info.name): place.get(info.name, -1.0) for info in self.norms}
+
+    def _log_picture(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        """The ladder at this step as a picture: 1/sigma and rms of every rung against depth."""
+        rungs = self._rungs()
+        final = next((n.name for n in self.norms if n.role == FINAL), None)
+        attenuation = metrics.get(f"{PREFIX}/ladder/attenuation")
+        title = f"step {step}" + (f": attenuation {attenuation:.2f}x" if attenuation else "")
+        picture = ladder_picture(
+            [n.removeprefix("model.") for n in rungs],
+            [metrics.get(per_norm("inv_sigma", n), math.nan) for n in rungs],
+            [metrics.get(per_norm("rms", n), math.nan) for n in rungs],
+            final.removeprefix("model.") if final else None, title,
+        )
+        self._sink.log_image(trainer, f"{PREFIX}/ladder", step, picture)
 
     def _warn_unmeasured(self, step: int, summaries: list[NormSummary]) -> None:
         """Say once when selected norms had no row in a measured step (never zero data
@@ -364,6 +433,10 @@ class LayerNormMonitor(Callback):
             m[per_norm("rms", n)] = rms[n]
             m[per_norm("eps_over_var", n)] = eps[i] / v if v > 0 else math.nan
             m[per_norm("transmission", n)] = eps[i] / (v + eps[i])
+            # the same on a log scale, readable where the values span decades
+            positive = v > 0 and eps[i] > 0
+            m[per_norm("log10_eps_over_var", n)] = math.log10(eps[i] / v) if positive else math.nan
+            m[per_norm("log10_transmission", n)] = math.log10(eps[i] / (v + eps[i])) if positive else math.nan
             m[per_norm("share_median", n)] = s.share_median
             m[per_norm("share_p90", n)] = s.share_p90
             m[per_norm("share_max", n)] = s.share_max
@@ -413,31 +486,30 @@ class LayerNormMonitor(Callback):
             f"{PREFIX}/every_n_steps": self.every_n_steps,
         }
         last = self.final_norm or norms[-1].name
-        metrics = [f"{PREFIX}/ladder/attenuation", f"{PREFIX}/ladder/growth", per_norm("share_median", last)]
+        metrics = [f"{PREFIX}/ladder/attenuation", per_norm("log10_eps_over_var", last),
+                   per_norm("share_median", last), f"{PREFIX}/ladder/growth"]
         return params, metrics
 
     # -- TensorBoard extras ----------------------------------------------------------
 
     def _layout_categories(self) -> dict[str, dict]:
-        order = list(self.order) or [n.name for n in self.norms]
-        order += [n.name for n in self.norms if n.name not in order]
+        """Charts by regex over the metric names, so every run's layout is the same and
+        TensorBoard shows one chart per title for a logdir of several runs."""
         p = PREFIX
         return {
             "lnmonitor: 1/sigma ladder": {
-                "1/sigma by norm, in forward order": ["Multiline", tags(
-                    [per_norm("inv_sigma", n) for n in order])],
-                "rms of the stream each norm reads": ["Multiline", tags([per_norm("rms", n) for n in order])],
-                "eps/var by norm": ["Multiline", tags([per_norm("eps_over_var", n) for n in order])],
-                "ladder attenuation and growth": ["Multiline", tags(
-                    [f"{p}/ladder/attenuation", f"{p}/ladder/growth"])],
+                "1/sigma by norm": ["Multiline", [f"{p}/inv_sigma/.*"]],
+                "rms of the stream each norm reads": ["Multiline", [f"{p}/rms/.*"]],
+                "log10 eps/var by norm": ["Multiline", [f"{p}/log10_eps_over_var/.*"]],
+                "log10 transmission eps/(var+eps) by norm": ["Multiline", [f"{p}/log10_transmission/.*"]],
+                "ladder attenuation and growth": ["Multiline", [f"{p}/ladder/.*"]],
             },
             "lnmonitor: dead-plane share": {
-                "median share vs random median": ["Multiline", tags(
-                    [per_norm("share_median", n) for n in order]) + [f"{p}/share_baseline/median.*"]],
-                "p90 share": ["Multiline", tags([per_norm("share_p90", n) for n in order])],
-                "max share vs random max": ["Multiline", tags(
-                    [per_norm("share_max", n) for n in order]) + [f"{p}/share_baseline/max.*"]],
-                "skipped rows": ["Multiline", tags([per_norm("skipped_rows", n) for n in order])],
+                "median share vs random median": [
+                    "Multiline", [f"{p}/share_median/.*", f"{p}/share_baseline/median.*"]],
+                "p90 share": ["Multiline", [f"{p}/share_p90/.*"]],
+                "max share vs random max": ["Multiline", [f"{p}/share_max/.*", f"{p}/share_baseline/max.*"]],
+                "skipped rows": ["Multiline", [f"{p}/skipped_rows/.*"]],
             },
         }
 

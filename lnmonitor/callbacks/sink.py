@@ -29,6 +29,12 @@ from torch import Tensor
 
 __all__ = ["MetricSink", "finite", "tags", "write_histogram"]
 
+# TensorBoard's HPARAMS table shows the first five metric columns of the session: these first
+HEADLINE_METRICS = (
+    "lnmonitor/ladder/attenuation", "lnmonitor/invariance/scale_3/log10_abs_dloss",
+    "lnmonitor/log10_eps_over_var/", "lnmonitor/invariance/scale_slope", "lnmonitor/share_median/",
+)
+
 # the order of lnmonitor's custom-scalars categories in TensorBoard
 CATEGORY_ORDER = (
     "lnmonitor: 1/sigma ladder", "lnmonitor: dead-plane share", "lnmonitor: final-norm invariance",
@@ -157,6 +163,24 @@ class MetricSink:
                 logger.log_metrics(metrics, step=step)
         return True
 
+    def log_image(self, trainer, tag: str, step: int, image) -> None:
+        """An ``(H, W, 3)`` uint8 picture to every logger that takes images, from global rank
+        zero: TensorBoard (the Images tab, a slider over steps), W&B and Neptune
+        (``log_image``), MLflow (an artifact per step); the others get none."""
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            try:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_image(tag, image, step, dataformats="HWC")
+                elif type(logger).__name__ == "MLFlowLogger":
+                    logger.experiment.log_image(logger.run_id, image, f"{tag}/step_{step:08d}.png")
+                elif callable(getattr(logger, "log_image", None)):
+                    logger.log_image(key=tag, images=[image], step=step)
+            except Exception as err:  # noqa: BLE001 - a picture must never stop training
+                where = type(logger).__name__
+                self.warn_once("images", f"{self.owner}: pictures not logged to {where}: {err!r}")
+
     def warn_once(self, key: str, message: str) -> None:
         """``rank_zero_warn`` the message the first time ``key`` comes up in this fit."""
         if key not in self._warned:
@@ -194,6 +218,8 @@ def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _module_hparams(trainer, pl_module) -> dict[str, Any]:
+    """The module's and datamodule's hyperparameters, without the long strings (a
+    vocabulary) that make no column: TensorBoard shows only so many, sorted by name."""
     params: dict[str, Any] = {}
     if getattr(pl_module, "_log_hyperparams", True):
         params.update(dict(pl_module.hparams_initial))
@@ -201,7 +227,13 @@ def _module_hparams(trainer, pl_module) -> dict[str, Any]:
     if dm is not None and getattr(dm, "_log_hyperparams", True):
         params.update(dict(getattr(dm, "hparams_initial", {}) or {}))
     params.pop("_class_path", None)
-    return params
+    return {k: v for k, v in params.items() if not (isinstance(v, str) and len(v) > 64)}
+
+
+def _headline_rank(name: str) -> int:
+    """Where a metric goes among the HPARAMS columns: by ``HEADLINE_METRICS``, then the rest."""
+    ranks = [i for i, head in enumerate(HEADLINE_METRICS) if name.startswith(head)]
+    return ranks[0] if ranks else len(HEADLINE_METRICS)
 
 
 def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module) -> None:
@@ -213,8 +245,9 @@ def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module)
     for p, n in board.given.values():
         params.update(p)
         names += [x for x in n if x not in names]
+    names.sort(key=_headline_rank)  # stable: the rest keep their order
     if getattr(logger, "_default_hp_metric", False):
-        names.insert(0, "hp_metric")
+        names.append("hp_metric")
     merged = {**_flat(_module_hparams(trainer, pl_module)), **params}
     writer = logger.experiment._get_file_writer()
     for summary in hparams(merged, {name: 0.0 for name in names}):

@@ -1,8 +1,11 @@
 """Read logged scalars back: from TensorBoard event files or a CSVLogger's ``metrics.csv``.
 
-:func:`read_scalars` returns ``{tag: [(step, value), ...]}`` with one value per step,
-sorted by step.  A resumed run writes a second event file that repeats the steps after
-its checkpoint; the later value of a step wins.  TensorBoard's own EventAccumulator is
+:func:`find_runs` lists the run folders under a log folder, :func:`event_file_problem`
+says why an event file cannot be read (TensorBoard itself skips such a file in silence),
+:func:`read_run` reads one run whichever logger wrote it.  :func:`read_scalars` returns
+``{tag: [(step, value), ...]}`` with one value per step, sorted by step.  A resumed run
+writes a second event file that repeats the steps after its checkpoint; the later value
+of a step wins.  TensorBoard's own EventAccumulator is
 used with nothing sampled away (``size_guidance`` 0 for scalars).
 """
 
@@ -13,14 +16,60 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["event_files", "read_csv_scalars", "read_scalars"]
+__all__ = ["event_file_problem", "event_files", "find_runs", "read_csv_scalars", "read_run", "read_scalars"]
 
 Curves = dict[str, list[tuple[int, float]]]
+CSV_NAME = "metrics.csv"  # what Lightning's CSVLogger writes in each run's folder
 
 
 def event_files(folder: Path) -> list[Path]:
     """The TensorBoard event files directly in ``folder``, oldest first."""
     return sorted(Path(folder).glob("events.out.tfevents.*"))
+
+
+def find_runs(logdir: Path) -> list[Path]:
+    """The folders at or under ``logdir`` that hold event files or a ``metrics.csv``, in
+    path order (a TensorBoardLogger's ``name/version_N``, a CSVLogger's, ...)."""
+    logdir = Path(logdir)
+    found = {p.parent for p in logdir.rglob("events.out.tfevents.*") if p.is_file()}
+    found |= {p.parent for p in logdir.rglob(CSV_NAME) if p.is_file()}
+    return sorted(found)
+
+
+def event_file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a readable event file -- a record failing its crc32 check, or
+    bytes without one whole record -- or None.  A last record cut short is no problem: that
+    is a run still writing."""
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+
+    if Path(path).stat().st_size == 0:
+        return None
+    reader = PyRecordReader_New(str(path))
+    records = 0
+    try:
+        while True:
+            try:
+                reader.GetNext()
+            except errors.OutOfRangeError:
+                break
+            except errors.DataLossError as err:
+                cut = "truncated" in str(err)
+                if cut and records:
+                    break
+                return f"record {records + 1} {'is cut short' if cut else 'fails its crc32 check'}"
+            records += 1
+    finally:
+        reader.file_handle.close()
+    return None
+
+
+def read_run(folder: Path) -> Curves:
+    """A run's scalars: from its event files when it has some, else from its ``metrics.csv``."""
+    folder = Path(folder)
+    if event_files(folder):
+        return read_scalars(folder)
+    return read_csv_scalars(folder / CSV_NAME) if (folder / CSV_NAME).is_file() else {}
 
 
 def read_scalars(folder: Path, keep: Callable[[str], bool] = lambda tag: True) -> Curves:

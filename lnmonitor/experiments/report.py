@@ -249,11 +249,12 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         "invariance": "Invariance error against eps/var (log-log) with the fitted lines",
         "shares": "Median dead-plane share per norm against the random baseline",
     }
+    missing = {"dose_response": "needs finished runs at three or more eps values"}
     for key, name in FIGURES.items():
         if figures.get(key):
             lines.append(f"![{captions[key]}]({name})")
         else:
-            lines.append(f"- {captions[key]}: no data yet.")
+            lines.append(f"- {captions[key]}: {missing.get(key, 'no data yet')}.")
         lines.append("")
 
     seconds = results["seconds"]

@@ -108,6 +108,9 @@ class CharDataModule(L.LightningDataModule):
         val_fraction: float = 0.1, val_windows: int = 512,
     ) -> None:
         super().__init__()
+        # the run's HPARAMS columns; context and max_steps are the module's (Lightning refuses
+        # a key both hold with two values), the text and vocabulary make none
+        self.save_hyperparameters("batch_size", "seed", "val_fraction", "val_windows")
         self.vocab = vocab or CharVocab.from_text(text)
         self.context, self.batch_size, self.seed = context, batch_size, seed
         self.max_steps, self.val_windows = max_steps, val_windows

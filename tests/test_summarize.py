@@ -1,0 +1,112 @@
+"""``lnmonitor summarize``: a TensorBoard run, a CSVLogger run, a folder of several runs, and
+bad input (one line on stderr, exit code 2, nothing else)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+from conftest import NORMS, char_data, trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from PIL import Image
+
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.cli import main
+from lnmonitor.experiments.events import read_scalars
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    """Two runs: ``a`` logged to TensorBoard and CSV at once, ``b`` (eps 0.1) to TensorBoard."""
+    root = tmp_path_factory.mktemp("logs")
+    for eps, loggers in (
+        (1e-5, lambda: [TensorBoardLogger(root, name="a"), CSVLogger(root, name="a_csv")]),
+        (1e-1, lambda: [TensorBoardLogger(root, name="b")]),
+    ):
+        data, module = char_data(5, eps=eps)
+        callbacks = [LayerNormMonitor(every_n_steps=2), FinalNormInvarianceMonitor(every_n_steps=2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(5, callbacks, logger=loggers()).fit(module, datamodule=data)
+    return root
+
+
+def _ladder_rows(out: str) -> dict[str, float]:
+    """``{norm: 1/sigma}`` from the printed ladder table(s) of the first run."""
+    rows = {}
+    for line in out.split("\n\n")[0].splitlines():
+        parts = line.split()
+        if parts and f"model.{parts[0]}" in NORMS:
+            rows[f"model.{parts[0]}"] = float(parts[1])
+    return rows
+
+
+def test_summarize_a_tensorboard_run_prints_the_ladder_and_writes_the_figures(logdir, tmp_path, capsys):
+    run = logdir / "a" / "version_0"
+    assert main(["summarize", str(run), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lnmonitor summary: version_0")
+    logged = read_scalars(run)
+    rows = _ladder_rows(out)
+    assert list(rows) == NORMS  # forward order
+    for name, value in rows.items():
+        assert math.isclose(value, logged[f"lnmonitor/inv_sigma/{name}"][-1][1], rel_tol=5e-3), name
+    assert "random direction: median share" in out and "final-norm invariance at step 5" in out
+    for png in ("version_0_ladder_heatmap.png", "version_0_shares.png"):
+        with Image.open(tmp_path / png) as image:
+            assert image.width > 300 and image.height > 200, png
+
+
+def test_summarize_a_csv_run_reads_the_same_numbers(logdir, capsys):
+    assert main(["summarize", str(logdir / "a"), "--no-figures"]) == 0
+    from_tensorboard = _ladder_rows(capsys.readouterr().out)
+    assert main(["summarize", str(logdir / "a_csv"), "--no-figures"]) == 0
+    out = capsys.readouterr().out
+    from_csv = _ladder_rows(out)
+    assert list(from_csv) == NORMS and "final-norm invariance at step 5" in out
+    for name in NORMS:
+        assert math.isclose(from_csv[name], from_tensorboard[name], rel_tol=5e-3), name
+
+
+def test_summarize_a_folder_of_runs_sets_them_side_by_side(logdir, tmp_path, capsys):
+    assert main(["summarize", str(logdir), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("3 runs side by side"):].split("\n\n")[0].splitlines()[2:]
+    names = [line.split()[0] for line in table]
+    assert names == ["a/version_0", "a_csv/version_0", "b/version_0"]
+    eps_over_var = {line.split()[0]: float(line.split()[5]) for line in table}
+    assert eps_over_var["b/version_0"] > 1e3 * eps_over_var["a/version_0"]  # eps 0.1 against 1e-5
+    assert (tmp_path / "ladders.png").is_file() and (tmp_path / "b_version_0_shares.png").is_file()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no event files", "corrupt", "a file", "not ours"])
+def test_summarize_bad_input_is_one_line_and_exit_code_2(case, logdir, tmp_path, capsys):
+    folder = tmp_path / "logs"
+    if case != "missing":
+        folder.mkdir()
+    if case == "no event files":
+        (folder / "notes.txt").write_text("hello")
+    if case == "corrupt":  # a good run next to a file of garbage named like an event file
+        good = logdir / "a" / "version_0"
+        for f in good.iterdir():
+            (folder / "good").mkdir(exist_ok=True)
+            (folder / "good" / f.name).write_bytes(f.read_bytes())
+        (folder / "bad").mkdir()
+        (folder / "bad" / "events.out.tfevents.0.host.0.0").write_bytes(b"\x17" * 300)
+    if case == "a file":
+        folder = folder / "notes.txt"
+        folder.write_text("hello")
+    if case == "not ours":  # a run without lnmonitor
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(folder) as writer:
+            writer.add_scalar("loss", 1.0, 0)
+    assert main(["summarize", str(folder), "--no-figures"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("lnmonitor summarize: error: ")
+    expected = {"missing": "does not exist", "empty": "is empty", "a file": "is a file",
+                "no event files": "no TensorBoard event file", "corrupt": "fails its crc32 check",
+                "not ours": "no lnmonitor metric"}
+    assert expected[case] in captured.err

@@ -1,0 +1,145 @@
+"""The views people look at: the ladder picture and the heatmap, the one-screen summary,
+the bounded trail a monitor keeps for them, and the pictures reaching the loggers."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import warnings
+
+import numpy as np
+from conftest import NORMS, MemoryLogger, char_data, events, trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.pictures import heatmap_picture, ladder_picture
+from lnmonitor.summary import Trail, ladder_grid, ladder_of, summary_text
+
+BLUE, RED = (31, 119, 180), (200, 30, 30)
+
+
+def test_trail_keeps_first_and_last_points_and_a_bounded_evenly_thinned_series():
+    trail = Trail(series=("s/",), max_points=8)
+    for step in range(0, 1000, 10):
+        trail.add(step, {"s/a": 2.0 * step, "o/b": -float(step)})
+    curves = trail.curves()
+    assert curves["o/b"] == [(0, 0.0), (990, -990.0)]
+    steps = [s for s, _ in curves["s/a"]]
+    assert steps[0] == 0 and steps[-1] == 990 and len(steps) <= 9
+    assert len({b - a for a, b in zip(steps[:-2], steps[1:-1], strict=True)}) == 1  # one stride
+    assert all(v == 2.0 * s for s, v in curves["s/a"])
+
+
+def _blobs(mask: np.ndarray, tall: int = 6) -> list[tuple[float, float]]:
+    """``(x, y)`` centres of the markers: runs of columns with at least ``tall`` pixels set."""
+    columns = np.nonzero(mask.sum(0) >= tall)[0]
+    runs = np.split(columns, np.nonzero(np.diff(columns) > 1)[0] + 1)
+    return [(float(r.mean()), float(np.nonzero(mask[:, r].any(1))[0].mean())) for r in runs if len(r)]
+
+
+def test_ladder_picture_puts_each_rung_at_its_value_on_a_log_scale_and_marks_the_final_norm():
+    picture = ladder_picture(["a.0", "a.1", "a.2"], [1.0, 0.1, 0.01], [100.0, 100.0, 100.0], final="a.2")
+    assert picture.shape == (320, 480, 3) and picture.dtype == np.uint8
+    markers = [(x, y) for x, y in _blobs(np.all(picture == BLUE, axis=-1)) if y > 44]  # not the legend
+    assert len(markers) == 3
+    (x0, y0), (x1, y1), (x2, y2) = markers
+    assert x0 < x1 < x2 and y0 < y1 < y2  # smaller 1/sigma lower down
+    assert abs((y1 - y0) - (y2 - y1)) <= 2  # equal ratios, equal steps: a log axis
+    red = np.all(picture == RED, axis=-1)
+    final_column = int(np.argmax(red.sum(0)))
+    assert red[:, final_column].sum() > 100 and abs(final_column - x2) <= 2
+    blank = ladder_picture([], [], [])
+    assert blank.shape == (320, 480, 3)  # says "no rung measured yet"
+
+
+def test_heatmap_picture_takes_uneven_steps_and_missing_cells():
+    values = np.array([[1.0, 0.9, np.nan], [0.5, 0.4, 0.3]])
+    picture = heatmap_picture(["x", "y"], [0, 10, 29], values, "t")
+    assert picture.ndim == 3 and picture.shape[2] == 3 and picture.dtype == np.uint8
+    assert heatmap_picture(["x"], [5], np.array([[2.0]])).shape[2] == 3  # one step
+
+
+def test_summary_orders_rungs_by_their_ladder_position_and_says_what_is_missing():
+    p = "lnmonitor"
+    curves = {
+        f"{p}/inv_sigma/m.z_first": [(0, 2.0), (10, 1.5)],
+        f"{p}/inv_sigma/m.a_last": [(10, 0.25)],
+        f"{p}/inv_sigma/m.q": [(10, 3.0)],
+        f"{p}/ladder_position/m.z_first": [(0, 0.0)],
+        f"{p}/ladder_position/m.a_last": [(0, 1.0)],
+        f"{p}/ladder_position/m.q": [(0, -1.0)],
+        f"{p}/ladder/attenuation": [(0, 4.0), (10, 6.0)],
+        f"{p}/invariance/shift_5/dloss": [(11, 0.0)],
+        f"{p}/invariance/scale_3/dloss": [(11, 2.5e-7)],
+    }
+    assert ladder_of(curves) == (["m.z_first", "m.a_last"], ["m.q"])
+    text = summary_text(curves, "run")
+    rows = [line.split()[0] for line in text.splitlines() if line.startswith("  m.")]
+    assert rows == ["m.z_first", "m.a_last", "m.q"]
+    assert "(not a rung)" in next(line for line in text.splitlines() if line.startswith("  m.q"))
+    assert "attenuation (1/sigma of the first rung / the last): 6x, 4x at step 0" in text
+    assert "the ladder at step 10 (2 measured steps, the first at 0)" in text
+    dloss_row = next(line for line in text.splitlines() if "delta-loss" in line)
+    assert dloss_row.split()[-2:] == ["0", "2.5e-07"]  # an exact zero reads 0
+    rungs, steps, grid = ladder_grid(curves)
+    assert steps == [0, 10] and np.isnan(grid[1, 0]) and grid[0, 1] == 1.5
+    assert summary_text({}, "run") == "run: no lnmonitor metric logged"
+
+
+class PictureLogger(MemoryLogger):
+    """A logger that takes pictures the way W&B's and Neptune's do."""
+
+    def __init__(self, broken: bool = False):
+        super().__init__()
+        self.broken, self.pictures = broken, []
+
+    def log_image(self, key, images, step=None):
+        if self.broken:
+            raise RuntimeError("no room for pictures")
+        self.pictures.append((key, step, images[0].shape))
+
+
+def test_pictures_reach_every_logger_that_takes_them_and_the_summary_matches_the_log(tmp_path, caplog):
+    data, module = char_data(5)
+    ln = LayerNormMonitor(every_n_steps=2, keep_history=True)
+    inv = FinalNormInvarianceMonitor(every_n_steps=10, on_validation=False, keep_history=True)
+    tb, takes, broken = TensorBoardLogger(tmp_path, name="tb"), PictureLogger(), PictureLogger(broken=True)
+    t = trainer(5, [ln, inv], logger=[tb, takes, broken])
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(module, datamodule=data)
+    assert t.global_step == 5  # a logger that fails on pictures stops nothing
+    measured = [h["step"] for h in ln.history]
+    assert measured == [0, 2, 4]
+    acc = events(tb.log_dir)
+    assert [e.step for e in acc.Images("lnmonitor/ladder")] == measured
+    assert [e.step for e in acc.Images("lnmonitor/ladder_over_training")] == [4]
+    assert [(k, s) for k, s, _ in takes.pictures] == [("lnmonitor/ladder", s) for s in measured] + [
+        ("lnmonitor/ladder_over_training", 4)]
+    assert takes.pictures[0][2] == (320, 480, 3)
+    said = [str(w.message) for w in caught if "pictures not logged to PictureLogger" in str(w.message)]
+    assert len(said) == 1 and "no room for pictures" in said[0]
+
+    said = [r.getMessage() for r in caplog.records]
+    text = next(m for m in said if m.startswith("lnmonitor summary: Tiny"))
+    last = ln.history[-1]
+    for name in NORMS:  # the printed 1/sigma is the last logged one, to three figures
+        row = next(line for line in text.splitlines() if line.startswith(f"  {name.removeprefix('model.')} "))
+        assert math.isclose(float(row.split()[1]), last[f"lnmonitor/inv_sigma/{name}"], rel_tol=5e-3)
+    # the invariance monitor probes the point after the last update at the end of the fit
+    assert [h["step"] for h in inv.history] == [0, 5]
+    inv_text = next(m for m in said if m.startswith("lnmonitor summary: final norm model.lnf"))
+    assert re.search(r"final-norm invariance at step 5 ", inv_text)
+
+
+def test_images_and_summary_are_off_with_one_argument(tmp_path, caplog):
+    data, module = char_data(3)
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(3, [LayerNormMonitor(every_n_steps=1, images=False, summary=False)], logger=tb).fit(
+            module, datamodule=data)
+    acc = events(tb.log_dir)
+    assert acc.Tags()["images"] == [] and "lnmonitor/inv_sigma/model.lnf" in acc.Tags()["scalars"]
+    assert not any("lnmonitor summary" in r.getMessage() for r in caplog.records)
