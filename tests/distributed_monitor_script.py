@@ -1,10 +1,11 @@
-"""Run by tests/test_distributed.py: fit a tiny GPT with both monitors on
-``devices`` CPU processes on one fixed global batch of 8 windows per step, and write rank
-zero's histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp`` (gloo)
-or ``fsdp2``: Lightning's ModelParallelStrategy with ``fully_shard`` applied to every block
-and the model in ``configure_model``.
+"""Run by tests/test_distributed.py (CPU, gloo) and tests/test_cuda.py (one GPU): fit a
+tiny GPT, or a transformers GPT-2 from a small config, with both monitors on ``devices``
+processes on one fixed global batch of 8 windows per step, and write rank zero's
+histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp``, ``fsdp1``
+(Lightning's FSDPStrategy, every block wrapped) or ``fsdp2`` (ModelParallelStrategy with
+``fully_shard`` applied to every block and the model in ``configure_model``).
 
-Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json
+Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
 
 from __future__ import annotations
@@ -64,21 +65,55 @@ class Counting(LayerNormMonitor):
 class ShardedGPT(TinyGPTModule):
     """The tiny GPT sharded with FSDP2 when the strategy gives it a device mesh."""
 
+    def blocks(self):
+        return self.model.blocks
+
     def configure_model(self) -> None:
+        if self.device_mesh is None:  # not under ModelParallelStrategy
+            return
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
+        for block in self.blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
 
+class GPT2(L.LightningModule):
+    """A transformers GPT-2 from a small config, wrapped the usual way (no ``forward``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=len(VOCAB), n_embd=32, n_layer=2, n_head=2,
+                                         n_positions=CONTEXT, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model(input_ids=x, labels=y).loss
+
+    def blocks(self):
+        return self.model.transformer.h
+
+    configure_model = ShardedGPT.configure_model
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    accelerator = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    model = sys.argv[5] if len(sys.argv) > 5 else "tiny"
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    cls = ShardedGPT if strategy == "fsdp2" else TinyGPTModule
-    module = cls(VOCAB, width=32, depth=2, heads=2, context=CONTEXT, max_steps=STEPS)
+    if model == "gpt2":
+        module = GPT2()
+    else:
+        module = ShardedGPT(VOCAB, width=32, depth=2, heads=2, context=CONTEXT, max_steps=STEPS)
     monitor = Counting(every_n_steps=1, keep_history=True)
     probe = tuple(t[:4] for t in Windows()[:4])
     invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
@@ -87,10 +122,15 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         chosen = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    elif strategy == "fsdp1":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        blocks = {type(b) for b in module.blocks()}
+        chosen = FSDPStrategy(auto_wrap_policy=blocks)
     else:
         chosen = "ddp" if devices > 1 else "auto"
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=chosen,
+        accelerator=accelerator, devices=devices, strategy=chosen,
         max_steps=STEPS, logger=False, enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False, callbacks=[monitor, invariance], limit_val_batches=0,
         use_distributed_sampler=False,

@@ -20,13 +20,16 @@ from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTI
 SCRIPT = Path(__file__).with_name("distributed_monitor_script.py")
 
 
-def run(strategy: str, devices: int, out: Path) -> dict:
+def run(strategy: str, devices: int, out: Path, accelerator: str = "cpu", model: str = "tiny") -> dict:
+    """Run tests/distributed_monitor_script.py in fresh processes; its JSON."""
+    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), strategy, str(devices), str(out)], env=env, cwd=SCRIPT.parent.parent,
+        [sys.executable, str(SCRIPT), strategy, str(devices), str(out), accelerator, model], env=env,
+        cwd=SCRIPT.parent.parent,
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

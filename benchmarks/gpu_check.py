@@ -1,0 +1,109 @@
+"""Everything lnmonitor claims, checked once on a CUDA GPU, in one command (~8 minutes).
+
+    PYTHONPATH=. python benchmarks/gpu_check.py --out gpu-check
+
+1. ``pytest -m cuda``: the monitors under ``16-mixed`` with Lightning's real CUDA
+   GradScaler, ``bf16-mixed`` and ``32-true`` against float64 of the step's own tensors,
+   ``torch.compile``, and FSDPStrategy / ModelParallelStrategy on the one GPU on a tiny
+   GPT and a transformers GPT-2 (tests/test_cuda.py);
+2. ``benchmarks/overhead.py --device cuda``: the train-tiny recipe and wider models
+   (widths 512, 1024, 2048, context 256), every step and at the defaults, paired ratios
+   with synchronised timing, peak memory from ``torch.cuda.max_memory_allocated``.
+
+Writes ``gpu_check.json`` and ``gpu_check.md`` (versions, device, test counts and
+failures, the overhead table) under ``--out``.  Runs with whatever torch, Lightning and
+transformers are installed (nothing is installed).  Without CUDA it says so in one line
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERHEAD = ["--device", "cuda", "--widths", "128", "512", "1024", "2048", "--context", "256",
+            "--batch-size", "32", "--steps", "16", "--rounds", "2"]
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for package in ("torch", "lightning", "transformers", "tensorboard", "numpy"):
+        try:
+            out[package] = md.version(package)
+        except md.PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def junit_counts(path: Path) -> dict:
+    """Passed, failed, skipped counts and the failed tests' ids from a pytest junit XML."""
+    root = ET.parse(path).getroot()
+    cases = root.iter("testcase")
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    for case in cases:
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts["failed"] += 1
+            node = case.find("failure") if case.find("failure") is not None else case.find("error")
+            counts["failures"].append({"test": name, "message": (node.get("message") or "")[:500]})
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
+def summary_markdown(result: dict) -> str:
+    """The markdown summary of one check (``result`` as written to gpu_check.json)."""
+    v, tests = result["versions"], result["tests"]
+    lines = [f"# lnmonitor on {result['device']}", "",
+             f"torch {v['torch']}, Lightning {v['lightning']}, transformers {v['transformers']}, "
+             f"Python {v['python']}; {result['seconds']:.0f} s in all.", "",
+             f"## CUDA tests: {tests['passed']} passed, {tests['failed']} failed, "
+             f"{tests['skipped']} skipped", ""]
+    lines += [f"- FAILED {f['test']}: {f['message']}" for f in tests["failures"]]
+    lines += ["", "## Overhead", "", result.get("overhead_table") or "(not run: see the log)", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--skip-overhead", action="store_true", help="only the CUDA tests")
+    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for the tests (default 300)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}); nothing to check")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    result = {"device": torch.cuda.get_device_name(0), "versions": versions()}
+    xml = args.out / "cuda_tests.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py",
+                    f"--junitxml={xml}", "-p", "no:cacheprovider"], cwd=ROOT, timeout=args.test_timeout)
+    result["tests"] = junit_counts(xml) if xml.is_file() else {
+        "passed": 0, "failed": 1, "skipped": 0, "failures": [{"test": "pytest", "message": "no report"}]}
+    if not args.skip_overhead:
+        table = args.out / "overhead.md"
+        subprocess.run([sys.executable, "benchmarks/overhead.py", *OVERHEAD, "--markdown", str(table)],
+                       cwd=ROOT, timeout=420)
+        result["overhead_table"] = table.read_text() if table.is_file() else None
+    result["seconds"] = time.monotonic() - start
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    (args.out / "gpu_check.md").write_text(summary_markdown(result))
+    print(summary_markdown(result))
+    return 1 if result["tests"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
