@@ -1,59 +1,56 @@
-"""Cost of the monitors on the train-tiny recipe: step time and peak memory.
+"""Cost of the monitors: step time and peak memory, side by side in one run.
 
-Three configurations train the recipe (``lnmonitor.tiny.train.fit``, TensorBoard
-logger, no progress bar) on the same batches:
-
-* ``plain``: no monitor;
-* ``every``: ``LayerNormMonitor(every_n_steps=1)``: every step is measured;
-* ``defaults``: ``LayerNormMonitor()`` and ``FinalNormInvarianceMonitor()`` at their
-  defaults (the recipe's ``log_every_n_steps`` = 50; the invariance probe every 1000
-  steps and after each validation, i.e. every ``val_every`` = 250 steps).
-
-Time.  Each round runs four fits, in rotated order (interleaved, so load from other
-processes hits all alike): the three configurations and ``alternate``
-(``LayerNormMonitor(every_n_steps=2)``).  A callback stamps each batch start; a step's
+Every figure is a ratio between fits of the same recipe (``lnmonitor.tiny.train.fit``,
+TensorBoard logger, no progress bar, the same batches) run in one process, interleaved
+round by round in rotated order so that load from other processes hits all alike.  A
+callback stamps each batch start (after ``torch.cuda.synchronize()`` on a GPU); a step's
 time is the gap to the next stamp (forward, backward, optimizer, every callback and
-logging).  Per round:
+logging).  Reported: medians over rounds of per-round ratios.
 
-* ``every step, direct``: median step of ``every`` / median step of ``plain``;
-* ``every step, paired``: in ``alternate``, the median over measured steps of the
-  measured step / the mean of its two unmeasured neighbours -- the same ratio from
-  steps a few hundred ms apart, so it is far less exposed to other processes' load;
-* ``defaults, unmeasured``: median step of ``defaults`` (no hook registered) / plain:
-  across two fits, so it shows the fit-to-fit noise of this machine as much as anything;
-* ``idle us``: the time actually spent inside the two monitors' Lightning hooks on a
-  step where neither measures (every hook method wrapped with a timer);
-* ``defaults, amortised``: ``1 + (t_idle + (paired - 1) t_plain / 50 + t_probe / 250)
-  / t_plain``, with ``t_probe`` the wall time of one invariance run (timed inside the
-  callback, its steady-state run): a short benchmark cannot hold 50 or 250 steps of
-  every width, so each part is measured directly and amortised at the recipe's cadence.
+Configurations of one model:
 
-Reported: medians over rounds of these per-round ratios.
+* ``plain``: no monitor;  ``every``: ``LayerNormMonitor(every_n_steps=1)``;
+* ``alternate``: ``LayerNormMonitor(every_n_steps=2)``: its *paired* ratio is the median
+  over measured steps of the measured step / the mean of its two unmeasured neighbours,
+  the same ratio from steps a few hundred ms apart, far less exposed to other load;
+* ``defaults``: both monitors at their defaults (the recipe logs every 50 steps; the
+  invariance probe runs after each validation, every 250 steps).  A short fit cannot hold
+  50 or 250 steps of every width, so the defaults' cost is amortised from parts measured
+  directly: ``1 + (t_idle + (paired - 1) t_plain / 50 + t_probe / 250) / t_plain`` with
+  ``t_idle`` the time inside the two monitors' Lightning hooks on a step where neither
+  measures and ``t_probe`` the wall time of one invariance run.
 
-Memory.  CPU tensors do not go through a caching allocator with statistics, and
-process-level figures (``resource``'s max RSS, psutil) are too coarse and never go
-down.  So one measured step (step 2) of each configuration is recorded with
-``torch.profiler`` (``profile_memory=True``) and its allocation timeline
-(``torch.profiler._memory_profiler.MemoryProfile``: every tensor allocation and free
-through the c10 allocator) is replayed: the peak is the maximum, over the step, of the
-bytes allocated since the step began and not yet freed -- activations, gradients,
-temporaries, the monitors' per-row numbers and histograms.  For ``defaults`` that step
-is one where both monitors run (their cadences set to hit it: the worst step).  On a
-CUDA device ``torch.cuda.max_memory_allocated`` over the step is used instead.
+Rows: the main table (``--widths``, depth 4); ``--compile``: the same model with its
+inner ``nn.Module`` compiled in place (``module.model.compile()``), against the compiled
+model unmonitored (the measured steps run eagerly, see LayerNormMonitor); ``--depths``:
+the extra time of a measured step at width 128 and these depths, and the exponents of its
+growth with width and depth (against rows x width x norms read); ``--peers``: Lightning's
+``grad_norm`` utility logged every step and ``wandb.watch(log="all", log_freq=1)``
+offline, every step, next to ``LayerNormMonitor(every_n_steps=1)`` (``pip install -e
+".[bench]"``).
 
-    python benchmarks/overhead.py --widths 128 512 1024 --steps 10 --rounds 3 --threads 1
+Memory: one measured step of ``plain``, ``every`` and ``defaults`` (both monitors firing)
+is recorded with ``torch.profiler`` (``profile_memory=True``) and its allocation timeline
+replayed: the peak is the maximum over the step of the bytes allocated since it began and
+not yet freed.  On CUDA, ``torch.cuda.max_memory_allocated`` over the step.
+
+    python benchmarks/overhead.py --widths 128 512 1024 --steps 12 --rounds 3 --threads 2 \\
+        --compile --depths 4 8 16 --peers --markdown overhead.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -63,18 +60,29 @@ from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit
 
-CONFIGS = ("plain", "every", "alternate", "defaults")
-MEMORY_CONFIGS = ("plain", "every", "defaults")
 LN_CADENCE = 50  # the recipe's log_every_n_steps = min(50, val_every)
-PROBE_CADENCE = 250  # min(1000, val_every): the probe also runs after each validation
+PROBE_CADENCE = 250  # the probe runs after each validation: every val_every = 250 steps
+HOOKS = (
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+)
 
 
 class StepTimer(Callback):
-    def __init__(self) -> None:
-        self.starts: list[float] = []
+    def __init__(self, sync: bool) -> None:
+        self.sync, self.starts = sync, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
         self.starts.append(time.perf_counter())
+
+
+class CompileInner(Callback):
+    """Compile the LightningModule's inner model in place (its module names unchanged)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        pl_module.model.compile()
 
 
 class TimedProbe(FinalNormInvarianceMonitor):
@@ -90,6 +98,34 @@ class TimedProbe(FinalNormInvarianceMonitor):
         super()._run(trainer, pl_module, step)
         if self.last_result is not before:
             self.run_seconds.append(time.perf_counter() - t0)
+
+
+class GradNormEveryStep(Callback):
+    """Lightning's ``grad_norm`` utility (every parameter's 2-norm) logged every step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+class WandbWatch(Callback):
+    """``wandb.watch(model, log="all", log_freq=1)`` on an offline run."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if stage != "fit":
+            return
+        import wandb
+
+        self._dir = tempfile.TemporaryDirectory()
+        self.run = wandb.init(mode="offline", dir=self._dir.name, project="lnmonitor-bench")
+        wandb.watch(pl_module, log="all", log_freq=1)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if stage == "fit":
+            self.run.unwatch(pl_module)  # its hooks would outlive the run otherwise
+            self.run.finish()
+            self._dir.cleanup()
 
 
 class StepMemory(Callback):
@@ -134,12 +170,6 @@ class StepMemory(Callback):
         self.peak = peak
 
 
-HOOKS = (
-    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad",
-)
-
-
 def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
     """Wrap the callback's per-step hooks; ``sink[step]`` accumulates seconds inside them."""
     for name in HOOKS:
@@ -157,15 +187,21 @@ def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
 
 
 def callbacks_for(config: str, cadence: int | None = None) -> list[Callback]:
-    if config == "plain":
-        return []
+    """The callbacks of a configuration (``cadence`` forces both default monitors to fire)."""
     if config == "every":
-        return [LayerNormMonitor(every_n_steps=1)]
+        return [LayerNormMonitor(every_n_steps=1, summary=False)]
     if config == "alternate":
-        return [LayerNormMonitor(every_n_steps=2)]
-    if cadence is None:
-        return [LayerNormMonitor(), TimedProbe()]
-    return [LayerNormMonitor(every_n_steps=cadence), TimedProbe(every_n_steps=cadence)]
+        return [LayerNormMonitor(every_n_steps=2, summary=False)]
+    if config == "defaults":
+        if cadence is None:
+            return [LayerNormMonitor(summary=False), TimedProbe(summary=False)]
+        return [LayerNormMonitor(every_n_steps=cadence, summary=False),
+                TimedProbe(every_n_steps=cadence, summary=False)]
+    if config == "grad_norm":
+        return [GradNormEveryStep()]
+    if config == "wandb_watch":
+        return [WandbWatch()]
+    return []  # plain
 
 
 def run_fit(recipe: Recipe, text: str, callbacks: list[Callback]) -> None:
@@ -175,112 +211,215 @@ def run_fit(recipe: Recipe, text: str, callbacks: list[Callback]) -> None:
         fit(recipe, text, folder, logger=logger, callbacks=callbacks, progress=False, resume=False)
 
 
-@dataclass
-class WidthResult:
-    width: int
-    plain_ms: list[float] = field(default_factory=list)
-    every: list[float] = field(default_factory=list)
-    paired: list[float] = field(default_factory=list)
-    unmeasured: list[float] = field(default_factory=list)
-    idle_us: list[float] = field(default_factory=list)
-    defaults: list[float] = field(default_factory=list)
-    measured_extra_ms: list[float] = field(default_factory=list)
-    probe_ms: list[float] = field(default_factory=list)
-    memory: dict[str, float] = field(default_factory=dict)
-
-
 def gaps(starts: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(starts[warmup:], starts[warmup + 1 :], strict=False)]
 
 
-def bench_width(width: int, args, text: str) -> WidthResult:
-    heads = 4
-    quick = {"limit_val_batches": 1}  # fit() validates once at the end: keep it short
-    recipe = Recipe(width=width, heads=heads, max_steps=args.steps, batch_size=args.batch_size,
-                    val_every=max(args.steps + 1, 250), seed=0, trainer_kwargs=quick)
-    res = WidthResult(width)
+def paired(alternate: list[float], warmup: int) -> float:
+    """Measured / mean of unmeasured neighbours, median over the measured (even) steps."""
+    first = 0 if warmup % 2 == 0 else 1  # gap i is step warmup + i
+    return statistics.median(
+        alternate[i] / ((alternate[i - 1] + alternate[i + 1]) / 2)
+        for i in range(first or 2, len(alternate) - 1, 2)
+    )
+
+
+@dataclass
+class ModelResult:
+    """Per-round figures of one model (lists over rounds; medians are reported)."""
+
+    width: int
+    depth: int
+    compiled: bool = False
+    plain_ms: list[float] = field(default_factory=list)
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.ratios.setdefault(key, []).append(value)
+
+    def median(self, key: str) -> float:
+        values = self.ratios.get(key)
+        return statistics.median(values) if values else math.nan
+
+
+def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, compiled: bool = False,
+          memory: bool = False) -> ModelResult:
+    """Interleaved rounds of fits of one model, one per configuration."""
+    recipe = Recipe(width=width, depth=depth, heads=4, context=args.context, max_steps=args.steps,
+                    batch_size=args.batch_size, val_every=max(args.steps + 1, 250), seed=0,
+                    trainer_kwargs={"limit_val_batches": 1, "accelerator": args.device})
+    res = ModelResult(width, depth, compiled)
+    sync = args.device == "cuda"
+    extra = [CompileInner()] if compiled else []
     for rnd in range(args.rounds):
-        times = {}
-        k = rnd % len(CONFIGS)
-        for config in CONFIGS[k:] + CONFIGS[:k]:  # rotate who goes first
-            timer = StepTimer()
-            cbs = callbacks_for(config)
-            hook_time: dict[int, float] = {}
+        runs = {}
+        k = rnd % len(configs)
+        for config in configs[k:] + configs[:k]:  # rotate who goes first
+            timer, cbs, inside = StepTimer(sync), callbacks_for(config), {}
             if config == "defaults":
                 for cb in cbs:
-                    time_hooks(cb, hook_time)
-            run_fit(recipe, text, [*cbs, timer])
-            times[config] = (gaps(timer.starts, args.warmup), cbs, hook_time)
-        plain = statistics.median(times["plain"][0])
-        every = statistics.median(times["every"][0])
-        alt = times["alternate"][0]  # gap i is step warmup + i; even steps are measured
-        first = 0 if args.warmup % 2 == 0 else 1
-        paired = statistics.median(
-            alt[i] / ((alt[i - 1] + alt[i + 1]) / 2) for i in range(first or 2, len(alt) - 1, 2)
-        )
-        unmeasured = statistics.median(times["defaults"][0])  # steps >= warmup: none measured
-        probe = times["defaults"][1][1].run_seconds
-        t_probe = probe[-1] if probe else 0.0
-        hooks = times["defaults"][2]
-        # steps whose start and end both lie in the run (the hooks of step s fire partly
-        # after global_step has become s + 1), excluding step 0 where both monitors run
-        idle = statistics.median(hooks[k] for k in range(args.warmup + 1, args.steps - 1))
+                    time_hooks(cb, inside)
+            run_fit(recipe, text, [*extra, *cbs, timer])
+            runs[config] = (gaps(timer.starts, args.warmup), cbs, inside)
+        plain = statistics.median(runs["plain"][0])
         res.plain_ms.append(1000 * plain)
-        res.every.append(every / plain)
-        res.paired.append(paired)
-        res.unmeasured.append(unmeasured / plain)
-        res.measured_extra_ms.append(1000 * (paired - 1) * plain)
-        res.probe_ms.append(1000 * t_probe)
-        res.idle_us.append(1e6 * idle)
-        res.defaults.append(
-            1 + (idle + (paired - 1) * plain / LN_CADENCE + t_probe / PROBE_CADENCE) / plain
-        )
-        print(f"  width {width} round {rnd + 1}: plain {1000 * plain:.1f} ms, every x{every / plain:.3f}, "
-              f"paired x{paired:.3f}, defaults x{res.defaults[-1]:.4f} (unmeasured "
-              f"x{unmeasured / plain:.3f}, idle {1e6 * idle:.0f} us, probe {1000 * t_probe:.0f} ms)",
-              file=sys.stderr, flush=True)
-    mem_recipe = Recipe(width=width, heads=heads, max_steps=3, batch_size=args.batch_size,
-                        val_every=250, seed=0, trainer_kwargs=quick)
-    for config in MEMORY_CONFIGS:
-        probe = StepMemory(step=2)
-        run_fit(mem_recipe, text, [probe, *callbacks_for(config, cadence=2)])  # probe first
-        res.memory[config] = float(probe.peak)
+        line = [f"{'compiled ' if compiled else ''}width {width} depth {depth} round {rnd + 1}: "
+                f"plain {1000 * plain:.1f} ms"]
+        for config in configs:
+            if config in ("plain", "alternate", "defaults"):
+                continue
+            res.add(config, statistics.median(runs[config][0]) / plain)
+            line.append(f"{config} x{res.ratios[config][-1]:.3f}")
+        if "alternate" in runs:
+            res.add("paired", paired(runs["alternate"][0], args.warmup))
+            res.add("measured_extra_ms", 1000 * (res.ratios["paired"][-1] - 1) * plain)
+            line.append(f"paired x{res.ratios['paired'][-1]:.3f}")
+        if "defaults" in runs:
+            steps, cbs, inside = runs["defaults"]
+            probe = cbs[1].run_seconds
+            t_probe = probe[-1] if probe else 0.0
+            # steps whose hooks all lie in the run, excluding step 0 where both monitors run
+            idle = statistics.median(inside[s] for s in range(args.warmup + 1, args.steps - 1))
+            measured = res.ratios["paired"][-1] - 1 if "paired" in res.ratios else 0.0
+            res.add("unmeasured", statistics.median(steps) / plain)
+            res.add("idle_us", 1e6 * idle)
+            res.add("probe_ms", 1000 * t_probe)
+            res.add("defaults", 1 + (idle + measured * plain / LN_CADENCE + t_probe / PROBE_CADENCE) / plain)
+            line.append(f"defaults x{res.ratios['defaults'][-1]:.4f} (idle {1e6 * idle:.0f} us, "
+                        f"probe {1000 * t_probe:.0f} ms)")
+        print(", ".join(line), file=sys.stderr, flush=True)
+    if memory:
+        mem_recipe = Recipe(width=width, depth=depth, heads=4, context=args.context, max_steps=3,
+                            batch_size=args.batch_size, val_every=250, seed=0,
+                            trainer_kwargs={"limit_val_batches": 1, "accelerator": args.device})
+        for config in ("plain", "every", "defaults"):
+            probe = StepMemory(step=2)
+            run_fit(mem_recipe, text, [probe, *extra, *callbacks_for(config, cadence=2)])
+            res.memory[config] = float(probe.peak)
     return res
+
+
+def exponent(xs: list[float], ys: list[float]) -> float:
+    """The slope of log y against log x (least squares); nan with fewer than two points."""
+    ok = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y > 0]
+    if len(ok) < 2:
+        return math.nan
+    lx, ly = np.array(ok).T
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[ModelResult],
+           peers: ModelResult | None, args) -> str:
+    """The markdown of every row measured."""
+    out = [f"{args.device}, batch {args.batch_size} x context {args.context}, {args.steps} steps per fit "
+           f"({args.warmup} warm-up), {args.rounds} interleaved rounds, torch threads "
+           f"{torch.get_num_threads()}, torch {torch.__version__}; ratios are medians over rounds.", ""]
+    out += ["| width | plain ms/step | every step, paired | every step, direct | defaults (amortised) "
+            "| defaults, unmeasured step, direct | idle hooks us/step | measured-step extra ms "
+            "| invariance run ms | peak: every step | peak: defaults, both firing |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in main:
+        mem = r.memory
+        peak = (f"{mem['every'] / mem['plain']:.3f}x | {mem['defaults'] / mem['plain']:.3f}x"
+                if mem else "- | -")
+        out.append(f"| {r.width} | {statistics.median(r.plain_ms):.1f} | {r.median('paired'):.3f}x "
+                   f"| {r.median('every'):.3f}x | {r.median('defaults'):.4f}x "
+                   f"| {r.median('unmeasured'):.3f}x "
+                   f"| {r.median('idle_us'):.0f} | {r.median('measured_extra_ms'):.1f} "
+                   f"| {r.median('probe_ms'):.0f} | {peak} |")
+    if compiled:
+        out += ["", "Compiled (`module.model.compile()`), against the same compiled model unmonitored:", "",
+                "| width | compiled plain ms/step | every step, paired | defaults (amortised) "
+                "| defaults, unmeasured step, direct | measured-step extra ms |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for r in compiled:
+            out.append(f"| {r.width} | {statistics.median(r.plain_ms):.1f} | {r.median('paired'):.3f}x "
+                       f"| {r.median('defaults'):.4f}x | {r.median('unmeasured'):.3f}x "
+                       f"| {r.median('measured_extra_ms'):.1f} |")
+    if sweep:
+        by_width = [r for r in main if r.depth == 4]
+        by_depth = sorted([*sweep, *(r for r in main if r.width == 128 and r.depth == 4)],
+                          key=lambda r: r.depth)
+        out += ["", "Extra time of one measured step (paired) against what it reads:", "",
+                "| width | depth | norms | rows x width x norms | plain ms | measured-step extra ms |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        rows = args.batch_size * args.context
+        for r in sorted({(r.width, r.depth): r for r in by_width + by_depth}.values(),
+                        key=lambda r: (r.depth, r.width)):
+            read = rows * r.width * (2 * r.depth + 1)
+            out.append(f"| {r.width} | {r.depth} | {2 * r.depth + 1} | {read:,} "
+                       f"| {statistics.median(r.plain_ms):.1f} | {r.median('measured_extra_ms'):.2f} |")
+        ew = exponent([r.width for r in by_width], [r.median("measured_extra_ms") for r in by_width])
+        ed = exponent([2 * r.depth + 1 for r in by_depth], [r.median("measured_extra_ms") for r in by_depth])
+        out += ["", f"Fitted exponents of the extra time: width^{ew:.2f} (widths "
+                f"{', '.join(str(r.width) for r in by_width)}, depth 4), norms^{ed:.2f} (depths "
+                f"{', '.join(str(r.depth) for r in by_depth)}, width 128); the data read grows as "
+                "width^1 and norms^1."]
+    if peers is not None:
+        out += ["", f"Peers, every step, width {peers.width}, direct ratios against the model unmonitored:",
+                "", "| monitor | every step |", "|---|---:|",
+                f"| lnmonitor LayerNormMonitor(every_n_steps=1) | {peers.median('every'):.3f}x |",
+                f"| Lightning grad_norm, logged every step | {peers.median('grad_norm'):.3f}x |"]
+        if "wandb_watch" in peers.ratios:
+            watch = peers.median("wandb_watch")
+            out.append(f"| wandb.watch(log='all', log_freq=1), offline | {watch:.3f}x |")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--depths", type=int, nargs="*", default=[],
+                        help="also time a measured step at width 128 and these depths (the cost curve)")
+    parser.add_argument("--compile", action="store_true", help="also the compiled model, at width 128")
+    parser.add_argument("--peers", action="store_true", help="also grad_norm and wandb.watch, width 128")
     parser.add_argument("--steps", type=int, default=12, help="steps per fit (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: 32)")
+    parser.add_argument("--context", type=int, default=64, help="sequence length (default: 64)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--markdown", default=None, help="also write the tables to this file")
+    parser.add_argument("--json", default=None, help="also write every per-round figure to this file")
     args = parser.parse_args(argv)
     if args.steps < args.warmup + 5:
         parser.error("--steps must be at least --warmup + 5 (the paired estimate needs them)")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (step 0 is where the default monitors run)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
     text = load_corpus()
-    results = [bench_width(w, args, text) for w in args.widths]
-    med = statistics.median
-    print(f"\ntrain-tiny recipe, batch {args.batch_size} x context 64, {args.steps} steps per fit "
-          f"({args.warmup} warm-up), {args.rounds} interleaved rounds, torch threads "
-          f"{torch.get_num_threads()}; ratios are medians over rounds of per-round ratios.\n")
-    print("| width | plain ms/step | every step, paired | every step, direct | defaults (amortised) "
-          "| defaults, unmeasured step, direct | idle hooks us/step | measured-step extra ms "
-          "| invariance run ms | step peak MB plain | peak: every step "
-          "| peak: defaults, both monitors firing |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        mem = r.memory
-        print(f"| {r.width} | {med(r.plain_ms):.1f} | {med(r.paired):.3f}x | {med(r.every):.3f}x "
-              f"| {med(r.defaults):.4f}x | {med(r.unmeasured):.3f}x | {med(r.idle_us):.0f} "
-              f"| {med(r.measured_extra_ms):.1f} | {med(r.probe_ms):.0f} "
-              f"| {mem['plain'] / 2**20:.1f} | {mem['every'] / mem['plain']:.3f}x "
-              f"| {mem['defaults'] / mem['plain']:.3f}x |")
+    full = ("plain", "every", "alternate", "defaults")
+    main_rows = [bench(w, 4, full, args, text, memory=True) for w in args.widths]
+    compiled = []
+    if args.compile:
+        compiled = [bench(128, 4, ("plain", "alternate", "defaults"), args, text, compiled=True)]
+    sweep = [bench(128, d, ("plain", "alternate"), args, text) for d in args.depths if d != 4]
+    peers = None
+    if args.peers:
+        configs = ("plain", "every", "grad_norm")
+        try:
+            import wandb  # noqa: F401
+
+            configs += ("wandb_watch",)
+        except ImportError:
+            print("overhead: wandb is not installed (pip install -e '.[bench]'): no wandb.watch row",
+                  file=sys.stderr)
+        peers = bench(128, 4, configs, args, text)
+    text_out = tables(main_rows, compiled, sweep, peers, args)
+    print("\n" + text_out)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(text_out)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "main": [asdict(r) for r in main_rows],
+                       "compiled": [asdict(r) for r in compiled], "sweep": [asdict(r) for r in sweep],
+                       "peers": asdict(peers) if peers else None}, handle, indent=1)
     return 0
 
 
