@@ -50,3 +50,8 @@ def test_summary_from_a_real_junit_report(tmp_path):
     text = gpu_check.summary_markdown(result)
     assert "1 passed, 1 failed, 1 skipped" in text and "FAILED" in text and "| width |" in text
     assert f"torch {torch.__version__.split('+')[0]}" in text or f"torch {torch.__version__}" in text
+
+
+def test_a_step_past_its_time_is_stopped_and_said():
+    assert gpu_check.within([sys.executable, "-c", "pass"], 60) == "exit code 0"
+    assert gpu_check.within([sys.executable, "-c", "import time; time.sleep(30)"], 1) == "stopped after 1 s"
