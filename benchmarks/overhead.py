@@ -20,14 +20,16 @@ Configurations of one model:
   ``t_idle`` the time inside the two monitors' Lightning hooks on a step where neither
   measures and ``t_probe`` the wall time of one invariance run.
 
-Rows: the main table (``--widths``, depth 4); ``--compile``: the same model with its
-inner ``nn.Module`` compiled in place (``module.model.compile()``), against the compiled
-model unmonitored (the measured steps run eagerly, see LayerNormMonitor); ``--depths``:
-the extra time of a measured step at width 128 and these depths, and the exponents of its
-growth with width and depth (against rows x width x norms read); ``--peers``: Lightning's
-``grad_norm`` utility logged every step and ``wandb.watch(log="all", log_freq=1)``
-offline, every step, next to ``LayerNormMonitor(every_n_steps=1)`` (``pip install -e
-".[bench]"``).
+Rows: the main table (``--widths``, depth 4; ``--gpt2`` adds the GPT-2 of
+examples/transformers_causal_lm.py, a transformers model without a ``forward``, fitted as
+that example fits it, whose probe runs after its validation every 100 steps);
+``--compile``: the same model with its inner ``nn.Module`` compiled in place
+(``module.model.compile()``), against the compiled model unmonitored (the measured steps
+run eagerly, see LayerNormMonitor); ``--depths``: the extra time of a measured step at
+width 128 and these depths, and the exponents of its growth with width and depth
+(against rows x width x norms read); ``--peers``: Lightning's ``grad_norm`` utility
+logged every step and ``wandb.watch(log="all", log_freq=1)`` offline, every step, next
+to ``LayerNormMonitor(every_n_steps=1)`` (``pip install -e ".[bench]"``).
 
 Memory: one measured step of ``plain``, ``every`` and ``defaults`` (both monitors firing)
 is recorded with ``torch.profiler`` (``profile_memory=True``) and its allocation timeline
@@ -35,7 +37,7 @@ replayed: the peak is the maximum over the step of the bytes allocated since it 
 not yet freed.  On CUDA, ``torch.cuda.max_memory_allocated`` over the step.
 
     python benchmarks/overhead.py --widths 128 512 1024 --steps 12 --rounds 3 --threads 2 \\
-        --compile --depths 4 8 16 --peers --markdown overhead.md
+        --gpt2 --compile --depths 4 8 16 --peers --markdown overhead.md
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -60,8 +65,10 @@ from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit
 
-LN_CADENCE = 50  # the recipe's log_every_n_steps = min(50, val_every)
-PROBE_CADENCE = 250  # the probe runs after each validation: every val_every = 250 steps
+LN_CADENCE = 50  # the recipe's and the GPT-2 example's log_every_n_steps
+# the probe runs after each validation: the recipe validates every 250 steps, the example every 100
+PROBE_CADENCE = {"tiny": 250, "gpt2": 100}
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HOOKS = (
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_before_zero_grad",
@@ -204,11 +211,41 @@ def callbacks_for(config: str, cadence: int | None = None) -> list[Callback]:
     return []  # plain
 
 
-def run_fit(recipe: Recipe, text: str, callbacks: list[Callback]) -> None:
+def fitter(model: str, width: int, depth: int, steps: int, args, text: str) -> Callable[[list], None]:
+    """A function that fits the benchmarked model once, from its seed, with the given callbacks:
+    the train-tiny recipe (``tiny``) or the GPT-2 of examples/transformers_causal_lm.py
+    (``gpt2``: width 128, 4 layers, no ``forward``, as the example fits it)."""
+    if model == "gpt2":
+        return lambda callbacks: fit_gpt2_example(steps, args, callbacks)
+    recipe = Recipe(width=width, depth=depth, heads=4, context=args.context, max_steps=steps,
+                    batch_size=args.batch_size, val_every=max(steps + 1, 250), seed=0,
+                    trainer_kwargs={"limit_val_batches": 1, "accelerator": args.device})
+
+    def run(callbacks: list) -> None:
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logger = TensorBoardLogger(folder, name="bench", default_hp_metric=False)
+            fit(recipe, text, folder, logger=logger, callbacks=callbacks, progress=False, resume=False)
+
+    return run
+
+
+def fit_gpt2_example(steps: int, args, callbacks: list) -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from transformers_causal_lm import build
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    module, train, val = build("gpt2", args.context, args.batch_size)
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logger = TensorBoardLogger(folder, name="bench", default_hp_metric=False)
-        fit(recipe, text, folder, logger=logger, callbacks=callbacks, progress=False, resume=False)
+        trainer = L.Trainer(
+            max_steps=steps, logger=TensorBoardLogger(folder, name="bench", default_hp_metric=False),
+            callbacks=callbacks, accelerator=args.device, devices=1, log_every_n_steps=LN_CADENCE,
+            val_check_interval=steps + 1, check_val_every_n_epoch=None, limit_val_batches=1,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, train, val)
 
 
 def gaps(starts: list[float], warmup: int) -> list[float]:
@@ -231,6 +268,7 @@ class ModelResult:
     width: int
     depth: int
     compiled: bool = False
+    model: str = "tiny"
     plain_ms: list[float] = field(default_factory=list)
     ratios: dict[str, list[float]] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
@@ -244,12 +282,10 @@ class ModelResult:
 
 
 def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, compiled: bool = False,
-          memory: bool = False) -> ModelResult:
+          memory: bool = False, model: str = "tiny") -> ModelResult:
     """Interleaved rounds of fits of one model, one per configuration."""
-    recipe = Recipe(width=width, depth=depth, heads=4, context=args.context, max_steps=args.steps,
-                    batch_size=args.batch_size, val_every=max(args.steps + 1, 250), seed=0,
-                    trainer_kwargs={"limit_val_batches": 1, "accelerator": args.device})
-    res = ModelResult(width, depth, compiled)
+    run_fit = fitter(model, width, depth, args.steps, args, text)
+    res = ModelResult(width, depth, compiled, model)
     sync = args.device == "cuda"
     extra = [CompileInner()] if compiled else []
     for rnd in range(args.rounds):
@@ -260,7 +296,7 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
             if config == "defaults":
                 for cb in cbs:
                     time_hooks(cb, inside)
-            run_fit(recipe, text, [*extra, *cbs, timer])
+            run_fit([*extra, *cbs, timer])
             runs[config] = (gaps(timer.starts, args.warmup), cbs, inside)
         plain = statistics.median(runs["plain"][0])
         res.plain_ms.append(1000 * plain)
@@ -285,17 +321,17 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
             res.add("unmeasured", statistics.median(steps) / plain)
             res.add("idle_us", 1e6 * idle)
             res.add("probe_ms", 1000 * t_probe)
-            res.add("defaults", 1 + (idle + measured * plain / LN_CADENCE + t_probe / PROBE_CADENCE) / plain)
+            probe_part = t_probe / PROBE_CADENCE[model] / plain
+            res.add("defaults", 1 + (idle + measured * plain / LN_CADENCE) / plain + probe_part)
+            res.add("probe_part", probe_part)
             line.append(f"defaults x{res.ratios['defaults'][-1]:.4f} (idle {1e6 * idle:.0f} us, "
                         f"probe {1000 * t_probe:.0f} ms)")
         print(", ".join(line), file=sys.stderr, flush=True)
     if memory:
-        mem_recipe = Recipe(width=width, depth=depth, heads=4, context=args.context, max_steps=3,
-                            batch_size=args.batch_size, val_every=250, seed=0,
-                            trainer_kwargs={"limit_val_batches": 1, "accelerator": args.device})
+        run_short = fitter(model, width, depth, 3, args, text)
         for config in ("plain", "every", "defaults"):
             probe = StepMemory(step=2)
-            run_fit(mem_recipe, text, [probe, *extra, *callbacks_for(config, cadence=2)])
+            run_short([probe, *extra, *callbacks_for(config, cadence=2)])
             res.memory[config] = float(probe.peak)
     return res
 
@@ -315,17 +351,21 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Mod
     out = [f"{args.device}, batch {args.batch_size} x context {args.context}, {args.steps} steps per fit "
            f"({args.warmup} warm-up), {args.rounds} interleaved rounds, torch threads "
            f"{torch.get_num_threads()}, torch {torch.__version__}; ratios are medians over rounds.", ""]
-    out += ["| width | plain ms/step | every step, paired | every step, direct | defaults (amortised) "
-            "| defaults, unmeasured step, direct | idle hooks us/step | measured-step extra ms "
-            "| invariance run ms | peak: every step | peak: defaults, both firing |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ["| model | width | plain ms/step | every step, paired | every step, direct "
+              "| defaults (amortised) | of which the invariance probe | defaults, unmeasured step, direct "
+              "| idle hooks us/step "
+              "| measured-step extra ms | invariance run ms | peak: every step "
+              "| peak: defaults, both firing |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out += header
     for r in main:
         mem = r.memory
         peak = (f"{mem['every'] / mem['plain']:.3f}x | {mem['defaults'] / mem['plain']:.3f}x"
                 if mem else "- | -")
-        out.append(f"| {r.width} | {statistics.median(r.plain_ms):.1f} | {r.median('paired'):.3f}x "
+        name = "GPT-2 example" if r.model == "gpt2" else "train-tiny"
+        out.append(f"| {name} | {r.width} | {statistics.median(r.plain_ms):.1f} | {r.median('paired'):.3f}x "
                    f"| {r.median('every'):.3f}x | {r.median('defaults'):.4f}x "
-                   f"| {r.median('unmeasured'):.3f}x "
+                   f"| +{r.median('probe_part'):.4f} | {r.median('unmeasured'):.3f}x "
                    f"| {r.median('idle_us'):.0f} | {r.median('measured_extra_ms'):.1f} "
                    f"| {r.median('probe_ms'):.0f} | {peak} |")
     if compiled:
@@ -338,9 +378,8 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Mod
                        f"| {r.median('defaults'):.4f}x | {r.median('unmeasured'):.3f}x "
                        f"| {r.median('measured_extra_ms'):.1f} |")
     if sweep:
-        by_width = [r for r in main if r.depth == 4]
-        by_depth = sorted([*sweep, *(r for r in main if r.width == 128 and r.depth == 4)],
-                          key=lambda r: r.depth)
+        by_width = [r for r in main if r.depth == 4 and r.model == "tiny"]
+        by_depth = sorted([*sweep, *(r for r in by_width if r.width == 128)], key=lambda r: r.depth)
         out += ["", "Extra time of one measured step (paired) against what it reads:", "",
                 "| width | depth | norms | rows x width x norms | plain ms | measured-step extra ms |",
                 "|---:|---:|---:|---:|---:|---:|"]
@@ -374,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a measured step at width 128 and these depths (the cost curve)")
     parser.add_argument("--compile", action="store_true", help="also the compiled model, at width 128")
     parser.add_argument("--peers", action="store_true", help="also grad_norm and wandb.watch, width 128")
+    parser.add_argument("--gpt2", action="store_true",
+                        help="also the GPT-2 of examples/transformers_causal_lm.py (transformers, width 128)")
     parser.add_argument("--steps", type=int, default=12, help="steps per fit (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
@@ -395,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     text = load_corpus()
     full = ("plain", "every", "alternate", "defaults")
     main_rows = [bench(w, 4, full, args, text, memory=True) for w in args.widths]
+    if args.gpt2:
+        main_rows.append(bench(128, 4, full, args, text, memory=True, model="gpt2"))
     compiled = []
     if args.compile:
         compiled = [bench(128, 4, ("plain", "alternate", "defaults"), args, text, compiled=True)]
