@@ -102,7 +102,7 @@ class PictureLogger(MemoryLogger):
 
 def test_pictures_reach_every_logger_that_takes_them_and_the_summary_matches_the_log(tmp_path, caplog):
     data, module = char_data(5)
-    ln = LayerNormMonitor(every_n_steps=2, keep_history=True)
+    ln = LayerNormMonitor(every_n_steps=2, image_every_n_steps=2, keep_history=True)
     inv = FinalNormInvarianceMonitor(every_n_steps=10, on_validation=False, keep_history=True)
     tb, takes, broken = TensorBoardLogger(tmp_path, name="tb"), PictureLogger(), PictureLogger(broken=True)
     t = trainer(5, [ln, inv], logger=[tb, takes, broken])
@@ -131,6 +131,16 @@ def test_pictures_reach_every_logger_that_takes_them_and_the_summary_matches_the
     assert [h["step"] for h in inv.history] == [0, 5]
     inv_text = next(m for m in said if m.startswith("lnmonitor summary: final norm model.lnf"))
     assert re.search(r"final-norm invariance at step 5 ", inv_text)
+
+
+def test_pictures_are_spaced_by_image_every_n_steps_and_the_last_step_always_has_one(tmp_path):
+    data, module = char_data(8)
+    ln = LayerNormMonitor(every_n_steps=1, image_every_n_steps=3, summary=False)
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    trainer(8, [ln], logger=tb).fit(module, datamodule=data)
+    acc = events(tb.log_dir)
+    assert sorted({e.step for e in acc.Scalars("lnmonitor/inv_sigma/model.lnf")}) == list(range(8))
+    assert [e.step for e in acc.Images("lnmonitor/ladder")] == [0, 3, 6, 7]
 
 
 def test_images_and_summary_are_off_with_one_argument(tmp_path, caplog):

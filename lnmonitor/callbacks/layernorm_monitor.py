@@ -64,9 +64,13 @@ class LayerNormMonitor(Callback):
             a norm of a branch's output does not.  All selected norms are measured either
             way; only the rungs enter the attenuation and growth.
         histograms: also write TensorBoard histograms of the per-row share and sigma.
-        images: log the ladder as a picture at every logging step (1/sigma and rms of each
-            rung against depth, the final norm marked; about 5 ms) and 1/sigma of every rung
-            against depth and step at the end of the fit, to every logger that takes images.
+        images: log the ladder as a picture (1/sigma and rms of each rung against depth,
+            the final norm marked; about 5 ms and 10 KB each) at measured steps at least
+            ``image_every_n_steps`` apart and at the last, and 1/sigma of every rung against
+            depth and step at the end of the fit, to every logger that takes images.
+        image_every_n_steps: the least number of optimizer steps between two ladder
+            pictures (default 50: every measured step at the default cadence, one in 50
+            when every step is measured).
         summary: print a one-screen summary of the ladder and the shares at the end of the
             fit (global rank zero).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
@@ -116,8 +120,9 @@ class LayerNormMonitor(Callback):
                                                 rung; logged once, at the first measured step
     ==========================================  ==============================================
 
-    With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at every measured
-    step) and ``lnmonitor/ladder_over_training`` (at the end of the fit).
+    With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at measured steps
+    ``image_every_n_steps`` apart, and the last) and ``lnmonitor/ladder_over_training`` (at
+    the end of the fit).
 
     When the selected norms differ in width or kind, the baselines are logged per norm
     as ``lnmonitor/share_baseline/median/<norm>`` and ``.../max/<norm>``.  With a
@@ -151,6 +156,7 @@ class LayerNormMonitor(Callback):
         keep_history: bool | None = None,
         ladder: str | Sequence[str] | None = None,
         images: bool = True,
+        image_every_n_steps: int = 50,
         summary: bool = True,
     ) -> None:
         self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
@@ -160,6 +166,7 @@ class LayerNormMonitor(Callback):
         self.ladder = arguments.patterns(ladder, "ladder")
         self.histograms = arguments.flag(histograms, "histograms")
         self.images = arguments.flag(images, "images")
+        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps")
         self.summary = arguments.flag(summary, "summary")
         self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
         self.every_n_steps: int | None = self._every_arg
@@ -173,6 +180,7 @@ class LayerNormMonitor(Callback):
         self._roles_known = False
         self._last_step: int | None = None
         self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
+        self._last_picture: float = -math.inf  # the step of the last ladder picture
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -195,6 +203,7 @@ class LayerNormMonitor(Callback):
         self.norms, self.order, self.last_summaries = [], [], []
         self._tap, self._layout, self._roles_known = None, None, False
         self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
+        self._last_picture = -math.inf
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
 
@@ -344,8 +353,10 @@ class LayerNormMonitor(Callback):
         )
         if logged and trainer.is_global_zero:
             self._trail.add(step, metrics)
-            if self.images:
+            spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
+            if self.images and spaced:
                 self._log_picture(trainer, step, metrics)
+                self._last_picture = step
 
     def _rungs(self) -> list[str]:
         """The rungs' names in forward order."""
