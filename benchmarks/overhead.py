@@ -14,15 +14,15 @@ Configurations of one model:
   over measured steps of the measured step / the mean of its two unmeasured neighbours,
   the same ratio from steps a few hundred ms apart, far less exposed to other load;
 * ``defaults``: both monitors at their defaults (the recipe logs every 50 steps; the
-  invariance probe runs after each validation, every 250 steps).  A short fit cannot hold
-  50 or 250 steps of every width, so the defaults' cost is amortised from parts measured
-  directly: ``1 + (t_idle + (paired - 1) t_plain / 50 + t_probe / 250) / t_plain`` with
+  invariance probe runs every 1000 steps).  A short fit cannot hold 50 or 1000 steps of
+  every width, so the defaults' cost is amortised from parts measured directly:
+  ``1 + (t_idle + (paired - 1) t_plain / 50 + t_probe / 1000) / t_plain`` with
   ``t_idle`` the time inside the two monitors' Lightning hooks on a step where neither
   measures and ``t_probe`` the wall time of one invariance run.
 
 Rows: the main table (``--widths``, depth 4; ``--gpt2`` adds the GPT-2 of
 examples/transformers_causal_lm.py, a transformers model without a ``forward``, fitted as
-that example fits it, whose probe runs after its validation every 100 steps);
+that example fits it);
 ``--compile``: the same model with its inner ``nn.Module`` compiled in place
 (``module.model.compile()``), against the compiled model unmonitored (the measured steps
 run eagerly, see LayerNormMonitor); ``--depths``: the extra time of a measured step at
@@ -66,8 +66,7 @@ from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit
 
 LN_CADENCE = 50  # the recipe's and the GPT-2 example's log_every_n_steps
-# the probe runs after each validation: the recipe validates every 250 steps, the example every 100
-PROBE_CADENCE = {"tiny": 250, "gpt2": 100}
+PROBE_CADENCE = FinalNormInvarianceMonitor().every_n_steps  # its default: every 1000 steps
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HOOKS = (
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -321,7 +320,7 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
             res.add("unmeasured", statistics.median(steps) / plain)
             res.add("idle_us", 1e6 * idle)
             res.add("probe_ms", 1000 * t_probe)
-            probe_part = t_probe / PROBE_CADENCE[model] / plain
+            probe_part = t_probe / PROBE_CADENCE / plain
             res.add("defaults", 1 + (idle + measured * plain / LN_CADENCE) / plain + probe_part)
             res.add("probe_part", probe_part)
             line.append(f"defaults x{res.ratios['defaults'][-1]:.4f} (idle {1e6 * idle:.0f} us, "

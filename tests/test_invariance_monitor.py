@@ -44,7 +44,7 @@ class ModeSpy(Callback):
 
 def test_invariance_monitor_in_a_trainer(tmp_path):
     data, module = char_data(6)
-    inv = FinalNormInvarianceMonitor(every_n_steps=2, probe_size=4)
+    inv = FinalNormInvarianceMonitor(every_n_steps=2, on_validation=True, probe_size=4)
     spy = ModeSpy()
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)
     t = trainer(6, [inv, spy], validate_every=6, logger=tb, val_check_interval=3)

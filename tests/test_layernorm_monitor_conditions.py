@@ -228,7 +228,8 @@ def test_resume_has_no_duplicate_or_missing_points(tmp_path):
         module = TinyGPTModule(data.vocab.chars, width=WIDTH, depth=1, heads=2, context=CONTEXT,
                                max_steps=10)
         cbs = [LayerNormMonitor(every_n_steps=2),
-               FinalNormInvarianceMonitor(every_n_steps=2, scales=(1.0, 1e-2)), *callbacks]
+               FinalNormInvarianceMonitor(every_n_steps=2, on_validation=True, scales=(1.0, 1e-2)),
+               *callbacks]
         trainer = L.Trainer(
             accelerator="cpu", max_steps=steps, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, callbacks=cbs,
@@ -531,7 +532,7 @@ def test_validation_free_fit():
     StructureProbe, say that they never ran instead of staying silent."""
     ln = monitor()
     inv = FinalNormInvarianceMonitor(every_n_steps=2, keep_history=True, scales=())
-    after_val = FinalNormInvarianceMonitor(every_n_steps=None, keep_history=True)
+    after_val = FinalNormInvarianceMonitor(every_n_steps=None, on_validation=True, keep_history=True)
     probe = StructureProbe()
     trainer, caught = fit(gpt(3), loader(12, 4), [ln, inv, after_val, probe], 3,
                           limit_val_batches=1.0)  # Lightning's default: there is just no data

@@ -30,7 +30,7 @@ class FitResult:
 def monitor_callbacks() -> list[Callback]:
     """The monitoring callbacks train-tiny attaches by default: :class:`LayerNormMonitor`
     (every ``log_every_n_steps``) and :class:`FinalNormInvarianceMonitor` (every 1000
-    steps and after each validation), both at their defaults."""
+    steps and at the end of the fit), both at their defaults."""
     from lnmonitor.callbacks import FinalNormInvarianceMonitor, LayerNormMonitor
 
     return [LayerNormMonitor(), FinalNormInvarianceMonitor()]
