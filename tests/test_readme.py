@@ -1,0 +1,81 @@
+"""The README's code runs as written: its two Python snippets, executed from the README's
+own text (only the first one's ``max_steps`` is shortened), and its shell commands name
+options that exist."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import char_data, events
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_the_quick_trainer_snippet_fits_and_logs_both_monitors(tmp_path, monkeypatch):
+    snippet = python_blocks()[0]
+    assert "max_steps=3000" in snippet
+    data, model = char_data(3)
+    monkeypatch.chdir(tmp_path)
+    exec(snippet.replace("max_steps=3000", "max_steps=3, limit_val_batches=1, enable_progress_bar=False"),
+         {"model": model, "data": data})
+    tags = set(events(tmp_path / "runs" / "my-model" / "version_0").Tags()["scalars"])
+    assert "lnmonitor/inv_sigma/model.lnf" in tags
+    assert "lnmonitor/invariance/axis_5/dloss" in tags
+
+
+def test_the_arguments_snippet_runs_on_the_llama_it_names(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from transformers_causal_lm import build
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    import lightning as L
+
+    from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+
+    module, train, val = build("llama")
+    x, y = next(iter(val))
+    scope = {"LayerNormMonitor": LayerNormMonitor, "FinalNormInvarianceMonitor": FinalNormInvarianceMonitor,
+             "x": x, "y": y}
+    exec(python_blocks()[1], scope)
+    ln, inv = scope["monitors"]
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        limit_val_batches=1, callbacks=[ln, inv], enable_model_summary=False)
+    trainer.fit(module, train, val)
+    first, last = ln.history[0], ln.history[-1]
+    assert first["lnmonitor/ladder_position/model.model.layers.0.input_layernorm"] == 0
+    assert first["lnmonitor/ladder_position/model.model.layers.3.input_layernorm"] == 3
+    assert not any("post_attention_layernorm" in key for h in ln.history for key in h)  # excluded
+    assert "lnmonitor/ladder/attenuation" in last
+    assert inv.disabled_reason is None
+    assert abs(inv.history[-1]["lnmonitor/invariance/axis_5/dloss"]) > 0  # the loss_fn was used
+
+
+def shell_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    parts = [part.strip() for line in lines for part in line.split("&&")]
+    return [part for part in parts if part.startswith("lnmonitor ")]
+
+
+@pytest.mark.parametrize("command", shell_commands())
+def test_every_lnmonitor_command_in_the_readme_parses(command):
+    """Its subcommand and options exist and take the values given (nothing is run)."""
+    from lnmonitor.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert callable(args.func)
+
+
+def test_the_readme_shows_every_subcommand():
+    assert {c.split()[1] for c in shell_commands()} >= {"train-tiny", "eps-compare", "report", "analyze",
+                                                        "summarize"}
