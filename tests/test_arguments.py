@@ -76,7 +76,9 @@ VALID = {
     (LayerNormMonitor, "final_norm"): _name_or_none,
     (LayerNormMonitor, "histograms"): lambda v: isinstance(v, bool),
     (LayerNormMonitor, "keep_history"): lambda v: v is None or isinstance(v, bool),
-    (FinalNormInvarianceMonitor, "every_n_steps"): _pos_int_or_none,
+    (LayerNormMonitor, "image_every_n_steps"): lambda v: _int(v, 1),
+    # None alone would leave it nothing to run on (on_validation is False by default)
+    (FinalNormInvarianceMonitor, "every_n_steps"): lambda v: _int(v, 1),
     (FinalNormInvarianceMonitor, "on_validation"): lambda v: isinstance(v, bool),
     (FinalNormInvarianceMonitor, "probe_batch"): lambda v: True,  # anything loss_fn accepts
     (FinalNormInvarianceMonitor, "probe_size"): _pos_int_or_none,

@@ -166,7 +166,8 @@ class LayerNormMonitor(Callback):
         self.ladder = arguments.patterns(ladder, "ladder")
         self.histograms = arguments.flag(histograms, "histograms")
         self.images = arguments.flag(images, "images")
-        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps")
+        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
+                                                          allow_none=False)
         self.summary = arguments.flag(summary, "summary")
         self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
         self.every_n_steps: int | None = self._every_arg
