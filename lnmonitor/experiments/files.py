@@ -2,7 +2,9 @@
 
 Every file is written to a temporary name in the same folder and moved into place with
 ``os.replace``, so a reader (or a process killed mid-write) sees the old file or the new
-one, never half of one.  JSON is strict: non-finite floats become ``null``.
+one, never half of one.  The file gets the mode the umask gives (0644 under umask 022),
+as one written with ``open`` would, so colleagues on a shared machine can read a run's
+report.  JSON is strict: non-finite floats become ``null``.
 
 This module imports only the standard library, like everything ``lnmonitor report`` needs.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from lnmonitor.errors import UsageError
@@ -24,7 +26,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    # 0o666 through the umask, as open() does (tempfile.mkstemp would make it 0600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
