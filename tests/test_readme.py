@@ -79,3 +79,26 @@ def test_every_lnmonitor_command_in_the_readme_parses(command):
 def test_the_readme_shows_every_subcommand():
     assert {c.split()[1] for c in shell_commands()} >= {"train-tiny", "eps-compare", "report", "analyze",
                                                         "summarize"}
+
+
+def bash_lines() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+
+
+def test_the_quick_start_installs_what_running_needs_and_ci_runs_the_readme_test_command():
+    """The main job's install carries no test tooling; the test command installs `.[dev]`, and
+    `.ci/run` ends with exactly that README line."""
+    lines = bash_lines()
+    first_run = next(line for line in lines if "lnmonitor train-tiny" in line)
+    assert first_run.split("&&")[0].strip() == "pip install -e ."
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "[dev]" in ci_command and "pytest" in ci_command
+    assert ci_command in lines
+
+
+def test_the_readme_gives_pytorchs_cpu_wheel_index_before_the_first_install():
+    lines = bash_lines()
+    torch_line = next(line for line in lines if line.startswith("pip install torch"))
+    assert shlex.split(torch_line)[-2:] == ["--index-url", "https://download.pytorch.org/whl/cpu"]
+    assert lines.index(torch_line) < next(i for i, line in enumerate(lines) if "lnmonitor train-tiny" in line)
