@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lnmonitor import geometry
 from lnmonitor.hooks import Hooks
+from lnmonitor.ladder import NormStats, baseline_max, baseline_median, ladder_figures
 from lnmonitor.norms import NormInfo
 
 __all__ = ["LadderRow", "NormRows", "ShareRow", "measure_norm_rows", "share_table", "sigma_ladder"]
@@ -34,9 +35,9 @@ class NormRows:
     """Per-row measurements of one norm over held-out batches (numpy float64 arrays).
 
     ``share``: dead-plane share of ``w = g * dL/dy`` on the valid rows; ``skipped``: rows
-    without information (``w = 0``, non-finite, constant row).  ``sigma``:
-    ``sqrt(v + eps)``; ``rms``: ``sqrt(mean(x^2))`` of the input (the stream the norm
-    reads); ``eps_over_var``: ``eps / v`` (v the second moment for RMSNorm).
+    without information (``w = 0``, non-finite, constant row).  ``var``: the norm's input
+    variance ``v`` per row (the second moment for RMSNorm); ``ms``: ``mean(x^2)`` of the
+    input (the stream the norm reads).
     """
 
     name: str
@@ -45,9 +46,32 @@ class NormRows:
     eps: float
     share: np.ndarray
     skipped: int
-    sigma: np.ndarray
-    rms: np.ndarray
-    eps_over_var: np.ndarray
+    var: np.ndarray
+    ms: np.ndarray
+
+    @property
+    def sigma(self) -> np.ndarray:
+        """``sqrt(v + eps)`` per row."""
+        return np.sqrt(self.var + self.eps)
+
+    @property
+    def rms(self) -> np.ndarray:
+        """``sqrt(mean(x^2))`` per row."""
+        return np.sqrt(self.ms)
+
+    def stats(self) -> NormStats:
+        """The medians every figure is computed from (:mod:`lnmonitor.ladder`)."""
+
+        def median(a: np.ndarray) -> float:
+            return float(np.median(a)) if a.size else math.nan
+
+        n = int(self.share.size)
+        return NormStats(
+            name=self.name, kind=self.kind, width=self.width, eps=self.eps, var=median(self.var),
+            ms=median(self.ms), share_median=median(self.share),
+            share_p90=float(np.quantile(self.share, 0.9)) if n else math.nan,
+            share_max=float(self.share.max()) if n else math.nan, share_rows=n, skipped_rows=self.skipped,
+        )
 
 
 class _Capture(Hooks):
@@ -92,7 +116,7 @@ def measure_norm_rows(
     if not norms:
         raise ValueError("the model has no normalisation layer lnmonitor recognises")
     parts: list[dict] = [
-        {"share": [], "skipped": 0, "sigma": [], "rms": [], "eps_over_var": [], "width": info.width}
+        {"share": [], "skipped": 0, "var": [], "ms": [], "width": info.width}
         for info in norms
     ]
     order: list[int] = []
@@ -113,10 +137,8 @@ def measure_norm_rows(
                 xr = x.reshape(-1, x.shape[-1]).to("cpu", _F64)
                 part["width"] = xr.shape[-1]
                 st = geometry.row_stats(xr, eps, info.kind)
-                part["sigma"].append(st.sigma.numpy())
-                part["rms"].append(xr.pow(2).mean(-1).sqrt().numpy())
-                with np.errstate(divide="ignore"):
-                    part["eps_over_var"].append(eps / st.var.numpy())
+                part["var"].append(st.var.numpy())
+                part["ms"].append(xr.pow(2).mean(-1).numpy())
                 grad = box.get("grad")
                 if grad is None:
                     part["skipped"] += xr.shape[0]
@@ -136,8 +158,7 @@ def measure_norm_rows(
         NormRows(
             name=norms[i].name, kind=norms[i].kind, width=int(parts[i]["width"] or 0),
             eps=norms[i].eps(torch.float32), share=cat(parts[i]["share"]), skipped=parts[i]["skipped"],
-            sigma=cat(parts[i]["sigma"]), rms=cat(parts[i]["rms"]),
-            eps_over_var=cat(parts[i]["eps_over_var"]),
+            var=cat(parts[i]["var"]), ms=cat(parts[i]["ms"]),
         )
         for i in order
     ]
@@ -174,20 +195,15 @@ def share_table(rows: Sequence[NormRows]) -> list[ShareRow]:
     table = []
     for r in rows:
         k = geometry.dead_dim(r.kind)
-        n = int(r.share.size)
-        base_med = geometry.share_median(r.width, k)
-        if n:
-            med = float(np.median(r.share))
-            p90, mx = float(np.quantile(r.share, 0.9)), float(r.share.max())
-            rms = float(np.sqrt(np.mean(r.share**2)))
-            base_max = geometry.max_share_median(r.width, k, n)
-        else:
-            med = p90 = mx = rms = base_max = math.nan
+        s = r.stats()
+        n = s.share_rows
+        base_med = baseline_median(r.width, k)
         table.append(ShareRow(
-            name=r.name, kind=r.kind, width=r.width, rows=n, skipped=r.skipped, median=med, p90=p90,
-            max=mx, rms=rms, baseline_median=base_med, baseline_rms=geometry.share_rms(r.width, k),
-            baseline_max=base_max,
-            deletion_cost=geometry.deletion_cost(med) if n else math.nan,
+            name=r.name, kind=r.kind, width=r.width, rows=n, skipped=r.skipped, median=s.share_median,
+            p90=s.share_p90, max=s.share_max, rms=float(np.sqrt(np.mean(r.share**2))) if n else math.nan,
+            baseline_median=base_med, baseline_rms=geometry.share_rms(r.width, k),
+            baseline_max=baseline_max(r.width, k, n) if n else math.nan,
+            deletion_cost=geometry.deletion_cost(s.share_median) if n else math.nan,
             baseline_deletion_cost=geometry.deletion_cost(base_med),
         ))
     return table
@@ -195,8 +211,9 @@ def share_table(rows: Sequence[NormRows]) -> list[ShareRow]:
 
 @dataclass(frozen=True)
 class LadderRow:
-    """The stream one norm reads: medians over rows of ``sigma``, ``rms`` and ``eps/v``;
-    ``inv_sigma = 1/sigma`` (the gain the norm applies to everything it passes)."""
+    """The stream one norm reads: its figures from the medians over rows
+    (:class:`lnmonitor.ladder.NormFigures`); ``inv_sigma = 1/sigma`` is the gain the norm
+    applies to everything it passes."""
 
     name: str
     point: str
@@ -204,29 +221,22 @@ class LadderRow:
     inv_sigma: float
     rms: float
     eps_over_var: float
+    transmission: float
 
 
 def sigma_ladder(
     rows: Sequence[NormRows], labels: dict[str, str] | None = None
 ) -> tuple[list[LadderRow], float, float]:
-    """``(ladder, attenuation, growth)`` over the norms in call order.
-
-    ``attenuation = inv_sigma(first) / inv_sigma(last)``, ``growth = rms(last) / rms(first)``.
-    ``labels`` maps a norm name to the residual-stream point it reads (default
-    ``"input of <name>"``).
+    """``(ladder, attenuation, growth)`` over the norms in call order, every norm a rung
+    (:func:`lnmonitor.ladder.ladder_figures`: ``attenuation = inv_sigma(first) /
+    inv_sigma(last)``, ``growth = rms(last) / rms(first)``).  ``labels`` maps a norm name
+    to the residual-stream point it reads (default ``"input of <name>"``).
     """
     labels = labels or {}
-    ladder = []
-    for r in rows:
-        sigma = float(np.median(r.sigma)) if r.sigma.size else math.nan
-        ladder.append(LadderRow(
-            name=r.name, point=labels.get(r.name, f"input of {r.name}"), sigma=sigma,
-            inv_sigma=1.0 / sigma if sigma else math.inf,
-            rms=float(np.median(r.rms)) if r.rms.size else math.nan,
-            eps_over_var=float(np.median(r.eps_over_var)) if r.eps_over_var.size else math.nan,
-        ))
-    if not ladder:
-        return ladder, math.nan, math.nan
-    attenuation = ladder[0].inv_sigma / ladder[-1].inv_sigma
-    growth = ladder[-1].rms / ladder[0].rms if ladder[0].rms else math.inf
-    return ladder, attenuation, growth
+    figures = ladder_figures([r.stats() for r in rows], [r.name for r in rows])
+    ladder = [
+        LadderRow(name=f.name, point=labels.get(f.name, f"input of {f.name}"), sigma=f.sigma,
+                  inv_sigma=f.inv_sigma, rms=f.rms, eps_over_var=f.eps_over_var, transmission=f.transmission)
+        for f in figures.norms
+    ]
+    return ladder, figures.attenuation, figures.growth

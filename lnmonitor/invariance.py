@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from lnmonitor.geometry import row_stats
 from lnmonitor.hooks import Hooks, eager, eval_mode, unmeasured
+from lnmonitor.metric_names import INVARIANCE_CASES
 from lnmonitor.norms import NormInfo, find_norms
 
 __all__ = [
@@ -72,7 +73,9 @@ __all__ = [
     "PROBE_WINDOWS",
     "CaseResult",
     "FIT_RANGE",
+    "InvarianceProbe",
     "InvarianceResult",
+    "NotAFinalNorm",
     "SWEEP_SCALES",
     "SweepPoint",
     "default_loss",
@@ -84,7 +87,7 @@ __all__ = [
     "split_output",
 ]
 
-CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
+CASES = INVARIANCE_CASES
 # The probe rows, one definition for every tool (the monitor's default probe_size, analyze,
 # eps-compare): the first PROBE_WINDOWS samples of the held-out data.  Across disjoint sets
 # of windows spanning the held-out text, the spread of a real delta-loss (scale 3 at
@@ -489,3 +492,66 @@ def fit_sweep(sweep: Sequence[SweepPoint]) -> tuple[float, float, str]:
     if len(runs) > 1:
         note += f"; the delta-loss changes sign in the window ({len(window) - len(best)} point(s) left out)"
     return float(slope), float(math.exp(intercept)), note
+
+
+# share of the loss gradient at the final norm's input allowed to go around the norm (a
+# true final norm gives exactly 0: the two gradients are the same numbers)
+FINAL_BYPASS_TOLERANCE = 1e-6
+
+
+class NotAFinalNorm(ValueError):
+    """The norm taken as the final norm has a residual path around it: there is no
+    final-norm invariance to check."""
+
+
+class InvarianceProbe:
+    """The final-norm invariance probe of one model, run whenever its driver decides.
+
+    ``InvarianceProbe(model).run(batch)`` finds the final norm on the first run (the last
+    norm to run, unless ``final_norm`` names it), checks once with
+    :func:`final_norm_bypass` that the loss reaches its input only through it (else raises
+    :class:`NotAFinalNorm`, whose message says why and what to do), then runs
+    :func:`final_norm_invariance`.  ``loss_fn``, ``cases``, ``scales``, ``autocast`` and
+    ``norms`` are passed on to it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn | None = None,
+        *,
+        final_norm: str | None = None,
+        cases: Sequence[str] = CASES,
+        scales: Sequence[float] = SWEEP_SCALES,
+        autocast: Callable[[], object] | None = None,
+        norms: Sequence[NormInfo] | None = None,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn or default_loss
+        self.named = final_norm is not None
+        self.final_norm = final_norm
+        self.cases, self.scales, self.autocast = tuple(cases), tuple(scales), autocast
+        self.norms = find_norms(model) if norms is None else list(norms)
+        self.checked = False
+
+    def run(self, batch) -> InvarianceResult:
+        if self.final_norm is None:
+            self.final_norm = find_final_norm(self.model, batch, self.loss_fn, self.norms)
+        if not self.checked:
+            bypass = final_norm_bypass(self.model, batch, self.final_norm, loss_fn=self.loss_fn,
+                                       autocast=self.autocast)
+            if bypass > FINAL_BYPASS_TOLERANCE:
+                name = self.final_norm
+                who = f"final_norm={name!r}" if self.named else f"the last norm to run, {name!r},"
+                raise NotAFinalNorm(
+                    f"{who} is not a final norm: part of the loss gradient at its "
+                    f"input goes around it (relative size {bypass:.3g}; a residual path carries that "
+                    "input on), so the loss is not invariant to shifting or scaling it and there is "
+                    "no final-norm invariance to check. The model seems to have no final norm before "
+                    "its head; if it has one, name it with final_norm=..."
+                )
+            self.checked = True
+        return final_norm_invariance(
+            self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases,
+            scales=self.scales, autocast=self.autocast, norms=self.norms,
+        )

@@ -206,7 +206,7 @@ def test_activation_checkpointing_gives_the_same_values():
         assert calls == 2 * 2 * steps, mode
         assert mon.order == plain.order == NORMS  # the ladder keeps the forward order
         assert [s.rows for s in mon.last_summaries] == [4 * CONTEXT] * 5  # each row once
-        assert mon._tap._pending == []
+        assert mon.meter._tap._pending == []
         # reentrant: the same fast path, bit-identical; non-reentrant: the checkpointed
         # norms are read from their input instead of their saved mean/rstd (1e-6)
         assert_close_history(mon.history, plain.history, exact=mode is True)
@@ -488,7 +488,7 @@ def test_a_fault_in_one_step_is_counted_and_training_goes_on(kind, fault, rows):
         else:  # every row bad: no share at all rather than a made-up one
             assert "lnmonitor/share_median/norm" not in h and "lnmonitor/share_max/norm" not in h
         assert math.isfinite(h["lnmonitor/sigma/norm"])
-    assert mon._tap._pending == [] and mon._tap._chunks == []
+    assert mon.meter._tap._pending == [] and mon.meter._tap._chunks == []
 
 
 class Ragged(Dataset):

@@ -12,40 +12,36 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
 from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
+from lnmonitor.callbacks.base import MonitorCallback
 from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
-from lnmonitor.callbacks.sink import MetricSink, finite
+from lnmonitor.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.invariance import (
     CASES,
     PROBE_WINDOWS,
     SWEEP_SCALES,
+    InvarianceProbe,
     InvarianceResult,
-    final_norm_bypass,
-    final_norm_invariance,
-    find_final_norm,
+    NotAFinalNorm,
 )
-from lnmonitor.metric_names import INVARIANCE
-from lnmonitor.norms import NormInfo, discover_norms
+from lnmonitor.metric_names import INVARIANCE, INVARIANCE_LAYOUT, finite_metrics
+from lnmonitor.norms import NormInfo
 from lnmonitor.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
 
-# share of the loss gradient at the final norm's input allowed to go around the norm
-# (a true final norm gives exactly 0: the two gradients are the same numbers)
-BYPASS_TOLERANCE = 1e-6
 
-
-class FinalNormInvarianceMonitor(Callback):
+class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    On a fixed held-out probe batch, at step indices that are multiples of
+    The Lightning door of :class:`lnmonitor.invariance.InvarianceProbe`: it decides when
+    the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
+    batch, at step indices that are multiples of
     ``every_n_steps`` (before that step's update: taken as soon as the previous update is
     done, so that a checkpoint saved then records it; this includes the point after the
     last update) and, with ``on_validation=True``, after each validation (not the sanity
@@ -163,9 +159,7 @@ class FinalNormInvarianceMonitor(Callback):
         self.cases = arguments.choices(cases, "cases", CASES)
         self.scales = arguments.scales(scales, "scales")
         self.summary = arguments.flag(summary, "summary")
-        self._sink = MetricSink(
-            "FinalNormInvarianceMonitor", arguments.optional_flag(keep_history, "keep_history")
-        )
+        super().__init__(arguments.optional_flag(keep_history, "keep_history"))
         self._reset()
 
     def _reset(self) -> None:
@@ -175,17 +169,11 @@ class FinalNormInvarianceMonitor(Callback):
         self._norms: list[NormInfo] = []
         self._probe: Any = None
         self._first_train_batch: Any = None
-        self._loss: Callable | None = self.loss_fn
+        self._prober: InvarianceProbe | None = None
         self._last_started_step = -1
         self._sharded = False
         self._final_name: str | None = self.final_norm
-        self._checked_final = False
         self._enabled = False
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
-        return self._sink.history
 
     @property
     def state_key(self) -> str:
@@ -214,20 +202,14 @@ class FinalNormInvarianceMonitor(Callback):
 
     def _start(self, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
-        discovery = discover_norms(pl_module)
-        self._norms = discovery.norms
-        refused = refused_message("FinalNormInvarianceMonitor", discovery.refused)
-        if not self._norms:
-            detail = f" {refused}" if refused else ""
-            raise MisconfigurationException(no_norm_message("FinalNormInvarianceMonitor", pl_module) + detail)
-        if refused:
-            self._sink.warn_once("refused", refused)
-        if self.final_norm is not None and self.final_norm not in [n.name for n in self._norms]:
-            raise MisconfigurationException(
-                f"FinalNormInvarianceMonitor: final_norm={self.final_norm!r} is not a "
-                f"normalisation layer; found: {', '.join(n.name for n in self._norms)}."
-            )
-        say_measured_eps("FinalNormInvarianceMonitor", self._norms)
+        try:
+            self._norms = choose_norms(pl_module, None, None, self.final_norm, "FinalNormInvarianceMonitor",
+                                       self._warn)
+        except NormSelectionError as err:
+            raise MisconfigurationException(str(err)) from None
+        said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
+        if said:
+            self._say(said)
         self._sharded = _sharded(pl_module)
         self._enabled = self.disabled_reason is None
 
@@ -237,9 +219,9 @@ class FinalNormInvarianceMonitor(Callback):
             self._run(trainer, pl_module, trainer.global_step)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
             step = self._sink.last_step
-            point = {tag: [(step, v)] for tag, v in finite(self.last_result.metrics()).items()}
+            point = {tag: [(step, v)] for tag, v in finite_metrics(self.last_result.metrics()).items()}
             head = f"lnmonitor summary: final norm {self._final_name}"
-            rank_zero_info("\n".join([head, *invariance_lines(point)]))
+            self._say("\n".join([head, *invariance_lines(point)]))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
             when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
             if self.on_validation:
@@ -301,7 +283,7 @@ class FinalNormInvarianceMonitor(Callback):
             if probe is None:
                 return
             result = self._measure(trainer, pl_module, probe)
-        except NoLoss as err:
+        except (NoLoss, NotAFinalNorm) as err:
             self._disable(str(err))
             return
         except Exception as err:  # noqa: BLE001 - never stop the user's training
@@ -310,39 +292,21 @@ class FinalNormInvarianceMonitor(Callback):
                 "loss_fn=lambda module, batch: ... and final_norm='...'"
             )
             return
-        if result is None:
-            return
         self.last_result = result
         if self._sink.last_step < 0:
-            self._sink.add_layout(self._layout_categories())
-        self._sink.log(trainer, step, finite(result.metrics()))
+            self._sink.add_layout(INVARIANCE_LAYOUT)
+        self._sink.log(trainer, step, finite_metrics(result.metrics()))
 
-    def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult | None:
-        autocast = trainer.precision_plugin.forward_context
-        if self._loss is None:
-            self._loss = probe_loss(pl_module, probe)
-        if self._final_name is None:
-            self._final_name = find_final_norm(pl_module, probe, self._loss, self._norms)
-        if not self._checked_final:
-            self._checked_final = True
-            bypass = final_norm_bypass(
-                pl_module, probe, self._final_name, loss_fn=self._loss, autocast=autocast
+    def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult:
+        if self._prober is None:
+            self._prober = InvarianceProbe(
+                pl_module, self.loss_fn or probe_loss(pl_module, probe), final_norm=self.final_norm,
+                cases=self.cases, scales=self.scales, autocast=trainer.precision_plugin.forward_context,
+                norms=self._norms,
             )
-            if bypass > BYPASS_TOLERANCE:
-                how = ("final_norm=" if self.final_norm else "the last norm to run, ")
-                self._disable(
-                    f"{how}{self._final_name!r} is not a final norm: part of the loss "
-                    "gradient at its input goes around it (relative size "
-                    f"{bypass:.3g}; a residual path carries that input on), so the loss is "
-                    "not invariant to shifting or scaling it and there is no final-norm "
-                    "invariance to check. The model seems to have no final norm before its "
-                    "head; if it has one, name it with final_norm=..."
-                )
-                return None
-        return final_norm_invariance(
-            pl_module, probe, self._final_name, loss_fn=self._loss, cases=self.cases,
-            scales=self.scales, autocast=autocast, norms=self._norms,
-        )
+        result = self._prober.run(probe)
+        self._final_name = self._prober.final_norm
+        return result
 
     def _get_probe(self, trainer: Trainer, pl_module: LightningModule):
         if self._probe is not None:
@@ -368,26 +332,15 @@ class FinalNormInvarianceMonitor(Callback):
         self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
         return self._probe
 
-    def _layout_categories(self) -> dict[str, dict]:
-        """Charts by regex, the same for every run (see LayerNormMonitor's)."""
-        p = INVARIANCE
-        return {"lnmonitor: final-norm invariance": {
-            "log10 |delta-loss| by case": ["Multiline", [f"{p}/[^/]+/log10_abs_dloss"]],
-            "delta-loss by case": ["Multiline", [f"{p}/[^/]+/dloss$"]],
-            "max |delta-logit| by case": ["Multiline", [f"{p}/[^/]+/max_dlogit"]],
-            "float64 norm-output residual by case": ["Multiline", [f"{p}/[^/]+/out_residual"]],
-            "scale sweep: slope and constant": ["Multiline", [f"{p}/scale_(slope|constant)"]],
-        }}
-
     # -- checkpointing ---------------------------------------------------------------
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_logged_step": self._sink.last_step, "final_norm": self._final_name}
+        return {**super().state_dict(), "final_norm": self._final_name}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
+        super().load_state_dict(state_dict)
         if self.final_norm is None and state_dict.get("final_norm"):
             self._final_name = state_dict["final_norm"]
 

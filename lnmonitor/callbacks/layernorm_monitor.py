@@ -13,30 +13,30 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor import geometry
 from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.discovery import no_norm_message, refused_message, say_measured_eps
-from lnmonitor.callbacks.sink import MetricSink, finite, write_histogram
-from lnmonitor.hooks import compiled, eager
-from lnmonitor.metric_names import PREFIX, per_norm
-from lnmonitor.norms import FINAL, RUNGS, NormInfo, assign_roles, discover_norms, select_norms
+from lnmonitor.callbacks.base import MonitorCallback
+from lnmonitor.callbacks.sink import write_histogram
+from lnmonitor.discovery import NormSelectionError
+from lnmonitor.meter import LadderMeter, LadderResult
+from lnmonitor.metric_names import LADDER_LAYOUT, PREFIX, per_norm
+from lnmonitor.norms import NormInfo
 from lnmonitor.pictures import heatmap_picture, ladder_picture
-from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
+from lnmonitor.summaries import NormSummary
 from lnmonitor.summary import Trail, ladder_grid, summary_text
-from lnmonitor.taps import NormTap
 
 __all__ = ["LayerNormMonitor"]
 
 
-class LayerNormMonitor(Callback):
+class LayerNormMonitor(MonitorCallback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
-    Every ``every_n_steps`` optimizer steps (default: the Trainer's
+    The Lightning door of :class:`lnmonitor.meter.LadderMeter`: it decides which steps
+    the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
+    steps (default: the Trainer's
     ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
     last optimizer step of the fit when the Trainer knows it, the
     selected norms are hooked for the whole step, over every row (token) of the global
@@ -169,24 +169,25 @@ class LayerNormMonitor(Callback):
         self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
                                                           allow_none=False)
         self.summary = arguments.flag(summary, "summary")
-        self._sink = MetricSink("LayerNormMonitor", arguments.optional_flag(keep_history, "keep_history"))
+        super().__init__(arguments.optional_flag(keep_history, "keep_history"))
         self.every_n_steps: int | None = self._every_arg
-        self.norms: list[NormInfo] = []
-        self.order: list[str] = []
+        self.meter: LadderMeter | None = None
         self.last_summaries: list[NormSummary] = []
-        self._tap: NormTap | None = None
-        self._layout: Layout | None = None
+        self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
         self._measuring: int | None = None
-        self._stance = None
-        self._roles_known = False
         self._last_step: int | None = None
         self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
         self._last_picture: float = -math.inf  # the step of the last ladder picture
 
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
-        return self._sink.history
+    def norms(self) -> list[NormInfo]:
+        """The measured norms (with their roles once the first step has assigned them)."""
+        return self.meter.norms if self.meter is not None else []
+
+    @property
+    def order(self) -> list[str]:
+        """The norms' names in the order the forward first ran them."""
+        return self.meter.order if self.meter is not None and self.meter.order else self._order
 
     @property
     def state_key(self) -> str:
@@ -201,8 +202,7 @@ class LayerNormMonitor(Callback):
         if stage != "fit":
             return
         self._stop()
-        self.norms, self.order, self.last_summaries = [], [], []
-        self._tap, self._layout, self._roles_known = None, None, False
+        self.meter, self.last_summaries, self._order = None, [], []
         self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
         self._last_picture = -math.inf
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
@@ -211,54 +211,17 @@ class LayerNormMonitor(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
-        self.norms = self._select(pl_module)
-        self._tap = NormTap(self.norms)
-        self._layout = Layout(len(self.norms))
-        say_measured_eps("LayerNormMonitor", self.norms)
+        try:
+            self.meter = LadderMeter(
+                pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
+                ladder=self.ladder, owner="LayerNormMonitor", say=self._say, warn=self._warn,
+            )
+        except NormSelectionError as err:
+            raise MisconfigurationException(str(err)) from None
+        self.meter.order = list(self._order)
         self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
         last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         self._last_step = int(last) - 1 if math.isfinite(last) else None
-        if compiled(pl_module):
-            rank_zero_info(
-                "LayerNormMonitor: the model is compiled (torch.compile); its measured steps run "
-                "eagerly (torch.compiler.set_stance('force_eager')) so that the norm hooks see "
-                "every call, and the other steps run the compiled code."
-            )
-
-    def _select(self, pl_module: LightningModule) -> list[NormInfo]:
-        discovery = discover_norms(pl_module)
-        found = discovery.norms
-        refused = refused_message("LayerNormMonitor", discovery.refused)
-        if not found:
-            detail = f" {refused}" if refused else ""
-            raise MisconfigurationException(no_norm_message("LayerNormMonitor", pl_module) + detail)
-        if refused:
-            self._sink.warn_once("refused", refused)
-        selected = select_norms(found, self.include, self.exclude)
-        names = [n.name for n in found]
-        if not selected:
-            raise MisconfigurationException(
-                f"LayerNormMonitor: include={self.include} exclude={self.exclude} select none "
-                f"of the {len(found)} normalisation layers found: {', '.join(names)}. Fix the patterns "
-                "(fnmatch globs over these names)."
-            )
-        for info in selected:
-            if info.width is not None and info.width <= info.dead_dim:
-                raise MisconfigurationException(
-                    f"LayerNormMonitor: norm {info.name!r} has width {info.width}, not more than "
-                    f"its dead-subspace dimension {info.dead_dim} ({info.kind} norm): the dead "
-                    "subspace is the whole space and the share is trivially 1. Leave it out "
-                    f"with exclude=[{info.name!r}]."
-                )
-        if self.final_norm is not None and self.final_norm not in [n.name for n in selected]:
-            refusal = next((r for r in discovery.refused if r.name == self.final_norm), None)
-            where = ("is excluded by include/exclude" if self.final_norm in names else
-                     f"is not measured: {refusal.reason}" if refusal else "is not a norm")
-            raise MisconfigurationException(
-                f"LayerNormMonitor: final_norm={self.final_norm!r} {where}; the selected norms "
-                f"are {', '.join(n.name for n in selected)}."
-            )
-        return selected
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -281,22 +244,15 @@ class LayerNormMonitor(Callback):
                                           "1/sigma of each rung over training (forward order, top down)")
                 self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", steps[-1], picture)
             if self.summary:
-                rank_zero_info(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
+                self._say(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
         except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
-            self._sink.warn_once("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
+            self._warn("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
 
     def _stop(self) -> None:
         """End a measured step early (an exception, the end of the fit): no hook, no row left."""
-        if self._tap is not None:
-            self._tap.detach()
-            self._tap.collect()
+        if self.meter is not None:
+            self.meter.abort()
         self._measuring = None
-        self._leave_eager()
-
-    def _leave_eager(self) -> None:
-        stance, self._stance = self._stance, None
-        if stance is not None:
-            stance.__exit__(None, None, None)
 
     # -- the measured step -----------------------------------------------------------
 
@@ -304,17 +260,13 @@ class LayerNormMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._tap is None or self._measuring is not None:
+        if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
         step = trainer.global_step
         due = step % self.every_n_steps == 0 or step == self._last_step  # the last step, always
         if due and step > self._sink.last_step:
             self._measuring = step
-            # compiled code ignores hooks registered after it compiled (and hooks present
-            # while it compiles break its graph): the measured step runs eagerly
-            self._stance = eager()
-            self._stance.__enter__()
-            self._tap.attach(bypass=not self._roles_known)
+            self.meter.start()
 
     @override
     def on_train_batch_end(
@@ -323,166 +275,39 @@ class LayerNormMonitor(Callback):
         if self._measuring is None or trainer.global_step == self._measuring:
             return  # not measuring, or still accumulating gradients for this step
         step, self._measuring = self._measuring, None
-        self._tap.detach()
-        self._leave_eager()
-        rows = self._tap.collect()
-        if self._tap.error is not None:  # a hook could not measure this model: say so, stop
-            err, self._tap = self._tap.error, None
-            self._sink.warn_once("off", (
-                f"LayerNormMonitor is off for the rest of this run: measuring step {step} failed "
-                f"inside a norm's hook ({type(err).__name__}: {err}); training goes on. If a norm "
-                "computes something lnmonitor misreads, leave it out with exclude=[...]."))
+        self.meter.stop()
+        gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
+        result = self.meter.result(gather, counts=self.histograms, label=f"the measured step {step}")
+        if result is None:
             return
-        if rows.order:
-            self.order = [self.norms[i].name for i in rows.order]
-        flat = summarise(rows, self._layout, pl_module.device)
-        if trainer.world_size > 1:
-            flat = trainer.strategy.all_gather(flat)
-        summaries = read(merge(flat, self._layout), self._layout, counts=self.histograms)
-        eps = {i: rows.eps.get(i, info.eps()) for i, info in enumerate(self.norms)}
-        self.last_summaries = summaries
-        if not self._roles_known:
-            self._assign_roles(summaries)
-        self._warn_unmeasured(step, summaries)
-        metrics = finite(self._metrics(summaries, eps))
+        self.last_summaries = result.summaries
+        metrics = result.metrics(positions=self._sink.last_step < 0)
         if self._sink.last_step < 0:
-            self._sink.add_layout(self._layout_categories())
-            metrics.update(self._ladder_positions())
+            self._sink.add_layout(LADDER_LAYOUT)
         logged = self._sink.log(
             trainer, step, metrics,
-            (lambda writer, s: self._histograms(writer, s, summaries, eps)) if self.histograms else None,
+            (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None,
         )
         if logged and trainer.is_global_zero:
             self._trail.add(step, metrics)
             spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
             if self.images and spaced:
-                self._log_picture(trainer, step, metrics)
+                self._log_picture(trainer, step, result)
                 self._last_picture = step
 
-    def _rungs(self) -> list[str]:
-        """The rungs' names in forward order."""
-        role = {info.name: info.role for info in self.norms}
-        return [name for name in self.order if role.get(name) in RUNGS]
-
-    def _ladder_positions(self) -> dict[str, float]:
-        """``lnmonitor/ladder_position/<norm>``: each rung's place in forward order, -1 for the
-        norms that are not rungs (logged once, so a summary read back knows the ladder)."""
-        place = {name: float(i) for i, name in enumerate(self._rungs())}
-        return {per_norm("ladder_position", info.name): place.get(info.name, -1.0) for info in self.norms}
-
-    def _log_picture(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def _log_picture(self, trainer: Trainer, step: int, result: LadderResult) -> None:
         """The ladder at this step as a picture: 1/sigma and rms of every rung against depth."""
-        rungs = self._rungs()
-        final = next((n.name for n in self.norms if n.role == FINAL), None)
-        attenuation = metrics.get(f"{PREFIX}/ladder/attenuation")
-        title = f"step {step}" + (f": attenuation {attenuation:.2f}x" if attenuation else "")
+        figures = result.figures
+        rungs, by_name = figures.rungs, figures.by_name()
+        title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
+                                  if math.isfinite(figures.attenuation) else "")
         picture = ladder_picture(
             [n.removeprefix("model.") for n in rungs],
-            [metrics.get(per_norm("inv_sigma", n), math.nan) for n in rungs],
-            [metrics.get(per_norm("rms", n), math.nan) for n in rungs],
-            final.removeprefix("model.") if final else None, title,
+            [by_name[n].inv_sigma for n in rungs],
+            [by_name[n].rms for n in rungs],
+            figures.final.removeprefix("model.") if figures.final else None, title,
         )
         self._sink.log_image(trainer, f"{PREFIX}/ladder", step, picture)
-
-    def _warn_unmeasured(self, step: int, summaries: list[NormSummary]) -> None:
-        """Say once when selected norms had no row in a measured step (never zero data
-        without a word): a norm the forward does not call, or a model run by code the hooks
-        cannot see (e.g. torch.compile on a torch without set_stance, TorchScript)."""
-        missing = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
-        if not missing:
-            return
-        if len(missing) == len(self.norms):
-            what = f"none of the {len(missing)} selected norms ran with gradient"
-        else:
-            what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
-        self._sink.warn_once(
-            "unmeasured",
-            f"LayerNormMonitor: {what} during the measured step {step} ({', '.join(missing[:8])}"
-            f"{', ...' if len(missing) > 8 else ''}), so nothing is logged for them. Either the "
-            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
-            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
-            "TorchScript). Said once.",
-        )
-
-    def _assign_roles(self, summaries: list[NormSummary]) -> None:
-        """Which norms are rungs, from what this step's gradient does at each norm's input."""
-        by_name = {n.name: n for n in self.norms}
-        ordered = [by_name[n] for n in self.order if n in by_name]
-        ordered += [n for n in self.norms if n.name not in self.order]
-        bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
-        roles = {n.name: n.role for n in assign_roles(ordered, bypass, self.ladder, self.final_norm)}
-        self.norms = [info.with_role(roles[info.name]) for info in self.norms]
-        self._roles_known = True
-        rungs = [n for n in ordered if roles[n.name] in RUNGS]
-        others = [n for n in ordered if roles[n.name] not in RUNGS]
-        final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
-        said = (f"LayerNormMonitor: the ladder has {len(rungs)} rungs, the norms that read the residual "
-                f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "
-                f"final norm {final or 'none'}")
-        if others:
-            groups = sorted({roles[n.name] for n in others})
-            said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
-                     f"{', '.join(n.name for n in others[:3])}{', ...' if len(others) > 3 else ''}) "
-                     "are measured but are not rungs")
-        rank_zero_info(said + (" (as ladder=... says)." if self.ladder else
-                               "; ladder=[...] names the rungs instead."))
-        if len(rungs) < 2:
-            self._sink.warn_once("one-rung", (
-                f"LayerNormMonitor: the ladder has {len(rungs)} rung(s), so no attenuation or growth "
-                "is logged: only these norms read the residual stream. Name the rungs with "
-                "ladder=[...] if they are others."))
-
-    def _metrics(self, summaries: list[NormSummary], eps: dict[int, float]) -> dict[str, float]:
-        m: dict[str, float] = {}
-        inv_sigma, rms = {}, {}
-        for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
-            n = info.name
-            v = s.var_median
-            sigma = math.sqrt(v + eps[i])
-            inv_sigma[n], rms[n] = 1.0 / sigma, math.sqrt(s.ms_median)
-            m[per_norm("sigma", n)] = sigma
-            m[per_norm("inv_sigma", n)] = inv_sigma[n]
-            m[per_norm("rms", n)] = rms[n]
-            m[per_norm("eps_over_var", n)] = eps[i] / v if v > 0 else math.nan
-            m[per_norm("transmission", n)] = eps[i] / (v + eps[i])
-            # the same on a log scale, readable where the values span decades
-            positive = v > 0 and eps[i] > 0
-            m[per_norm("log10_eps_over_var", n)] = math.log10(eps[i] / v) if positive else math.nan
-            m[per_norm("log10_transmission", n)] = math.log10(eps[i] / (v + eps[i])) if positive else math.nan
-            m[per_norm("share_median", n)] = s.share_median
-            m[per_norm("share_p90", n)] = s.share_p90
-            m[per_norm("share_max", n)] = s.share_max
-            m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
-        m.update(self._baselines(summaries))
-        roles = {n.name: n.role for n in self.norms}
-        order = [n for n in self.order if n in inv_sigma] or [n.name for n in self.norms]
-        rungs = [n for n in order if roles.get(n) in RUNGS or roles.get(n) is None]
-        final = next((n for n in rungs if roles.get(n) == FINAL), None)
-        if len(rungs) >= 2:
-            first, last = rungs[0], final or rungs[-1]
-            m[f"{PREFIX}/ladder/attenuation"] = inv_sigma[first] / inv_sigma[last]
-            m[f"{PREFIX}/ladder/growth"] = rms[last] / rms[first]
-        return m
-
-    def _baselines(self, summaries: list[NormSummary]) -> dict[str, float]:
-        shapes = {(info.width, info.dead_dim) for info in self.norms}
-        out = {}
-        if len(shapes) == 1 and None not in next(iter(shapes)):
-            d, k = next(iter(shapes))
-            n = max(s.share_rows for s in summaries)
-            out[f"{PREFIX}/share_baseline/median"] = _baseline_median(d, k)
-            if n >= 1:
-                out[f"{PREFIX}/share_baseline/max"] = _baseline_max(d, k, n)
-            return out
-        for info, s in zip(self.norms, summaries, strict=True):
-            if info.width is None or info.width <= info.dead_dim:
-                continue
-            out[f"{PREFIX}/share_baseline/median/{info.name}"] = _baseline_median(info.width, info.dead_dim)
-            if s.share_rows >= 1:
-                out[f"{PREFIX}/share_baseline/max/{info.name}"] = _baseline_max(
-                    info.width, info.dead_dim, s.share_rows
-                )
-        return out
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
         norms = self.norms
@@ -502,34 +327,11 @@ class LayerNormMonitor(Callback):
                    per_norm("share_median", last), f"{PREFIX}/ladder/growth"]
         return params, metrics
 
-    # -- TensorBoard extras ----------------------------------------------------------
-
-    def _layout_categories(self) -> dict[str, dict]:
-        """Charts by regex over the metric names, so every run's layout is the same and
-        TensorBoard shows one chart per title for a logdir of several runs."""
-        p = PREFIX
-        return {
-            "lnmonitor: 1/sigma ladder": {
-                "1/sigma by norm": ["Multiline", [f"{p}/inv_sigma/.*"]],
-                "rms of the stream each norm reads": ["Multiline", [f"{p}/rms/.*"]],
-                "log10 eps/var by norm": ["Multiline", [f"{p}/log10_eps_over_var/.*"]],
-                "log10 transmission eps/(var+eps) by norm": ["Multiline", [f"{p}/log10_transmission/.*"]],
-                "ladder attenuation and growth": ["Multiline", [f"{p}/ladder/.*"]],
-            },
-            "lnmonitor: dead-plane share": {
-                "median share vs random median": [
-                    "Multiline", [f"{p}/share_median/.*", f"{p}/share_baseline/median.*"]],
-                "p90 share": ["Multiline", [f"{p}/share_p90/.*"]],
-                "max share vs random max": ["Multiline", [f"{p}/share_max/.*", f"{p}/share_baseline/max.*"]],
-                "skipped rows": ["Multiline", [f"{p}/skipped_rows/.*"]],
-            },
-        }
-
-    def _histograms(self, writer, step: int, summaries: list[NormSummary], eps: dict[int, float]) -> None:
-        for i, (info, s) in enumerate(zip(self.norms, summaries, strict=True)):
+    def _histograms(self, writer, step: int, result: LadderResult) -> None:
+        for i, (info, s) in enumerate(zip(result.norms, result.summaries, strict=True)):
             write_histogram(writer, f"{PREFIX}/hist/share/{info.name}", step,
                             s.share_counts, s.layout.share_edges(), group=64)
-            sigma_edges = np.sqrt(s.layout.value_edges() + eps[i])
+            sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))
             write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,  # 1/8 octave buckets
                             s.var_counts, sigma_edges, group=16)
 
@@ -537,34 +339,13 @@ class LayerNormMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "last_logged_step": self._sink.last_step,
-            "every_n_steps": self.every_n_steps,
-            "order": list(self.order),
-        }
+        return {**super().state_dict(), "every_n_steps": self.every_n_steps, "order": list(self.order)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
+        super().load_state_dict(state_dict)
         if self._every_arg is None and state_dict.get("every_n_steps"):
             self.every_n_steps = int(state_dict["every_n_steps"])
-        self.order = list(state_dict.get("order", []))
-
-
-_BASELINES: dict[tuple, float] = {}
-
-
-def _baseline_median(d: int, k: int) -> float:
-    key = ("median", d, k)
-    if key not in _BASELINES:
-        _BASELINES[key] = float(geometry.share_median(d, k))
-    return _BASELINES[key]
-
-
-def _baseline_max(d: int, k: int, n: int) -> float:
-    key = ("max", d, k, n)
-    if key not in _BASELINES:
-        if len(_BASELINES) > 4096:
-            _BASELINES.clear()
-        _BASELINES[key] = float(geometry.max_share_median(d, k, n))
-    return _BASELINES[key]
+        self._order = list(state_dict.get("order", []))
+        if self.meter is not None:
+            self.meter.order = list(self._order)

@@ -196,20 +196,17 @@ def measure(module, batches) -> dict:
 
     from lnmonitor import geometry
     from lnmonitor.experiments.measure import measure as measure_held_out
+    from lnmonitor.ladder import baseline_median
 
     m = measure_held_out(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))
     shares = {s.name: s for s in m.shares}
     norms = {}
     for r, step in zip(m.rows, m.ladder, strict=True):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            var = r.eps / r.eps_over_var
-        trans = geometry.transmission(var, r.eps)
         s = shares[r.name]
         norms[r.name] = {
             "kind": r.kind, "width": r.width, "eps": r.eps,
             "sigma": step.sigma, "inv_sigma": step.inv_sigma, "rms": step.rms,
-            "eps_over_var": step.eps_over_var,
-            "transmission": float(np.median(trans)) if trans.size else math.nan,
+            "eps_over_var": step.eps_over_var, "transmission": step.transmission,
             "share_median": s.median, "share_p90": s.p90, "share_max": s.max,
             "share_rows": s.rows, "share_skipped": s.skipped,
             "share_baseline_median": s.baseline_median, "share_baseline_max": s.baseline_max,
@@ -217,7 +214,7 @@ def measure(module, batches) -> dict:
     order = [r.name for r in m.rows]
     first = m.rows[0]
     k = geometry.dead_dim(first.kind)
-    baseline = {"d": first.width, "k": k, "median": geometry.share_median(first.width, k)}
+    baseline = {"d": first.width, "k": k, "median": baseline_median(first.width, k)}
     inv = m.invariance
     sweep = [asdict(p) for p in inv.sweep]
     at = {p["scale"]: p for p in sweep}
@@ -277,15 +274,15 @@ def write_hparams_session(logger, recipe: Recipe, monitor: bool) -> None:
     TensorBoard keeps the first hparams session of a run, so this is written before the fit
     starts (the monitors' own session, written at their setup, then comes second). The
     metric values are the scalars logged under those names: :func:`log_final` writes them
-    once the run is measured.
+    once the run is measured. eps, seed, norm, init and decay are the columns in view.
     """
-    from torch.utils.tensorboard.summary import hparams
+    from lnmonitor.hparams_session import session_summaries
 
     params = {k: getattr(recipe, k) for k in HPARAM_FIELDS}
     params["monitors"] = bool(monitor)
     names = [f"{FINAL_PREFIX}/{k}" for k in FINAL_METRICS] + ["val/loss"]
     writer = logger.experiment._get_file_writer()
-    for summary in hparams(params, {name: 0.0 for name in names}):
+    for summary in session_summaries(params, names):
         writer.add_summary(summary)
     writer.flush()
 

@@ -1,0 +1,41 @@
+"""What every lnmonitor Lightning callback shares: its metric sink, ``history``, the
+messages it says (rank zero) and the last step it logged in its checkpoint state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lnmonitor.callbacks.sink import MetricSink
+
+__all__ = ["MonitorCallback"]
+
+
+class MonitorCallback(Callback):
+    """A callback that logs through its own :class:`~lnmonitor.callbacks.sink.MetricSink`."""
+
+    def __init__(self, keep_history: bool | None) -> None:
+        self._sink = MetricSink(type(self).__name__, keep_history)
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
+        return self._sink.history
+
+    @staticmethod
+    def _say(text: str) -> None:
+        rank_zero_info(text)
+
+    def _warn(self, key: str, text: str) -> None:
+        self._sink.warn_once(key, text)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_logged_step": self._sink.last_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
