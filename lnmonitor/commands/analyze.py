@@ -36,18 +36,21 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lnmonitor.experiments.analysis import analyze
-    from lnmonitor.experiments.analysis_report import to_terminal, write_outputs
-    from lnmonitor.tiny.checkpoint import load_checkpoint
+    from lnmonitor.tiny.checkpoint import checkpoint_file, load_checkpoint
     from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
-    from lnmonitor.tiny.data import CharDataModule
 
+    # what needs no torch is checked before torch, Lightning and scipy are imported (seconds)
     if args.rtol is not None and not 0.0 < args.rtol < 1.0:
         raise UsageError(f"--rtol must be in (0, 1), got {args.rtol}")
     if args.batches is not None and args.batches < 1:
         raise UsageError(f"--batches must be a positive integer, got {args.batches}")
-    module, step = load_checkpoint(args.checkpoint)
+    checkpoint_file(args.checkpoint)
     text = load_corpus(args.data)
+    from lnmonitor.experiments.analysis import analyze
+    from lnmonitor.experiments.analysis_report import to_terminal, write_outputs
+    from lnmonitor.tiny.data import CharDataModule
+
+    module, step = load_checkpoint(args.checkpoint)
     held_out = CharDataModule(text, vocab=module.vocab, context=module.config.context).val_batches()
     name = str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME
     result = analyze(

@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
             f"eps-compare trains each run on one device, got --devices {args.devices}: to use several "
             "devices, start one shard per device (e.g. CUDA_VISIBLE_DEVICES=i ... --shard i/n)"
         )
-    from lnmonitor.tiny.data import CharDataModule
-
     recipe = recipe_from_args(args)
     text = load_corpus(args.data)
+    from lnmonitor.tiny.data import CharDataModule  # torch and Lightning: after the checks that need neither
+
     CharDataModule(text, context=recipe.context)
     experiment = Experiment(recipe, eps, seeds)
     try:

@@ -78,14 +78,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the input is checked before --out is touched, and
+    # what needs no torch before torch and Lightning are imported (that takes seconds).
+    recipe = recipe_from_args(args, eps=args.eps, seed=args.seed)
+    text = load_corpus(args.data)
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lnmonitor.tiny.data import CharDataModule
     from lnmonitor.tiny.train import fit, monitor_callbacks
 
-    # Everything that can be wrong with the input is checked before --out is touched.
-    recipe = recipe_from_args(args, eps=args.eps, seed=args.seed)
-    text = load_corpus(args.data)
     CharDataModule(text, context=recipe.context)
     logger = TensorBoardLogger(save_dir=str(args.out), name="train-tiny", default_hp_metric=False)
     callbacks = [] if args.no_monitor else monitor_callbacks()

@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
 
 from lnmonitor.experiments.store import eps_label
 
@@ -42,6 +41,8 @@ def interval(values: Sequence[float], confidence: float = CONFIDENCE, log: bool 
     mean = float(y.mean())
     out["mean"] = math.exp(mean) if log else mean
     if n >= 2:
+        from scipy import stats  # here, not at the top: the command line's --help imports this module
+
         sd = float(y.std(ddof=1))
         half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
         lo, hi = (math.exp(mean - half), math.exp(mean + half)) if log else (mean - half, mean + half)

@@ -2,8 +2,10 @@
 
 :func:`load_checkpoint` reads a train-tiny / eps-compare checkpoint with
 ``torch.load(weights_only=True)`` (a checkpoint cannot run code); anything wrong with the
-file is a one-line :class:`~lnmonitor.errors.UsageError`.  :func:`checkpoint_state`
-reads a run's step and hyperparameters, to resume it.
+file is a one-line :class:`~lnmonitor.errors.UsageError`.  :func:`checkpoint_file` refuses
+what is plainly no checkpoint without importing torch, so the command line says so at
+once; torch is imported by the functions that load.  :func:`checkpoint_state` reads a
+run's step and hyperparameters, to resume it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import inspect
 import re
 from pathlib import Path
 
-import torch
-
 from lnmonitor.errors import UsageError
-from lnmonitor.tiny.module import TinyGPTModule
 
-__all__ = ["checkpoint_state", "load_checkpoint"]
+__all__ = ["checkpoint_file", "checkpoint_state", "load_checkpoint"]
+
+NOT_TORCH = "is not a PyTorch checkpoint (neither a torch zip archive nor a pickle torch can read)"
+# how a torch.save file begins: a zip archive's local header, or a pickle's PROTO opcode
+TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
 def _first_line(err: BaseException) -> str:
@@ -28,8 +31,6 @@ def _first_line(err: BaseException) -> str:
 def _load_error(err: BaseException) -> str:
     """What a ``torch.load(weights_only=True)`` failure means, in one line."""
     text = str(err)
-    if isinstance(err, PermissionError):
-        return "cannot be read: permission denied"
     if isinstance(err, (OSError, EOFError)) or "zip archive" in text or "central directory" in text:
         return "is truncated or corrupted (its archive is incomplete): write it again or pass another"
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
@@ -37,8 +38,28 @@ def _load_error(err: BaseException) -> str:
         return (f"holds a Python object ({found.group(1)}) that safe loading (weights_only=True) refuses: "
                 "it is not a train-tiny or eps-compare checkpoint")
     if "Weights only load failed" in text or "load key" in text or "operand" in text:
-        return "is not a PyTorch checkpoint (neither a torch zip archive nor a pickle torch can read)"
+        return NOT_TORCH
     return f"cannot be read as a PyTorch checkpoint: {_first_line(err)}"
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``path``, once it is a non-empty file that begins as a torch checkpoint does;
+    otherwise :class:`UsageError` (no torch is imported)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"checkpoint {str(path)!r} does not exist: pass a .ckpt written by train-tiny")
+    if not path.is_file():
+        raise UsageError(f"checkpoint {str(path)!r} is not a file: pass a .ckpt written by train-tiny")
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(4)
+    except PermissionError:
+        raise UsageError(f"checkpoint {str(path)!r} cannot be read: permission denied") from None
+    if not head:
+        raise UsageError(f"checkpoint {str(path)!r} is empty: pass a .ckpt written by train-tiny")
+    if not head.startswith(TORCH_MAGIC):
+        raise UsageError(f"checkpoint {str(path)!r} {NOT_TORCH}")
+    return path
 
 
 def load_checkpoint(path: str | Path):
@@ -50,13 +71,11 @@ def load_checkpoint(path: str | Path):
     without the module's hyperparameters (e.g. a plain ``state_dict``), or weights whose
     shapes disagree with the hyperparameters each raise :class:`UsageError`.
     """
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"checkpoint {str(path)!r} does not exist: pass a .ckpt written by train-tiny")
-    if not path.is_file():
-        raise UsageError(f"checkpoint {str(path)!r} is not a file: pass a .ckpt written by train-tiny")
-    if path.stat().st_size == 0:
-        raise UsageError(f"checkpoint {str(path)!r} is empty: pass a .ckpt written by train-tiny")
+    import torch
+
+    from lnmonitor.tiny.module import TinyGPTModule
+
+    path = checkpoint_file(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - every failure to read the file is the same user error
@@ -107,6 +126,8 @@ def checkpoint_state(path: Path) -> dict | None:
     """``{"step", "hparams"}`` of a checkpoint; None when absent; ``{"corrupt": err}`` when unreadable."""
     if not path.is_file():
         return None
+    import torch
+
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         return {"step": int(ckpt["global_step"]), "hparams": dict(ckpt.get("hyper_parameters", {}))}
