@@ -42,7 +42,7 @@ from lnmonitor.norms import FINAL, RUNGS, NormInfo, assign_roles
 from lnmonitor.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.taps import NormTap
 
-__all__ = ["Gather", "LadderMeter", "LadderResult"]
+__all__ = ["Gather", "LadderMeter", "LadderResult", "due"]
 
 Gather = Callable[[Tensor], Tensor]
 """``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
@@ -291,6 +291,12 @@ class LadderMeter:
             "forward does not call these modules (leave them out with exclude=[...]) or it runs "
             "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
             "TorchScript). Said once."))
+
+
+def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
+    """Whether the doors measure optimizer step ``step`` (0-based, before its update): every
+    ``every_n_steps``-th, and the last when it is known."""
+    return step % every_n_steps == 0 or step == last_step
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -1,4 +1,4 @@
-"""lnmonitor.callbacks.arguments: every public constructor argument of the three callbacks, fuzzed
+"""lnmonitor.arguments: every public constructor argument of the three callbacks, fuzzed
 with nonsense, is refused at construction with a MisconfigurationException that names it."""
 
 from __future__ import annotations

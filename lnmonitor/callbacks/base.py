@@ -3,15 +3,30 @@ messages it says (rank zero) and the last step it logged in its checkpoint state
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lnmonitor.arguments import ArgumentError
 from lnmonitor.callbacks.sink import MetricSink
+from lnmonitor.discovery import NormSelectionError
 
-__all__ = ["MonitorCallback"]
+__all__ = ["MonitorCallback", "misconfiguration"]
+
+
+@contextlib.contextmanager
+def misconfiguration() -> Iterator[None]:
+    """Bad arguments and unmeasurable models raised inside as Lightning's
+    ``MisconfigurationException``, with the same message."""
+    try:
+        yield
+    except (ArgumentError, NormSelectionError) as err:
+        raise MisconfigurationException(str(err)) from None
 
 
 class MonitorCallback(Callback):

@@ -17,10 +17,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.base import MonitorCallback
+from lnmonitor import arguments
+from lnmonitor.callbacks.base import MonitorCallback, misconfiguration
 from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
-from lnmonitor.discovery import NormSelectionError, choose_norms, measured_eps_message
+from lnmonitor.discovery import choose_norms, measured_eps_message
 from lnmonitor.invariance import (
     CASES,
     PROBE_WINDOWS,
@@ -143,23 +143,26 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         summary: bool = True,
         keep_history: bool | None = None,
     ) -> None:
-        self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
-        self.on_validation = arguments.flag(on_validation, "on_validation")
-        if self.every_n_steps is None and not self.on_validation:
-            raise MisconfigurationException(
-                "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
-                "integer or on_validation=True"
+        with misconfiguration():
+            self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
+            self.on_validation = arguments.flag(on_validation, "on_validation")
+            if self.every_n_steps is None and not self.on_validation:
+                raise MisconfigurationException(
+                    "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
+                    "integer or on_validation=True"
+                )
+            self.probe_batch = probe_batch
+            self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
+            self.loss_fn = arguments.function(
+                loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
             )
-        self.probe_batch = probe_batch
-        self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
-        self.loss_fn = arguments.function(
-            loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
-        )
-        self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
-        self.cases = arguments.choices(cases, "cases", CASES)
-        self.scales = arguments.scales(scales, "scales")
-        self.summary = arguments.flag(summary, "summary")
-        super().__init__(arguments.optional_flag(keep_history, "keep_history"))
+            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+            self.cases = arguments.choices(cases, "cases", CASES)
+            self.scales = arguments.scales(scales, "scales")
+            self.summary = arguments.flag(summary, "summary")
+        with misconfiguration():
+            keep_history = arguments.optional_flag(keep_history, "keep_history")
+        super().__init__(keep_history)
         self._reset()
 
     def _reset(self) -> None:
@@ -202,11 +205,9 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     def _start(self, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
-        try:
+        with misconfiguration():
             self._norms = choose_norms(pl_module, None, None, self.final_norm, "FinalNormInvarianceMonitor",
                                        self._warn)
-        except NormSelectionError as err:
-            raise MisconfigurationException(str(err)) from None
         said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
         if said:
             self._say(said)

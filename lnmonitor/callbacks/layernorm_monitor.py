@@ -14,14 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.base import MonitorCallback
+from lnmonitor import arguments
+from lnmonitor.callbacks.base import MonitorCallback, misconfiguration
 from lnmonitor.callbacks.sink import write_histogram
-from lnmonitor.discovery import NormSelectionError
-from lnmonitor.meter import LadderMeter, LadderResult
+from lnmonitor.meter import LadderMeter, LadderResult, due
 from lnmonitor.metric_names import LADDER_LAYOUT, PREFIX, per_norm
 from lnmonitor.norms import NormInfo
 from lnmonitor.pictures import heatmap_picture, ladder_picture
@@ -159,17 +157,20 @@ class LayerNormMonitor(MonitorCallback):
         image_every_n_steps: int = 50,
         summary: bool = True,
     ) -> None:
-        self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
-        self.include = arguments.patterns(include, "include")
-        self.exclude = arguments.patterns(exclude, "exclude")
-        self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
-        self.ladder = arguments.patterns(ladder, "ladder")
-        self.histograms = arguments.flag(histograms, "histograms")
-        self.images = arguments.flag(images, "images")
-        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
-                                                          allow_none=False)
-        self.summary = arguments.flag(summary, "summary")
-        super().__init__(arguments.optional_flag(keep_history, "keep_history"))
+        with misconfiguration():
+            self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
+            self.include = arguments.patterns(include, "include")
+            self.exclude = arguments.patterns(exclude, "exclude")
+            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+            self.ladder = arguments.patterns(ladder, "ladder")
+            self.histograms = arguments.flag(histograms, "histograms")
+            self.images = arguments.flag(images, "images")
+            self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
+                                                              allow_none=False)
+            self.summary = arguments.flag(summary, "summary")
+        with misconfiguration():
+            keep_history = arguments.optional_flag(keep_history, "keep_history")
+        super().__init__(keep_history)
         self.every_n_steps: int | None = self._every_arg
         self.meter: LadderMeter | None = None
         self.last_summaries: list[NormSummary] = []
@@ -211,13 +212,11 @@ class LayerNormMonitor(MonitorCallback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
-        try:
+        with misconfiguration():
             self.meter = LadderMeter(
                 pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
                 ladder=self.ladder, owner="LayerNormMonitor", say=self._say, warn=self._warn,
             )
-        except NormSelectionError as err:
-            raise MisconfigurationException(str(err)) from None
         self.meter.order = list(self._order)
         self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
         last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
@@ -263,8 +262,7 @@ class LayerNormMonitor(MonitorCallback):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
         step = trainer.global_step
-        due = step % self.every_n_steps == 0 or step == self._last_step  # the last step, always
-        if due and step > self._sink.last_step:
+        if due(step, self.every_n_steps, self._last_step) and step > self._sink.last_step:
             self._measuring = step
             self.meter.start()
 

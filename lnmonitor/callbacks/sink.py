@@ -16,10 +16,8 @@ itself (weakly), never by its ``id``, which Python reuses.
 
 from __future__ import annotations
 
-import math
-import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +25,9 @@ from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["MetricSink", "finite", "tags", "write_histogram"]
+from lnmonitor.writers import write_scalars
+
+__all__ = ["MetricSink", "write_histogram"]
 
 # TensorBoard's HPARAMS table shows the first five metric columns of the session: these first
 HEADLINE_METRICS = (
@@ -39,17 +39,6 @@ HEADLINE_METRICS = (
 CATEGORY_ORDER = (
     "lnmonitor: 1/sigma ladder", "lnmonitor: dead-plane share", "lnmonitor: final-norm invariance",
 )
-
-
-def finite(metrics: dict[str, float]) -> dict[str, float]:
-    """The entries of ``metrics`` that are finite numbers (a monitor logs nothing it cannot
-    stand behind; the missing ones are explained where they are computed)."""
-    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
-
-
-def tags(names: Sequence[str]) -> list[str]:
-    """Custom-scalars chart entries that match exactly these tags (they are regexes)."""
-    return [re.escape(n) for n in names]
 
 
 class _Board:
@@ -237,10 +226,8 @@ def _headline_rank(name: str) -> int:
 
 
 def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module) -> None:
-    try:
-        from torch.utils.tensorboard.summary import hparams
-    except ImportError:  # pragma: no cover - tensorboardX-only installs
-        from tensorboardX.summary import hparams
+    from lnmonitor.hparams_session import session_summaries
+
     params, names = {}, []
     for p, n in board.given.values():
         params.update(p)
@@ -250,28 +237,16 @@ def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module)
         names.append("hp_metric")
     merged = {**_flat(_module_hparams(trainer, pl_module)), **params}
     writer = logger.experiment._get_file_writer()
-    for summary in hparams(merged, {name: 0.0 for name in names}):
+    for summary in session_summaries(merged, names):  # eps, seed and the monitors' own in view
         writer.add_summary(summary)
     board.written = True
 
 
 def _write_scalars(logger: TensorBoardLogger, metrics: dict[str, float], step: int) -> bool:
-    """Write all ``metrics`` as one TensorBoard event (what ``log_metrics`` writes as one
-    event per scalar, ~30 us each); False when the writer is not torch's/tensorboardX's."""
-    try:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        writer = logger.experiment._get_file_writer()
-        prefix = getattr(logger, "_prefix", "")
-        join = getattr(logger, "LOGGER_JOIN_CHAR", "-")
-        values = [
-            Summary.Value(tag=f"{prefix}{join}{k}" if prefix else k, simple_value=float(v))
-            for k, v in metrics.items()
-        ]
-        writer.add_summary(Summary(value=values), step)
-    except Exception:  # noqa: BLE001 - any other writer: the logger's own path
-        return False
-    return True
+    """All ``metrics`` as one event in the logger's run, under its prefix."""
+    prefix = getattr(logger, "_prefix", "")
+    join = getattr(logger, "LOGGER_JOIN_CHAR", "-")
+    return write_scalars(logger.experiment, metrics, step, f"{prefix}{join}" if prefix else "")
 
 
 def write_histogram(writer, tag: str, step: int, counts, edges, group: int) -> None:

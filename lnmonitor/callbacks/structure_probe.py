@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lnmonitor.callbacks import arguments
-from lnmonitor.callbacks.sink import MetricSink
+from lnmonitor import arguments
+from lnmonitor.callbacks.base import MonitorCallback, misconfiguration
 from lnmonitor.metric_names import PROBE
 from lnmonitor.norms import NormInfo, find_norms
 from lnmonitor.probes import (
@@ -57,7 +56,7 @@ class ProbeResult:
         return out
 
 
-class StructureProbe(Callback):
+class StructureProbe(MonitorCallback):
     r"""Measure block versus branch rank and each norm's gain spread at the end of validation.
 
     On the first validation batch the callback keeps, through temporary forward hooks,
@@ -122,15 +121,16 @@ class StructureProbe(Callback):
         rtol: float | None = None,
         norms: bool = True,
     ) -> None:
-        self.every_n_validations = arguments.positive_int(
-            every_n_validations, "every_n_validations", allow_none=False, unit="validation runs"
-        )
-        self.position = arguments.position(position, "position", "-1 for the last")
-        self.blocks = arguments.module_name(blocks, "blocks", "model.blocks")
-        self.branch = arguments.child_path(branch, "branch")
-        self.rtol = arguments.fraction(rtol, "rtol", "None is numpy's rank rule")
-        self.norms = arguments.flag(norms, "norms")
-        self._sink = MetricSink("StructureProbe", keep_history=None)
+        with misconfiguration():
+            self.every_n_validations = arguments.positive_int(
+                every_n_validations, "every_n_validations", allow_none=False, unit="validation runs"
+            )
+            self.position = arguments.position(position, "position", "-1 for the last")
+            self.blocks = arguments.module_name(blocks, "blocks", "model.blocks")
+            self.branch = arguments.child_path(branch, "branch")
+            self.rtol = arguments.fraction(rtol, "rtol", "None is numpy's rank rule")
+            self.norms = arguments.flag(norms, "norms")
+        super().__init__(keep_history=None)
         self.last: ProbeResult | None = None
         self._validations = 0
         self._block_list: list[tuple[str, nn.Module]] = []
@@ -138,11 +138,6 @@ class StructureProbe(Callback):
         self._norm_list: list[NormInfo] = []
         self._measuring = False
         self._capture: SequenceCapture | None = None
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every dict logged in the current fit, with its ``step`` (kept without a logger)."""
-        return self._sink.history
 
     @property
     def state_key(self) -> str:

@@ -1,8 +1,9 @@
-"""Checks of the callbacks' constructor arguments.
+"""Checks of the doors' constructor arguments (the callbacks, the loop and Trainer doors).
 
-Each check returns the value in its canonical form or raises
-``MisconfigurationException`` with a message that names the argument and says what to
-pass instead, so nonsense fails at construction, never at step 1000.
+Each check returns the value in its canonical form or raises :class:`ArgumentError` (a
+``ValueError``; the Lightning callbacks raise it as ``ArgumentError``) with a
+message that names the argument and says what to pass instead, so nonsense fails at
+construction, never at step 1000.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import numbers
 import operator
 from collections.abc import Callable, Iterable, Mapping
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+__all__ = [
+    "ArgumentError", "child_path", "choices", "flag", "fraction", "function", "module_name",
+    "optional_flag", "patterns", "position", "positive_int", "scales",
+]
+
+
+class ArgumentError(ValueError):
+    """A constructor argument of the wrong type or range; the message says what to pass."""
 
 
 def _integer(value) -> int | None:
@@ -31,14 +39,14 @@ def positive_int(value, name: str, *, allow_none: bool = True, unit: str = "opti
     number = _integer(value)
     if number is None or number < 1:
         hint = " or None" if allow_none else ""
-        raise MisconfigurationException(f"{name} must be a positive integer ({unit}){hint}, got {value!r}")
+        raise ArgumentError(f"{name} must be a positive integer ({unit}){hint}, got {value!r}")
     return number
 
 
 def position(value, name: str, hint: str) -> int:
     number = _integer(value)
     if number is None:
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be an integer sequence position ({hint}), got {value!r}"
         )
     return number
@@ -46,13 +54,13 @@ def position(value, name: str, hint: str) -> int:
 
 def flag(value, name: str) -> bool:
     if not isinstance(value, bool):
-        raise MisconfigurationException(f"{name} must be True or False, got {value!r}")
+        raise ArgumentError(f"{name} must be True or False, got {value!r}")
     return value
 
 
 def optional_flag(value, name: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
-        raise MisconfigurationException(f"{name} must be True, False or None, got {value!r}")
+        raise ArgumentError(f"{name} must be True, False or None, got {value!r}")
     return value
 
 
@@ -70,7 +78,7 @@ def patterns(value, name: str) -> tuple[str, ...] | None:
         return None
     items = _strings(value)
     if not items or not all(isinstance(p, str) and p for p in items):
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be a glob pattern or a list of glob patterns over qualified module "
             f"names (e.g. 'model.blocks.*.ln1'), got {value!r}"
         )
@@ -79,7 +87,7 @@ def patterns(value, name: str) -> tuple[str, ...] | None:
 
 def module_name(value, name: str, example: str) -> str | None:
     if value is not None and not (isinstance(value, str) and value):
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be the qualified name of a module (e.g. {example!r}) or None, got {value!r}"
         )
     return value
@@ -90,7 +98,7 @@ def choices(value, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     items = _strings(value) or (value,)
     bad = [c for c in items if not isinstance(c, str) or c not in allowed]
     if not items or bad or len(set(items)) != len(items):
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be a non-empty list of distinct names from {list(allowed)}, got {value!r}"
         )
     return items
@@ -106,7 +114,7 @@ def scales(value, name: str) -> tuple[float, ...]:
             except (TypeError, ValueError, OverflowError):
                 items = None
     if items is None or any(not (math.isfinite(a) and a > 0) for a in items) or len(set(items)) != len(items):
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be a list of distinct finite numbers > 0, got {value!r}"
         )
     return items
@@ -116,13 +124,13 @@ def fraction(value, name: str, hint: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
-        raise MisconfigurationException(f"{name} must be a float in (0, 1) or None ({hint}), got {value!r}")
+        raise ArgumentError(f"{name} must be a float in (0, 1) or None ({hint}), got {value!r}")
     return float(value)
 
 
 def function(value, name: str, signature: str) -> Callable | None:
     if value is not None and not callable(value):
-        raise MisconfigurationException(f"{name} must be a callable {signature} or None, got {value!r}")
+        raise ArgumentError(f"{name} must be a callable {signature} or None, got {value!r}")
     return value
 
 
@@ -132,7 +140,7 @@ def child_path(value, name: str) -> tuple[str, ...] | Callable | None:
         return value
     items = None if isinstance(value, str) else _strings(value)
     if not items or not all(isinstance(n, str) and n for n in items):
-        raise MisconfigurationException(
+        raise ArgumentError(
             f"{name} must be a sequence of child names such as ('ln1', 'attn'), a callable "
             f"(block, h) -> output, or None; got {value!r}"
         )
