@@ -22,11 +22,13 @@ import numpy as np
 
 __all__ = [
     "Curves", "Trail", "comparison_lines", "invariance_lines", "ladder_grid", "ladder_lines", "ladder_of",
-    "last", "summary_text",
+    "last", "name_prefix", "short_names", "summary_text",
 ]
 
 Curves = Mapping[str, Sequence[tuple[int, float]]]
 P = "lnmonitor"
+NAME_WIDTH = 34  # the text table's norm column
+ELLIPSIS = "..."
 
 
 def last(curves: Curves, tag: str) -> float:
@@ -118,8 +120,29 @@ def _f(value: float, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if abs(value) >= 1 else f"{value:.{digits}f}"
 
 
-def _short(name: str) -> str:
-    return name.removeprefix("model.")
+def name_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix every name shares (``model.model.`` for a Llama held as ``self.model``),
+    never a whole name: a lone name keeps its last part."""
+    parts = [name.split(".") for name in names]
+    if not parts:
+        return ""
+    common = 0
+    while common < min(len(p) for p in parts) - 1 and len({p[common] for p in parts}) == 1:
+        common += 1
+    return "".join(f"{part}." for part in parts[0][:common])
+
+
+def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
+    """``names`` without their shared :func:`name_prefix`, each at most ``width`` characters:
+    a longer one keeps its start and its end, with ``...`` where the middle was cut."""
+    cut = len(name_prefix(names))
+    out = []
+    for name in (name[cut:] for name in names):
+        if len(name) > width:
+            head = (width - len(ELLIPSIS)) // 2
+            name = name[:head] + ELLIPSIS + name[len(name) - (width - len(ELLIPSIS) - head):]
+        out.append(name)
+    return out
 
 
 def summary_text(curves: Curves, title: str = "") -> str:
@@ -139,15 +162,18 @@ def ladder_lines(curves: Curves) -> list[str]:
     base_med = last(curves, f"{P}/share_baseline/median")
     base_max = last(curves, f"{P}/share_baseline/max")
     steps = sorted({s for n in rungs + others for s, _ in curves.get(f"{P}/inv_sigma/{n}", ())})
-    lines = [f"  the ladder at step {steps[-1]} ({len(steps)} measured steps, the first at {steps[0]}):",
-             f"  {'norm':34s} {'1/sigma':>8s} {'rms':>8s} {'eps/var':>9s} {'share med':>9s} "
+    prefix = name_prefix(rungs + others)
+    shared = f"; names without {prefix!r}" if prefix else ""
+    lines = [f"  the ladder at step {steps[-1]} ({len(steps)} measured steps, the first at {steps[0]}"
+             f"{shared}):",
+             f"  {'norm':{NAME_WIDTH}s} {'1/sigma':>8s} {'rms':>8s} {'eps/var':>9s} {'share med':>9s} "
              f"{'share max':>9s}"]
-    for name in rungs + others:
+    for name, short in zip(rungs + others, short_names(rungs + others), strict=True):
         med = last(curves, f"{P}/share_median/{name}")
         row_base = last(curves, f"{P}/share_baseline/median/{name}")
         mark = "" if name in rungs else "  (not a rung)"
         lines.append(
-            f"  {_short(name)[:34]:34s} {_f(last(curves, f'{P}/inv_sigma/{name}')):>8s} "
+            f"  {short:{NAME_WIDTH}s} {_f(last(curves, f'{P}/inv_sigma/{name}')):>8s} "
             f"{_f(last(curves, f'{P}/rms/{name}')):>8s} "
             f"{_f(last(curves, f'{P}/eps_over_var/{name}'), 2):>9s} "
             f"{_f(med):>9s} {_f(last(curves, f'{P}/share_max/{name}')):>9s}{mark}"

@@ -110,3 +110,66 @@ def test_summarize_bad_input_is_one_line_and_exit_code_2(case, logdir, tmp_path,
                 "no event files": "no TensorBoard event file", "corrupt": "fails its crc32 check",
                 "not ours": "no lnmonitor metric"}
     assert expected[case] in captured.err
+
+
+def test_names_lose_their_shared_prefix_and_a_cut_is_marked():
+    from lnmonitor.summary import name_prefix, short_names
+
+    names = ["model.model.layers.0.post_attention_layernorm", "model.model.norm"]
+    assert name_prefix(names) == "model.model."
+    assert short_names(names) == ["layers.0.post_attention_layernorm", "norm"]
+    assert short_names(["model.lnf"]) == ["lnf"]  # a lone name keeps its last part
+    assert short_names(["a.x", "b.x"]) == ["a.x", "b.x"]  # nothing shared, nothing dropped
+    cut = short_names(["m.layers.10.post_feedforward_layernorm", "m.norm"], width=20)[0]
+    assert len(cut) == 20 and "..." in cut
+    head, tail = cut.split("...")
+    assert "layers.10.post_feedforward_layernorm".startswith(head) and tail and (
+        "layers.10.post_feedforward_layernorm".endswith(tail))
+
+
+def test_a_llama_run_reads_by_its_names_in_the_table_and_the_share_plot(tmp_path, capsys, monkeypatch):
+    """A transformers Llama held as ``self.model`` (names like
+    model.model.layers.0.post_attention_layernorm): every name whole in the table, and the
+    share plot sized to its labels, legend and title."""
+    import sys
+    from pathlib import Path
+
+    import lightning as L
+
+    from lnmonitor.experiments import summary_figures
+
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        from transformers_causal_lm import build
+    finally:
+        sys.path.remove(examples)
+    module, train, _ = build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(max_steps=2, logger=TensorBoardLogger(tmp_path, name="llama"), enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                  callbacks=[LayerNormMonitor(every_n_steps=1)]).fit(module, train)
+    figures = []
+    monkeypatch.setattr(summary_figures, "save_png", lambda fig, path: figures.append((fig, path.name)))
+    assert main(["summarize", str(tmp_path / "llama"), "--out", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out
+    norms = sorted({tag.split("/", 2)[2] for tag in read_scalars(tmp_path / "llama" / "version_0")
+                    if tag.startswith("lnmonitor/inv_sigma/")})
+    assert "model.model.layers.0.post_attention_layernorm" in norms and "model.model.norm" in norms
+    assert "names without 'model.model.'" in out
+    rows = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and len(line.split()) > 5}
+    assert {n.removeprefix("model.model.") for n in norms} <= rows
+
+    fig = next(fig for fig, name in figures if name.endswith("_shares.png"))
+    fig.tight_layout()  # as save_png does
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    page, box = fig.bbox, ax.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= box.x1  # beside the axes, not over the markers
+    texts = [ax.title, *ax.get_xticklabels(), ax.get_legend()]
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert page.x0 <= extent.x0 and extent.x1 <= page.x1 and page.y0 <= extent.y0 and extent.y1 <= page.y1
+    assert box.height >= 0.5 * page.height  # the plot is not squeezed by its labels

@@ -75,11 +75,11 @@ def test_summary_orders_rungs_by_their_ladder_position_and_says_what_is_missing(
     }
     assert ladder_of(curves) == (["m.z_first", "m.a_last"], ["m.q"])
     text = summary_text(curves, "run")
-    rows = [line.split()[0] for line in text.splitlines() if line.startswith("  m.")]
-    assert rows == ["m.z_first", "m.a_last", "m.q"]
-    assert "(not a rung)" in next(line for line in text.splitlines() if line.startswith("  m.q"))
+    rows = [line.split()[0] for line in text.splitlines() if line.startswith(("  z_", "  a_", "  q "))]
+    assert rows == ["z_first", "a_last", "q"]  # without the shared "m."
+    assert "(not a rung)" in next(line for line in text.splitlines() if line.startswith("  q "))
     assert "attenuation (1/sigma of the first rung / the last): 6x, 4x at step 0" in text
-    assert "the ladder at step 10 (2 measured steps, the first at 0)" in text
+    assert "the ladder at step 10 (2 measured steps, the first at 0; names without 'm.')" in text
     dloss_row = next(line for line in text.splitlines() if "delta-loss" in line)
     assert dloss_row.split()[-2:] == ["0", "2.5e-07"]  # an exact zero reads 0
     rungs, steps, grid = ladder_grid(curves)

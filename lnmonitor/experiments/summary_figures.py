@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
 from lnmonitor.experiments.files import atomic_write_bytes
-from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.experiments.plotting import new_figure, save_png
 from lnmonitor.pictures import heatmap_picture
-from lnmonitor.summary import Curves, ladder_grid, ladder_of, last
+from lnmonitor.summary import Curves, ladder_grid, ladder_of, last, short_names
 
 __all__ = ["figure_heatmap", "figure_ladders", "figure_shares"]
 
 P = "lnmonitor"
+LABEL_INCHES = 0.05  # height of one character of a tick label at 7 pt, turned 60 degrees
+LEGEND_INCHES = 1.9  # a legend of 7 pt placed beside the axes
+TITLE_CHARS = 13  # characters of a 9 pt title per inch
 
 
 def figure_heatmap(curves: Curves, title: str, path: Path) -> bool:
@@ -31,7 +35,7 @@ def figure_heatmap(curves: Curves, title: str, path: Path) -> bool:
     rungs, steps, grid = ladder_grid(curves)
     if not rungs or len(steps) < 2:
         return False
-    picture = heatmap_picture([short_name(n) for n in rungs], steps, grid, f"{title}: 1/sigma of each rung")
+    picture = heatmap_picture(short_names(rungs), steps, grid, f"{title}: 1/sigma of each rung")
     buf = io.BytesIO()
     Image.fromarray(picture).save(buf, format="png")
     atomic_write_bytes(Path(path), buf.getvalue())
@@ -43,7 +47,11 @@ def figure_shares(curves: Curves, title: str, path: Path) -> bool:
     names = [n for n in rungs + others if math.isfinite(last(curves, f"{P}/share_median/{n}"))]
     if not names:
         return False
-    fig = new_figure(max(5.0, 0.45 * len(names) + 2.0), 4.0)
+    labels = short_names(names)
+    # inches: the rotated tick labels below the axes, the legend beside them
+    below = LABEL_INCHES * max(len(label) for label in labels)
+    width = max(5.0, 0.45 * len(names) + 2.0) + LEGEND_INCHES
+    fig = new_figure(width, 3.2 + below)
     ax = fig.add_subplot()
     x = range(len(names))
     for stat, marker, label in (("share_median", "o", "median"), ("share_p90", "^", "p90"),
@@ -55,11 +63,12 @@ def figure_shares(curves: Curves, title: str, path: Path) -> bool:
             ax.plot(x, per_norm, "k" + style, lw=1, label=f"random direction, {stat}")
         elif math.isfinite(shared := last(curves, f"{P}/share_baseline/{stat}")):
             ax.axhline(shared, color="k", ls=style, lw=1, label=f"random direction, {stat}")
-    ax.set_xticks(list(x), [short_name(n) for n in names], rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(list(x), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=7)
     ax.set_ylabel("dead-plane share |P w| / |w|")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{title}: dead-plane share at the last logged step", fontsize=9)
-    ax.legend(fontsize=7)
+    heading = f"{title}: dead-plane share at the last logged step"
+    ax.set_title(textwrap.fill(heading, int(width * TITLE_CHARS)), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the markers, not on them
     save_png(fig, path)
     return True
 
