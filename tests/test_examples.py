@@ -49,8 +49,24 @@ def test_read_back_prints_the_ladder_and_writes_a_figure(tmp_path):
     assert (tmp_path / "own_module" / "version_0" / "inv_sigma.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_sbatch_script_is_valid_bash_and_shards_the_grid():
-    """No SLURM here: the script is checked for syntax and for the array and shard it uses."""
-    text = (EXAMPLES / "eps_grid.sbatch").read_text()
-    assert "#SBATCH --array=" in text and '--shard "${SLURM_ARRAY_TASK_ID}/${SLURM_ARRAY_TASK_COUNT}"' in text
-    assert subprocess.run(["bash", "-n", str(EXAMPLES / "eps_grid.sbatch")]).returncode == 0
+def test_the_sbatch_script_needs_no_folder_and_writes_a_fresh_one(tmp_path):
+    """No SLURM here: the script runs as one array task would, with a stand-in `lnmonitor`
+    that records its arguments. SLURM opens the log before the script runs (a missing folder
+    fails the job silently), so the log must need no folder; the output must be a folder
+    of this submission, not a committed one."""
+    script = EXAMPLES / "eps_grid.sbatch"
+    text = script.read_text()
+    log = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH --output="))
+    assert Path(log).parent == Path(".")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "lnmonitor").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS"\n')
+    (bin_dir / "lnmonitor").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "ARGS": str(tmp_path / "args"),
+           "SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "8"}
+    env.pop("OUT", None)
+    assert subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=60).returncode == 0
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[args.index("--shard") + 1] == "3/8"
+    out = Path(args[args.index("--out") + 1])
+    assert "4242" in out.name and not (EXAMPLES.parent / out).exists()  # this submission's own folder
