@@ -187,3 +187,21 @@ def test_text_outside_the_vocabulary_exits_2(checkpoint, tmp_path, capsys):
 def test_load_checkpoint_raises_usage_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_the_ladder_figure_names_rungs_as_everything_else_and_every_panel_has_a_y_label(checkpoint,
+                                                                                           monkeypatch):
+    from lnmonitor.experiments import analysis_figures
+    from lnmonitor.experiments.plotting import short_name
+
+    module, step = load_checkpoint(checkpoint)
+    held_out = CharDataModule(load_corpus(), vocab=module.vocab, context=module.config.context).val_batches()
+    a = analyze(module, held_out, batches=1)
+    figures = {}
+    monkeypatch.setattr(analysis_figures, "save_png", lambda fig, path: figures.update({path.name: fig}))
+    analysis_figures.write_figures(a, checkpoint.parent)
+    ladder = figures["analysis_ladder.png"].axes[0]
+    assert [t.get_text() for t in ladder.get_xticklabels()] == [short_name(r.name) for r in a.ladder]
+    for name, fig in figures.items():
+        for ax in fig.axes:
+            assert ax.get_ylabel(), (name, ax.get_title())

@@ -102,3 +102,14 @@ def test_the_readme_gives_pytorchs_cpu_wheel_index_before_the_first_install():
     torch_line = next(line for line in lines if line.startswith("pip install torch"))
     assert shlex.split(torch_line)[-2:] == ["--index-url", "https://download.pytorch.org/whl/cpu"]
     assert lines.index(torch_line) < next(i for i, line in enumerate(lines) if "lnmonitor train-tiny" in line)
+
+
+def test_every_image_under_docs_img_is_shown_or_made_by_the_docs():
+    """No stale picture: each file is referenced by the README or docs/*.md, or written by
+    docs/screenshots.py (which makes them)."""
+    docs = ROOT / "docs"
+    shown = README + "".join(p.read_text() for p in docs.glob("*.md"))
+    made = (docs / "screenshots.py").read_text()
+    unused = [p.name for p in sorted((docs / "img").iterdir())
+              if f"docs/img/{p.name}" not in shown and f'"{p.name}"' not in made]
+    assert not unused

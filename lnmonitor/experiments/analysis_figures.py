@@ -57,6 +57,7 @@ def _fig_shares(a: Analysis, path: Path) -> None:
         if values.size:
             ax.axvline(s.max, color="C3", lw=1, label="observed max")
         ax.set_title(short_name(s.name), fontsize=9)
+        ax.set_ylabel("density", fontsize=7)
         ax.tick_params(labelsize=7)
         if i == 0:
             ax.legend(fontsize=6)
@@ -70,7 +71,9 @@ def _fig_ladder(a: Analysis, path: Path) -> None:
     ax = fig.add_subplot()
     ax.plot(x, [r.rms for r in a.ladder], "o-", label="rms of the stream")
     ax.plot(x, [r.inv_sigma for r in a.ladder], "s-", label="1/sigma of the norm reading it")
-    ax.set_xticks(x, [r.point for r in a.ladder], rotation=35, ha="right", fontsize=7)
+    ax.set_xticks(x, [short_name(r.name) for r in a.ladder], rotation=35, ha="right", fontsize=7)
+    ax.set_xlabel("rung: the norm reading the stream, in forward order")
+    ax.set_ylabel("rms, 1/sigma (log scale)")
     ax.set_yscale("log")
     ax.set_title(f"the 1/sigma ladder: attenuation {a.attenuation:.2f}x, growth {a.growth:.2f}x")
     ax.legend(fontsize=8)
