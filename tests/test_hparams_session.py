@@ -19,9 +19,9 @@ TRAIN_TINY = {
 }
 
 
-def shown_by_tensorboard(experiment_summary) -> list[str]:
-    content = plugin_data_pb2.HParamsPluginData.FromString(
-        experiment_summary.value[0].metadata.plugin_data.content)
+def shown_by_tensorboard(metadata) -> list[str]:
+    """The hyperparameter columns TensorBoard shows for an experiment's summary metadata."""
+    content = plugin_data_pb2.HParamsPluginData.FromString(metadata.plugin_data.content)
     _sort_and_reduce_to_hparams_limit(content.experiment)
     return [info.name for info in content.experiment.hparam_infos][:SHOWN_HPARAMS]
 
@@ -29,17 +29,19 @@ def shown_by_tensorboard(experiment_summary) -> list[str]:
 def test_eps_seed_and_the_monitors_columns_are_the_ones_shown():
     from torch.utils.tensorboard.summary import hparams
 
-    plain = shown_by_tensorboard(hparams(TRAIN_TINY, {"lnmonitor/ladder/attenuation": 0.0})[0])
+    metric = "lnmonitor/ladder/attenuation"
+    plain = shown_by_tensorboard(hparams(TRAIN_TINY, {metric: 0.0})[0].value[0].metadata)
     assert "eps" not in plain and "seed" not in plain  # torch's own session hides them
-    shown = shown_by_tensorboard(session_summaries(TRAIN_TINY, ["lnmonitor/ladder/attenuation"])[0])
+    shown = shown_by_tensorboard(session_summaries(TRAIN_TINY, [metric])[0].value[0].metadata)
     assert sorted(shown) == ["eps", "lnmonitor/eps", "lnmonitor/final_norm", "lnmonitor/norm_kind", "seed"]
 
 
 def test_a_model_of_ones_own_shows_the_monitors_columns_and_then_its_own_by_name():
     params = {"lr": 1e-3, "hidden": 512, "lnmonitor/eps": 1e-6, "lnmonitor/norm_kind": "rms",
               "lnmonitor/final_norm": "auto", "lnmonitor/width": 512}
-    shown = shown_by_tensorboard(session_summaries(params, ["m"])[0])
-    assert shown == ["lnmonitor/eps", "lnmonitor/final_norm", "lnmonitor/norm_kind", "hidden", "lnmonitor/width"]
+    shown = shown_by_tensorboard(session_summaries(params, ["m"])[0].value[0].metadata)
+    assert shown == ["lnmonitor/eps", "lnmonitor/final_norm", "lnmonitor/norm_kind",  # marked, by name
+                     "hidden", "lnmonitor/width"]  # then the rest by name
 
 
 def test_the_session_keeps_its_values_and_metric_order():
@@ -49,3 +51,30 @@ def test_the_session_keeps_its_values_and_metric_order():
     assert [m.name.tag for m in data[0].experiment.metric_infos] == ["b", "a"]
     assert data[1].session_start_info.hparams["seed"].number_value == 0
     assert data[1].session_start_info.hparams["norm"].string_value == "layer"
+
+
+def test_an_eps_compare_run_shows_the_grids_knobs(tmp_path):
+    from conftest import events
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lnmonitor.experiments.eps_compare import write_hparams_session
+    from lnmonitor.tiny.recipe import Recipe
+
+    logger = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)
+    write_hparams_session(logger, Recipe(eps=0.1, seed=3), monitor=True)
+    shown = shown_by_tensorboard(events(logger.log_dir).SummaryMetadata("_hparams_/experiment"))
+    assert sorted(shown) == ["decay", "eps", "init", "norm", "seed"]
+
+
+def test_a_monitored_fit_shows_eps_and_seed(tmp_path):
+    from conftest import char_data, events, trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lnmonitor import LayerNormMonitor
+
+    data, module = char_data(2)
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer(2, [LayerNormMonitor()], logger=logger).fit(module, datamodule=data)
+    shown = shown_by_tensorboard(events(logger.log_dir).SummaryMetadata("_hparams_/experiment"))
+    assert {"eps", "seed", "lnmonitor/eps"} <= set(shown)
+
