@@ -97,3 +97,38 @@ def test_bad_input_is_one_line_exit_2_and_leaves_out_untouched(tmp_path, args, m
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+
+def test_progress_lines_come_every_n_steps_and_at_the_last_with_the_validation_they_show(capsys):
+    from conftest import char_data, trainer
+
+    from lnmonitor.tiny.progress import ProgressLines
+
+    data, module = char_data(5)
+    trainer(5, [ProgressLines(every_n_steps=2)], validate_every=2).fit(module, datamodule=data)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    assert "train/loss" in lines[0] and "left" in lines[0]
+    assert "val/loss" in lines[-1] and "(at step 4)" in lines[-1]
+
+
+def test_a_fit_whose_output_is_not_a_terminal_prints_lines_not_a_bar(tmp_path, capsys):
+    recipe = Recipe(width=32, heads=2, depth=1, context=16, max_steps=3, val_every=2)
+    fit(recipe, load_corpus(), tmp_path, progress=True)
+    out = capsys.readouterr().out
+    assert "step 3/3: train/loss" in out
+    assert "Epoch" not in out  # no bar written into a file
+
+
+def test_the_end_of_fit_message_says_which_validation_is_which_and_where_the_charts_are(tmp_path, capsys):
+    from lnmonitor.commands.train_tiny import CUSTOM_SCALARS
+
+    small = ["--width", "32", "--heads", "2", "--depth", "1", "--context", "16", "--no-monitor"]
+    assert main(["train-tiny", "--max-steps", "5", "--val-every", "4", *small, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    final = next(line for line in out.splitlines() if line.startswith("final validation loss"))
+    assert "at step 5" in final and "the val/loss shown during training is the validation at step 4" in final
+    assert f"tensorboard --logdir {tmp_path}, then {CUSTOM_SCALARS}" in out
+    assert main(["train-tiny", "--max-steps", "4", "--val-every", "4", *small, "--out", str(tmp_path)]) == 0
+    assert "shown during training" not in capsys.readouterr().out  # one validation, one figure

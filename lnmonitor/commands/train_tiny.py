@@ -9,6 +9,9 @@ from pathlib import Path
 from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
 from lnmonitor.tiny.recipe import DECAYS, INITS, Recipe
 
+# the dashboard with lnmonitor's charts, at TensorBoard's default port
+CUSTOM_SCALARS = "http://localhost:6006/#custom_scalars"
+
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that trains the recipe (defaults: the study's recipe)."""
@@ -92,11 +95,15 @@ def run(args: argparse.Namespace) -> int:
     callbacks = [] if args.no_monitor else monitor_callbacks()
     result = fit(recipe, text, Path(logger.log_dir), logger=logger, callbacks=callbacks)
     vocab = len(set(text))
+    periodic = result.steps - result.steps % recipe.val_every
+    earlier = (f"; the val/loss shown during training is the validation at step {periodic}"
+               if periodic != result.steps else "")
     print(
-        f"\nfinal validation loss: {result.val_loss:.4f} nats/char after {result.steps} steps "
-        f"(uniform guess ln {vocab} = {math.log(vocab):.3f})\n"
+        f"\nfinal validation loss: {result.val_loss:.4f} nats/char at step {result.steps} "
+        f"(uniform guess ln {vocab} = {math.log(vocab):.3f}{earlier})\n"
         f"TensorBoard logs: {result.log_dir}\n"
         f"checkpoint:       {result.checkpoint}\n"
-        f"open with:        tensorboard --logdir {args.out}"
+        f"open with:        tensorboard --logdir {args.out}, then {CUSTOM_SCALARS} for the lnmonitor "
+        "charts (TensorBoard itself opens on Time Series)"
     )
     return 0

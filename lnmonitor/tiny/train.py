@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor.tiny.data import CharDataModule
 from lnmonitor.tiny.module import TinyGPTModule
+from lnmonitor.tiny.progress import ProgressLines
 from lnmonitor.tiny.recipe import Recipe
 
 
@@ -44,7 +46,9 @@ def fit(
 
     With ``resume``, a ``last.ckpt`` already there is continued from, so an
     interrupted fit loses at most ``val_every`` steps. Returns the final
-    validation loss (nats per character) on the fixed held-out windows.
+    validation loss (nats per character) on the fixed held-out windows. With
+    ``progress``, a tqdm bar on a terminal (Lightning's rich bar reads "Epoch 0/-2" in a
+    fit bounded by steps), and :class:`ProgressLines` on anything else.
     """
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     data = CharDataModule(
@@ -57,11 +61,13 @@ def fit(
         dirpath=ckpt_dir, every_n_train_steps=recipe.val_every, save_top_k=0,
         save_last=True, enable_version_counter=False,
     )
+    bar = progress and sys.stdout.isatty()
+    shown = [TQDMProgressBar()] if bar else [ProgressLines()] if progress else []
     trainer_kwargs = dict(
         max_steps=recipe.max_steps, gradient_clip_val=recipe.grad_clip or None,
         val_check_interval=recipe.val_every, check_val_every_n_epoch=None,
         logger=logger if logger is not None else False,
-        callbacks=[checkpoint, *(callbacks or [])], enable_progress_bar=progress,
+        callbacks=[checkpoint, *shown, *(callbacks or [])], enable_progress_bar=bar,
         enable_model_summary=False, log_every_n_steps=min(50, recipe.val_every),
         num_sanity_val_steps=0, deterministic=False,
     )

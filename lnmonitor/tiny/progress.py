@@ -1,0 +1,49 @@
+"""Progress of a train-tiny or eps-compare fit where the output is not a terminal (a log
+file, a pipe, a SLURM job), which a progress bar never reaches: a plain line every
+:data:`EVERY_N_STEPS` optimizer steps."""
+
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch.callbacks import Callback
+
+__all__ = ["EVERY_N_STEPS", "ProgressLines"]
+
+EVERY_N_STEPS = 100
+
+
+class ProgressLines(Callback):
+    """One line every ``every_n_steps`` optimizer steps and at the last: the step, the last
+    training loss, the last validation loss and its step, the time taken and the time left
+    at the pace so far."""
+
+    def __init__(self, every_n_steps: int = EVERY_N_STEPS) -> None:
+        self.every_n_steps = every_n_steps
+        self._start, self._first, self._printed, self._validated = 0.0, 0, 0, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start, self._first = time.perf_counter(), trainer.global_step
+        self._printed = self._first
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._validated = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, total = trainer.global_step, trainer.max_steps  # the recipe always bounds the steps
+        if step == self._printed or (step % self.every_n_steps and step != total):
+            return  # not due, or a micro-batch of a step already said
+        self._printed = step
+        metrics = trainer.callback_metrics
+        said = [f"train/loss {float(metrics['train/loss']):.4f}"] if "train/loss" in metrics else []
+        if "val/loss" in metrics:
+            said.append(f"val/loss {float(metrics['val/loss']):.4f} (at step {self._validated})")
+        taken = time.perf_counter() - self._start
+        left = taken / (step - self._first) * (total - step)
+        timing = f"{_duration(taken)} taken, about {_duration(left)} left"
+        print(f"step {step}/{total}: {', '.join(said)}; {timing}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
