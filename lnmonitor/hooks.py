@@ -8,6 +8,8 @@
 * :func:`eval_mode`: a module in eval mode for a while, every train flag restored after.
 * :func:`eager` and :func:`compiled`: ``torch.compile``-d code ignores hooks registered
   after it compiled, so lnmonitor runs such code eagerly while it measures.
+* :func:`sharded`: whether a module's forward is a collective (FSDP), which every rank
+  must join.
 * :func:`float64_twin`: a module evaluated in float64 from a float64 copy of its
   parameters and buffers, without copying or changing the module itself.
 """
@@ -21,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring", "unmeasured",
+    "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring", "sharded",
+    "unmeasured",
 ]
 
 
@@ -107,6 +110,17 @@ def compiled(module: nn.Module) -> bool:
         if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
             return True
     return False
+
+
+def sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters sharded across ranks (FSDP2's ``fully_shard``,
+    FSDP1), so that its forward is a collective every rank must join."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    return any(isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"
+               for m in module.modules())
 
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:

@@ -10,17 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
 from typing_extensions import override
 
 from lnmonitor import arguments
 from lnmonitor.callbacks.base import MonitorCallback, misconfiguration
 from lnmonitor.callbacks.probe_loss import NoLoss, probe_loss
 from lnmonitor.discovery import choose_norms, measured_eps_message
+from lnmonitor.hooks import sharded
 from lnmonitor.invariance import (
     CASES,
     PROBE_WINDOWS,
@@ -31,6 +29,7 @@ from lnmonitor.invariance import (
 )
 from lnmonitor.metric_names import INVARIANCE, INVARIANCE_LAYOUT, finite_metrics
 from lnmonitor.norms import NormInfo
+from lnmonitor.probe_rows import first_samples, map_tensors, probe_batch
 from lnmonitor.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
@@ -211,7 +210,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
         if said:
             self._say(said)
-        self._sharded = _sharded(pl_module)
+        self._sharded = sharded(pl_module)
         self._enabled = self.disabled_reason is None
 
     @override
@@ -314,7 +313,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             return self._probe
         batch = self.probe_batch
         if batch is None:
-            batch = _first_samples(trainer.val_dataloaders, self.probe_size)
+            batch = first_samples(trainer.val_dataloaders, self.probe_size)
         if batch is None:
             batch = self._first_train_batch
             if batch is None:
@@ -324,12 +323,9 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                 "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
                 "so it probes the first training batch; pass probe_batch=... to choose.",
             )
-        if self.probe_size is not None:
-            size = self.probe_size
-            batch = apply_to_collection(batch, Tensor, lambda t: t[:size] if t.ndim > 0 else t)
-        batch = apply_to_collection(batch, Tensor, lambda t: t.detach().clone())
+        batch = probe_batch(batch, self.probe_size)
         if self._sharded:  # every rank probes the same rows: rank zero's
-            batch = trainer.strategy.broadcast(apply_to_collection(batch, Tensor, lambda t: t.cpu()), src=0)
+            batch = trainer.strategy.broadcast(map_tensors(batch, lambda t: t.cpu()), src=0)
         self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
         return self._probe
 
@@ -344,59 +340,3 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         super().load_state_dict(state_dict)
         if self.final_norm is None and state_dict.get("final_norm"):
             self._final_name = state_dict["final_norm"]
-
-
-def _sharded(module) -> bool:
-    """Whether ``module`` holds parameters sharded across ranks (FSDP2's ``fully_shard``,
-    FSDP1), so that its forward is a collective every rank must join."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()
-    return any(isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"
-               for m in module.modules())
-
-
-def _first_samples(loaders, size: int | None):
-    """The first ``size`` samples of the first loader in ``trainer.val_dataloaders`` (a
-    loader, or a list or dict of them), gathered from as many batches as it takes (batches
-    that are tensors or tuples, lists or mappings of them; otherwise the first batch); None
-    when there is none or it cannot be read."""
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[0] if loaders else None
-    elif isinstance(loaders, dict):
-        loaders = next(iter(loaders.values()), None)
-    if loaders is None:
-        return None
-    batches, seen = [], 0
-    try:
-        for batch in loaders:
-            batches.append(batch)
-            samples = _samples(batch)
-            seen += samples or 0
-            if size is None or samples is None or seen >= size:
-                break
-    except Exception:  # noqa: BLE001 - an empty or unreadable loader: fall back
-        pass
-    if len(batches) <= 1:
-        return batches[0] if batches else None
-    return _concat(batches)
-
-
-def _samples(batch) -> int | None:
-    """Samples in a batch whose tensors share their first dimension, else None."""
-    sizes = set()
-    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0] if t.ndim else None))
-    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
-
-
-def _concat(batches: list):
-    first = batches[0]
-    if isinstance(first, Tensor):
-        return torch.cat(batches)
-    if isinstance(first, dict):
-        return type(first)({k: _concat([b[k] for b in batches]) for k in first})
-    if isinstance(first, (tuple, list)):
-        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
-        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
-    return first

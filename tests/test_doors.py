@@ -1,0 +1,202 @@
+"""One meter, three doors: Lightning, transformers.Trainer and a plain loop log the same numbers.
+
+One tiny transformers GPT-2 (random weights, no dropout), the same starting weights, the
+same batch at every step (the whole 8-sequence data set: a step's medians do not depend
+on the order of its rows), plain SGD without clipping, the same loss (the Trainer's
+per-token normalisation made equal to the model's, see ``labels``): the three doors must
+log the same metric names and values within one histogram bin at every measured step.  The meter's
+modules import without Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+from lnmonitor import LayerNormMonitor  # noqa: E402
+from lnmonitor.integrations.loop import LoopMonitor  # noqa: E402
+from lnmonitor.integrations.transformers import LNMonitorCallback  # noqa: E402
+from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
+
+STEPS, EVERY, LR, ROWS, CONTEXT = 4, 2, 0.05, 8, 16
+MEASURED = [0, 2, 3]  # every second step and the last
+
+
+def gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=64, n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (ROWS, CONTEXT), generator=torch.Generator().manual_seed(1))
+
+
+def labels(x: torch.Tensor) -> torch.Tensor:
+    """The tokens as labels, the first of each row ignored: the Trainer divides the summed loss
+    by the labels that are not -100 before the model's shift, so with the first ignored its
+    loss is the mean over the 15 predicted tokens, as the model's own (see test docstring)."""
+    y = x.clone()
+    y[:, 0] = -100
+    return y
+
+
+class Wrapped(L.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.model(input_ids=x, labels=labels(x)).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def lightning_door(state) -> dict[int, dict]:
+    model = gpt2()
+    model.load_state_dict(state)
+    monitor = LayerNormMonitor(every_n_steps=EVERY, images=False, summary=False, keep_history=True)
+    trainer = L.Trainer(max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[monitor], accelerator="cpu")
+    trainer.fit(Wrapped(model), DataLoader(TensorDataset(tokens()), batch_size=ROWS))
+    return {h["step"]: {k.replace("/model.", "/", 1): v for k, v in h.items()} for h in monitor.history}
+
+
+def transformers_door(state, tmp_path) -> tuple[dict[int, dict], LNMonitorCallback]:
+    model = gpt2()
+    model.load_state_dict(state)
+    data = [{"input_ids": x, "labels": y} for x, y in zip(tokens(), labels(tokens()), strict=True)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=ROWS, max_steps=STEPS, learning_rate=LR,
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, use_cpu=True,
+        save_strategy="no", report_to=["tensorboard"], logging_steps=EVERY,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    callback = LNMonitorCallback(trainer, keep_history=True, invariance_every_n_steps=STEPS, probe_size=4)
+    trainer.add_callback(callback)
+    trainer.train()
+    # the Trainer's steps count updates done: the measured step s is reported at s + 1
+    ladder = {h["step"] - 1: h for h in callback.history if "lnmonitor/ladder/attenuation" in h}
+    return ladder, callback
+
+
+def loop_door(state, tmp_path) -> dict[int, dict]:
+    model = gpt2()
+    model.load_state_dict(state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    x = tokens()
+    with SummaryWriter(str(tmp_path / "loop")) as writer:
+        monitor = LoopMonitor(model, writer, every_n_steps=EVERY, max_steps=STEPS, keep_history=True)
+        for step in range(STEPS):
+            with monitor.step(step):
+                model(input_ids=x, labels=labels(x)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {h["step"]: h for h in monitor.history}
+
+
+def _tolerance(tag: str) -> dict:
+    """One histogram bin of the statistic a tag reads (summaries' resolutions)."""
+    statistic = tag.split("/")[1]
+    if statistic.startswith("share") and "baseline" not in tag:
+        return {"abs": SHARE_RESOLUTION}
+    if statistic.startswith("log10"):
+        return {"abs": math.log10(1 + VAR_RESOLUTION)}
+    if statistic in ("eps_over_var", "transmission"):
+        return {"rel": VAR_RESOLUTION}
+    if statistic == "ladder":  # a ratio of two statistics, one bin each
+        return {"rel": 2 * SIGMA_RESOLUTION}
+    return {"rel": SIGMA_RESOLUTION, "abs": 0.0}
+
+
+def _events(folder) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for run in [p for p in folder.rglob("events.out.tfevents.*")]:
+        acc = EventAccumulator(str(run.parent))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return tags
+
+
+def test_the_three_doors_log_the_same_numbers(tmp_path):
+    state = {k: v.clone() for k, v in gpt2().state_dict().items()}
+    lit = lightning_door(state)
+    hf, callback = transformers_door(state, tmp_path)
+    loop = loop_door(state, tmp_path)
+    assert sorted(lit) == sorted(hf) == sorted(loop) == MEASURED
+    for step in MEASURED:
+        a, b, c = (dict(d[step]) for d in (lit, hf, loop))
+        for d in (a, b, c):
+            d.pop("step")
+        assert set(a) == set(b) == set(c), (set(a) ^ set(b)) | (set(a) ^ set(c))
+        assert "lnmonitor/ladder/attenuation" in a and "lnmonitor/sigma/transformer.ln_f" in a
+        for tag, value in a.items():
+            tol = _tolerance(tag)
+            assert b[tag] == pytest.approx(value, **tol), (step, tag)
+            assert c[tag] == pytest.approx(value, **tol), (step, tag)
+    # the Trainer door's invariance probe ran at the end, with the model's labels loss
+    inv = [h for h in callback.history if "lnmonitor/invariance/scale_3/dloss" in h]
+    assert callback.invariance_off is None and [h["step"] for h in inv] == [STEPS]
+    shift, axis = inv[0]["lnmonitor/invariance/shift_5/dloss"], inv[0]["lnmonitor/invariance/axis_5/dloss"]
+    assert abs(shift) < 1e-5 < abs(axis)
+    # and the numbers reached TensorBoard through each door's writer, read back
+    assert "train/lnmonitor/ladder/attenuation" in _events(tmp_path / "hf")
+    assert {"lnmonitor/ladder/attenuation", "lnmonitor/sigma/transformer.ln_f"} <= _events(tmp_path / "loop")
+
+
+def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
+    script = textwrap.dedent("""
+        import sys
+        for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            sys.modules[name] = None  # any import of Lightning now fails
+        import torch
+        from lnmonitor.meter import LadderMeter
+        from lnmonitor.integrations.loop import LoopMonitor
+        import lnmonitor.invariance, lnmonitor.ladder, lnmonitor.heldout, lnmonitor.writers
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                    torch.nn.LayerNorm(8))
+        meter = LadderMeter(model)
+        with meter.step():
+            model(torch.randn(5, 8)).square().sum().backward()
+        result = meter.result()
+        assert result.summaries[0].rows == 5 and "lnmonitor/sigma/1" in result.metrics()
+        print("ok", sorted(n for n in sys.modules if n.startswith("lightning")))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout
+
+
+def test_the_loop_door_refuses_nonsense_and_survives_a_failing_writer():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
+        LoopMonitor(model, every_n_steps=0)
+    with pytest.raises(TypeError, match="writer must be a SummaryWriter, a callable"):
+        LoopMonitor(model, writer="runs/x")
+
+    def broken(metrics, step):
+        raise OSError("disk full")
+
+    monitor = LoopMonitor(model, broken, every_n_steps=1, keep_history=True)
+    with pytest.warns(UserWarning, match="the writer failed.*disk full"):
+        for step in range(2):
+            with monitor.step(step):
+                model(torch.randn(4, 8)).square().sum().backward()
+    assert [h["step"] for h in monitor.history] == [0, 1]  # measuring went on
