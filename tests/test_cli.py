@@ -10,7 +10,8 @@ HEAVY = ("torch", "lightning", "scipy")
 
 
 @pytest.mark.parametrize("args, code", [
-    (["--help"], 0), (["train-tiny", "--help"], 0), (["eps-compare", "--help"], 0), (["analyze", "--help"], 0),
+    (["--help"], 0), (["train-tiny", "--help"], 0), (["eps-compare", "--help"], 0),
+    (["analyze", "--help"], 0),
     (["report", "/nonexistent"], 2),
     (["train-tiny", "--data", "missing.txt"], 2), (["train-tiny", "--eps", "0"], 2),
     (["eps-compare", "--data", "missing.txt"], 2),
