@@ -263,7 +263,7 @@ class LadderMeter:
         final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
         said = (f"{self.owner}: the ladder has {len(rungs)} rungs, the norms that read the residual "
                 f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "
-                f"final norm {final or 'none'}")
+                f"final norm {repr(final) if final else 'none'}")
         if others:
             groups = sorted({roles[n.name] for n in others})
             said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "

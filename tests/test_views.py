@@ -129,7 +129,7 @@ def test_pictures_reach_every_logger_that_takes_them_and_the_summary_matches_the
         assert math.isclose(float(row.split()[1]), last[f"lnmonitor/inv_sigma/{name}"], rel_tol=5e-3)
     # the invariance monitor probes the point after the last update at the end of the fit
     assert [h["step"] for h in inv.history] == [0, 5]
-    inv_text = next(m for m in said if m.startswith("lnmonitor summary: final norm model.lnf"))
+    inv_text = next(m for m in said if m.startswith("lnmonitor summary: final norm 'model.lnf'"))
     assert re.search(r"final-norm invariance at step 5 ", inv_text)
 
 

@@ -220,7 +220,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.summary and self.last_result is not None and trainer.is_global_zero:
             step = self._sink.last_step
             point = {tag: [(step, v)] for tag, v in finite_metrics(self.last_result.metrics()).items()}
-            head = f"lnmonitor summary: final norm {self._final_name}"
+            head = f"lnmonitor summary: final norm {self._final_name!r}"
             self._say("\n".join([head, *invariance_lines(point)]))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
             when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
