@@ -60,7 +60,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lnmonitor.callbacks import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit

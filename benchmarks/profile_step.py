@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.profiler import ProfilerActivity, profile
 
-from lnmonitor.callbacks import LayerNormMonitor
+from lnmonitor.lightning import LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit

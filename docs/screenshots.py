@@ -35,7 +35,7 @@ def main() -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     for eps in ("1e-5", "1e-1"):
         subprocess.run(
-            [sys.executable, "-m", "lnmonitor.cli", "train-tiny", "--max-steps", str(args.steps),
+            [sys.executable, "-m", "lnmonitor.commands.cli", "train-tiny", "--max-steps", str(args.steps),
              "--val-every", str(args.steps // 4), "--eps", eps, "--out", str(args.work / f"eps={eps}")],
             check=True, cwd=ROOT,
         )
@@ -49,7 +49,7 @@ def main() -> int:
         driver.save_screenshot(str(IMG / "tensorboard_hparams.png"))
     _save_ladder_picture(args.work / "eps=1e-5")
 
-    from lnmonitor.cli import main as cli
+    from lnmonitor.commands.cli import main as cli
 
     out = args.work / "summary"
     printed = io.StringIO()

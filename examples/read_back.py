@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lnmonitor.experiments.events import read_csv_scalars, read_scalars
 from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.views.events import read_csv_scalars, read_scalars
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ from lnmonitor.integrations.transformers import LNMonitorCallback
 LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=4, n_head=4, n_positions=128),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=4, n_head=4,
+                                            n_positions=128),
     "llama": lambda: transformers.LlamaConfig(**LLAMA_LIKE),
 }
 

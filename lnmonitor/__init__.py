@@ -19,10 +19,10 @@ def _lazy_attributes(package: str, table: dict[str, str]):
     return __getattr__
 
 
-# Lazy, so that `import lnmonitor.geometry` (layer 1) does not import Lightning.
+# Lazy, so that `import lnmonitor.core.geometry` (layer 1) does not import Lightning.
 __getattr__ = _lazy_attributes(__name__, {
-    "LayerNormMonitor": "lnmonitor.callbacks",
-    "FinalNormInvarianceMonitor": "lnmonitor.callbacks",
-    "StructureProbe": "lnmonitor.callbacks",
-    "register_norm": "lnmonitor.norms",
+    "LayerNormMonitor": "lnmonitor.lightning",
+    "FinalNormInvarianceMonitor": "lnmonitor.lightning",
+    "StructureProbe": "lnmonitor.lightning",
+    "register_norm": "lnmonitor.core.norms",
 })

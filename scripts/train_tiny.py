@@ -2,7 +2,7 @@
 
 import sys
 
-from lnmonitor.cli import main
+from lnmonitor.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train-tiny", *sys.argv[1:]]))

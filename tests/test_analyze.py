@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lnmonitor.cli import main
+from lnmonitor.commands.cli import main
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import analyze
 from lnmonitor.experiments.analysis_report import summary_rows, to_markdown
@@ -156,7 +156,7 @@ def test_bad_checkpoints_exit_2_with_one_line(checkpoint, tmp_path, capsys):
 def test_corrupted_checkpoint_from_the_shell_is_one_line_not_a_traceback(checkpoint, tmp_path):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(checkpoint.read_bytes()[:5000])
-    proc = subprocess.run([sys.executable, "-m", "lnmonitor.cli", "analyze", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "lnmonitor.commands.cli", "analyze", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

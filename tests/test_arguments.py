@@ -1,4 +1,4 @@
-"""lnmonitor.arguments: every public constructor argument of the three callbacks, fuzzed
+"""lnmonitor.core.arguments: every public constructor argument of the three callbacks, fuzzed
 with nonsense, is refused at construction with a MisconfigurationException that names it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.invariance import CASES
+from lnmonitor.core.invariance import CASES
 
 
 def _int(v, low=None):

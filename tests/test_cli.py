@@ -22,7 +22,7 @@ def test_help_and_one_line_errors_import_neither_torch_lightning_nor_scipy(args,
     (tmp_path / "notes.md").write_text("# notes\n\nnot a checkpoint\n")
     program = (
         "import sys\n"
-        "from lnmonitor.cli import main\n"
+        "from lnmonitor.commands.cli import main\n"
         f"try:\n    code = main({args!r})\nexcept SystemExit as done:\n    code = done.code\n"
         f"print(code, sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )

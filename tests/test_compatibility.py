@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.invariance import CASES
-from lnmonitor.reductions import ROUNDING_ROW
-from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION
+from lnmonitor.core.invariance import CASES
+from lnmonitor.core.reductions import ROUNDING_ROW
+from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from conftest import (
     free_port,
 )
 
-from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 
 SCRIPT = Path(__file__).with_name("distributed_monitor_script.py")
 

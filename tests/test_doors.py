@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from lnmonitor import LayerNormMonitor  # noqa: E402
+from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
 from lnmonitor.integrations.loop import LoopMonitor  # noqa: E402
 from lnmonitor.integrations.transformers import LNMonitorCallback  # noqa: E402
-from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
 
 STEPS, EVERY, LR, ROWS, CONTEXT = 4, 2, 0.05, 8, 16
 MEASURED = [0, 2, 3]  # every second step and the last
@@ -167,9 +167,9 @@ def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
         for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
             sys.modules[name] = None  # any import of Lightning now fails
         import torch
-        from lnmonitor.meter import LadderMeter
+        from lnmonitor.core.meter import LadderMeter
         from lnmonitor.integrations.loop import LoopMonitor
-        import lnmonitor.invariance, lnmonitor.ladder, lnmonitor.heldout, lnmonitor.writers
+        import lnmonitor.core.invariance, lnmonitor.core.heldout, lnmonitor.core.writers
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
                                     torch.nn.LayerNorm(8))
         meter = LadderMeter(model)

@@ -11,20 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from lnmonitor.cli import main
+from lnmonitor.commands.cli import main
+from lnmonitor.commands.eps_compare import parse_shard
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments import files, report, store
-from lnmonitor.experiments.eps_compare import (
-    Experiment,
-    experiment_config,
-    parse_eps,
-    parse_seeds,
-    parse_shard,
-    run_experiment,
-)
-from lnmonitor.experiments.events import read_scalars
+from lnmonitor.experiments.eps_compare import run_experiment
+from lnmonitor.experiments.grid import Experiment, experiment_config, parse_eps, parse_seeds
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
+from lnmonitor.views.events import read_scalars
 
 TINY = ["--width", "32", "--heads", "2", "--depth", "1", "--context", "16"]
 TINY_RECIPE = dict(width=32, heads=2, depth=1, context=16)
@@ -154,7 +149,8 @@ KILLER = textwrap.dedent(
     """
     import os, signal, sys
     from lightning.pytorch.callbacks import Callback
-    from lnmonitor.experiments.eps_compare import Experiment, run_experiment
+    from lnmonitor.experiments.eps_compare import run_experiment
+    from lnmonitor.experiments.grid import Experiment
     from lnmonitor.tiny.corpus import load_corpus
     from lnmonitor.tiny.recipe import Recipe
 

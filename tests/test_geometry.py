@@ -1,4 +1,4 @@
-"""Tests for lnmonitor.geometry: closed forms pinned against autograd, float64 references
+"""Tests for lnmonitor.core.geometry: closed forms pinned against autograd, float64 references
 built independently (numpy/QR/SVD), and the random baseline against seeded Monte Carlo."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, special
 
-from lnmonitor import geometry as G
+from lnmonitor.core import geometry as G
 
 KINDS = ("layer", "rms")
 EPSS = (0.0, 1e-5, 1e-1)

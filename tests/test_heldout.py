@@ -1,4 +1,5 @@
-"""lnmonitor.heldout: float64 shares against a direct autograd computation, and the ladder's stream points."""
+"""lnmonitor.core.heldout: float64 shares against a direct autograd computation, and the ladder's
+stream points."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from conftest import (
     PROBE_WIDTH,
 )
 
-from lnmonitor import geometry
-from lnmonitor.heldout import measure_norm_rows, share_table, sigma_ladder
-from lnmonitor.norms import find_norms
+from lnmonitor.core import geometry
+from lnmonitor.core.heldout import measure_norm_rows, share_table, sigma_ladder
+from lnmonitor.core.norms import find_norms
 
 
 def test_shares_match_a_direct_autograd_computation_and_grads_stay_untouched(trained):

@@ -1,4 +1,4 @@
-"""lnmonitor.hooks: one door for temporary hooks, eval mode restored, a float64 twin that leaves
+"""lnmonitor.core.hooks: one door for temporary hooks, eval mode restored, a float64 twin that leaves
 the module as it was."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from conftest import gpt
 from torch import nn
 
-from lnmonitor.hooks import Hooks, eval_mode, float64_twin, measuring, unmeasured
+from lnmonitor.core.hooks import Hooks, eval_mode, float64_twin, measuring, unmeasured
 
 
 def test_hooks_are_removed_when_the_block_raises():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.hparams.backend_context import _sort_and_reduce_to_hparams_limit
 
-from lnmonitor.hparams_session import SHOWN_HPARAMS, session_summaries
+from lnmonitor.views.hparams_session import SHOWN_HPARAMS, session_summaries
 
 # the hyperparameters of a train-tiny run's session: the module's, the datamodule's, the monitors'
 TRAIN_TINY = {
@@ -57,7 +57,7 @@ def test_an_eps_compare_run_shows_the_grids_knobs(tmp_path):
     from conftest import events
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lnmonitor.experiments.eps_compare import write_hparams_session
+    from lnmonitor.experiments.run import write_hparams_session
     from lnmonitor.tiny.recipe import Recipe
 
     logger = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)

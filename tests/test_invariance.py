@@ -1,4 +1,4 @@
-"""lnmonitor.invariance: the final-norm cases behave as the maths of docs/design.md says."""
+"""lnmonitor.core.invariance: the final-norm cases behave as the maths of docs/design.md says."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor.invariance import (
+from lnmonitor.core.invariance import (
     CASES,
     SWEEP_SCALES,
     default_loss,
@@ -22,8 +22,8 @@ from lnmonitor.invariance import (
     find_final_norm,
     split_output,
 )
-from lnmonitor.norms import find_norms
-from lnmonitor.taps import NormTap
+from lnmonitor.core.norms import find_norms
+from lnmonitor.core.taps import NormTap
 
 
 def tiny(norm="layer", eps=1e-5, seed=0):
@@ -134,7 +134,7 @@ def test_a_norm_declared_as_what_it_does_not_compute_is_refused_not_measured():
     """NotCentred declares itself a LayerNorm but does not centre: its declaration does not
     reproduce its output, so it is refused with the mismatch; declared as the RMSNorm it is,
     its shift case moves the loss (shifts are not an RMSNorm invariance)."""
-    from lnmonitor.norms import discover_norms
+    from lnmonitor.core.norms import discover_norms
 
     model = tiny()
     model.lnf = NotCentred(32)
@@ -203,7 +203,7 @@ def test_split_output_forms():
 def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch):
     """If entering one part of ``restored`` raises, the parts entered before it are undone at
     once, even while a handler keeps the traceback alive: the taps listen again."""
-    import lnmonitor.invariance as invariance
+    import lnmonitor.core.invariance as invariance
 
     model = tiny()
     model.train()
@@ -221,13 +221,13 @@ def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch
 
 
 def _points(*pairs):
-    from lnmonitor.invariance import SweepPoint
+    from lnmonitor.core.invariance import SweepPoint
 
     return [SweepPoint(a, dl, ev, True, False) for a, dl, ev in pairs]
 
 
 def test_the_sweep_is_fitted_on_one_sign_and_at_least_three_points():
-    from lnmonitor.invariance import fit_sweep
+    from lnmonitor.core.invariance import fit_sweep
 
     law = _points(*[(a, 0.05 * ev, ev) for a, ev in ((0.1, 1e-4), (0.01, 1e-2), (0.003, 0.1), (0.001, 1.0))])
     slope, constant, note = fit_sweep(law)

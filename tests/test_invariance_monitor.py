@@ -30,7 +30,7 @@ from test_layernorm_monitor_conditions import swap_norms
 from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor
-from lnmonitor.invariance import PROBE_WINDOWS, final_norm_bypass
+from lnmonitor.core.invariance import PROBE_WINDOWS, final_norm_bypass
 from lnmonitor.tiny import TinyGPTModule
 
 

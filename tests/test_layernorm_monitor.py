@@ -35,8 +35,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, geometry
-from lnmonitor.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.core import geometry
+from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 from lnmonitor.tiny import TinyGPTModule
 
 
@@ -355,7 +356,7 @@ def test_a_variance_far_below_1e_10_is_read_not_clamped():
 
 
 def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monkeypatch):
-    import lnmonitor.taps as taps
+    import lnmonitor.core.taps as taps
 
     def broken(*args):
         raise RuntimeError("a model the taps do not understand")

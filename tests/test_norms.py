@@ -1,4 +1,4 @@
-"""lnmonitor.norms: which modules are norms, of which kind, eps and gain, and selection by glob."""
+"""lnmonitor.core.norms: which modules are norms, of which kind, eps and gain, and selection by glob."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lnmonitor.norms import (
+from lnmonitor.core.norms import (
     assign_roles,
     discover_norms,
     find_norms,

@@ -1,4 +1,4 @@
-"""lnmonitor.probes on a freshly trained tiny GPT: each norm's Jacobian against autograd, block
+"""lnmonitor.core.probes on a freshly trained tiny GPT: each norm's Jacobian against autograd, block
 versus branch rank, gain spread."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor import geometry
-from lnmonitor.heldout import measure_norm_rows, share_table
-from lnmonitor.norms import find_norms
-from lnmonitor.probes import (
+from lnmonitor.core import geometry
+from lnmonitor.core.heldout import measure_norm_rows, share_table
+from lnmonitor.core.norms import find_norms
+from lnmonitor.core.probes import (
     SequenceCapture,
     find_blocks,
     numerical_rank,

@@ -1,6 +1,6 @@
-"""The README's code runs as written: its two Python snippets, executed from the README's
-own text (only the first one's ``max_steps`` is shortened), and its shell commands name
-options that exist."""
+"""The README's code runs as written: its Python snippets -- the three doors and the
+arguments -- executed from the README's own text (only the lengths of the runs are
+shortened), and the shell commands of the README and docs/ name options that exist."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from conftest import char_data, events
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+def python_block(marker: str) -> str:
+    """The README's one Python snippet that contains ``marker``."""
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if marker in b]
+    return block
 
 
 def test_the_quick_trainer_snippet_fits_and_logs_both_monitors(tmp_path, monkeypatch):
-    snippet = python_blocks()[0]
+    snippet = python_block("L.Trainer(")
     assert "max_steps=3000" in snippet
     data, model = char_data(3)
     monkeypatch.chdir(tmp_path)
@@ -46,7 +49,7 @@ def test_the_arguments_snippet_runs_on_the_llama_it_names(tmp_path):
     x, y = next(iter(val))
     scope = {"LayerNormMonitor": LayerNormMonitor, "FinalNormInvarianceMonitor": FinalNormInvarianceMonitor,
              "x": x, "y": y}
-    exec(python_blocks()[1], scope)
+    exec(python_block("monitors = ["), scope)
     ln, inv = scope["monitors"]
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         limit_val_batches=1, callbacks=[ln, inv], enable_model_summary=False)
@@ -61,7 +64,7 @@ def test_the_arguments_snippet_runs_on_the_llama_it_names(tmp_path):
 
 
 def shell_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", README + DOCS, flags=re.S)
     lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     parts = [part.strip() for line in lines for part in line.split("&&")]
     return [part for part in parts if part.startswith("lnmonitor ")]
@@ -70,7 +73,7 @@ def shell_commands() -> list[str]:
 @pytest.mark.parametrize("command", shell_commands())
 def test_every_lnmonitor_command_in_the_readme_parses(command):
     """Its subcommand and options exist and take the values given (nothing is run)."""
-    from lnmonitor.cli import build_parser
+    from lnmonitor.commands.cli import build_parser
 
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert callable(args.func)
@@ -108,8 +111,46 @@ def test_every_image_under_docs_img_is_shown_or_made_by_the_docs():
     """No stale picture: each file is referenced by the README or docs/*.md, or written by
     docs/screenshots.py (which makes them)."""
     docs = ROOT / "docs"
-    shown = README + "".join(p.read_text() for p in docs.glob("*.md"))
+    shown = README + DOCS
     made = (docs / "screenshots.py").read_text()
     unused = [p.name for p in sorted((docs / "img").iterdir())
-              if f"docs/img/{p.name}" not in shown and f'"{p.name}"' not in made]
+              if f"img/{p.name}" not in shown and f'"{p.name}"' not in made]
     assert not unused
+
+
+def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2)
+    records = [{"input_ids": x, "labels": x} for x in torch.randint(0, 32, (8, 8))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1,
+                                          per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
+                                          report_to=["tensorboard"], disable_tqdm=True)
+    scope = {"transformers": transformers, "model": transformers.GPT2LMHeadModel(config), "args": args,
+             "train": records, "val": records}
+    exec(python_block("LNMonitorCallback"), scope)
+    tags = set(events(tmp_path / "tb").Tags()["scalars"])
+    assert "train/lnmonitor/ladder/attenuation" in tags and "train/lnmonitor/invariance/axis_5/dloss" in tags
+
+
+def test_the_loop_door_snippet_runs_as_written(tmp_path, monkeypatch):
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+    monkeypatch.chdir(tmp_path)
+    model = TinyGPT(GPTConfig(vocab_size=16, width=16, depth=2, heads=2, context=8))
+
+    def micro_batches():
+        for _ in range(2):
+            x = torch.randint(0, 16, (4, 8))
+            yield x, x
+
+    scope = {"model": model, "SummaryWriter": SummaryWriter, "max_steps": 3, "micro_batches": micro_batches,
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(python_block("LoopMonitor"), scope)
+    tags = set(events(tmp_path / "runs" / "my-loop").Tags()["scalars"])
+    assert "lnmonitor/ladder/attenuation" in tags and "lnmonitor/sigma/lnf" in tags

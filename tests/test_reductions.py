@@ -1,12 +1,12 @@
-"""lnmonitor.reductions: the hot path's per-row numbers, by either path, equal each other and float64."""
+"""lnmonitor.core.reductions: the hot path's per-row numbers, by either path, equal each other and float64."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lnmonitor import torch_internals
-from lnmonitor.reductions import layernorm_backward_reductions, row_reductions, row_values
+from lnmonitor.core import torch_internals
+from lnmonitor.core.reductions import layernorm_backward_reductions, row_reductions, row_values
 
 
 def test_layernorm_backward_path_matches_the_input_path():

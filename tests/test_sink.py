@@ -20,8 +20,8 @@ from conftest import (
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.callbacks.sink import MetricSink
-from lnmonitor.invariance import CASES
+from lnmonitor.core.invariance import CASES
+from lnmonitor.lightning.sink import MetricSink
 
 
 def test_tensorboard_layout_hparams_and_histograms(tmp_path):

@@ -1,4 +1,4 @@
-"""lnmonitor.summaries: fixed-bin quantiles within one bin, merging like one batch, empty summaries."""
+"""lnmonitor.core.summaries: fixed-bin quantiles within one bin, merging like one batch, empty summaries."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lnmonitor import summaries as S
-from lnmonitor.taps import StepRows
+from lnmonitor.core import summaries as S
+from lnmonitor.core.taps import StepRows
 
 
 @settings(max_examples=40, deadline=None)

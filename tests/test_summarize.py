@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.cli import main
-from lnmonitor.experiments.events import read_scalars
+from lnmonitor.commands.cli import main
+from lnmonitor.views.events import read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_summarize_bad_input_is_one_line_and_exit_code_2(case, logdir, tmp_path,
 
 
 def test_names_lose_their_shared_prefix_and_a_cut_is_marked():
-    from lnmonitor.summary import name_prefix, short_names
+    from lnmonitor.views.summary import name_prefix, short_names
 
     names = ["model.model.layers.0.post_attention_layernorm", "model.model.norm"]
     assert name_prefix(names) == "model.model."
@@ -136,7 +136,7 @@ def test_a_llama_run_reads_by_its_names_in_the_table_and_the_share_plot(tmp_path
 
     import lightning as L
 
-    from lnmonitor.experiments import summary_figures
+    from lnmonitor.views import summary_figures
 
     examples = str(Path(__file__).resolve().parents[1] / "examples")
     sys.path.insert(0, examples)

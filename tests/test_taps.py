@@ -1,4 +1,4 @@
-"""lnmonitor.taps: the hooks' per-row numbers against an independent float64 computation, hooks and
+"""lnmonitor.core.taps: the hooks' per-row numbers against an independent float64 computation, hooks and
 references left behind, autocast and loss scaling, skipped rows."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from conftest import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lnmonitor import summaries as S
-from lnmonitor import torch_internals
-from lnmonitor.norms import find_norms
-from lnmonitor.reductions import row_values
-from lnmonitor.taps import NormTap
+from lnmonitor.core import summaries as S
+from lnmonitor.core import torch_internals
+from lnmonitor.core.norms import find_norms
+from lnmonitor.core.reductions import row_values
+from lnmonitor.core.taps import NormTap
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

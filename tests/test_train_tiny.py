@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from lnmonitor.cli import main
+from lnmonitor.commands.cli import main
 from lnmonitor.tiny.checkpoint import load_checkpoint
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
@@ -69,7 +69,7 @@ def test_resume_continues_to_max_steps_without_retraining(tmp_path):
 
 def run_cli(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-m", "lnmonitor.cli", *args], cwd=cwd, capture_output=True, text=True,
+        [sys.executable, "-m", "lnmonitor.commands.cli", *args], cwd=cwd, capture_output=True, text=True,
         timeout=120,
     )
 

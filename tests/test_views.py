@@ -13,8 +13,8 @@ from conftest import NORMS, MemoryLogger, char_data, events, trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.pictures import heatmap_picture, ladder_picture
-from lnmonitor.summary import Trail, ladder_grid, ladder_of, summary_text
+from lnmonitor.views.pictures import heatmap_picture, ladder_picture
+from lnmonitor.views.summary import Trail, ladder_grid, ladder_of, summary_text
 
 BLUE, RED = (31, 119, 180), (200, 30, 30)
 

@@ -6,20 +6,28 @@ import argparse
 import sys
 from pathlib import Path
 
-from lnmonitor.commands.train_tiny import add_recipe_arguments, recipe_from_args
+from lnmonitor.commands.recipe_arguments import add_recipe_arguments, recipe_from_args
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.eps_compare import (
-    DEFAULT_EPS,
-    DEFAULT_OUT,
-    DEFAULT_SEEDS,
-    Experiment,
-    RunInterrupted,
-    parse_eps,
-    parse_seeds,
-    parse_shard,
-    run_experiment,
-)
+from lnmonitor.experiments.eps_compare import DEFAULT_OUT, run_experiment
+from lnmonitor.experiments.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, parse_eps, parse_seeds
+from lnmonitor.experiments.run import RunInterrupted
 from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``"i/n"`` (0 <= i < n) as ``(i, n)``; None is ``(0, 1)``, the whole grid."""
+    if text is None:
+        return (0, 1)
+    parts = str(text).split("/")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        index, count = int(parts[0], 10), int(parts[1], 10)
+    except ValueError:
+        raise UsageError(f"--shard must look like i/n (e.g. 0/3), got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(f"--shard i/n needs n >= 1 and 0 <= i < n (i counts from 0), got {text!r}")
+    return (index, count)
 
 
 def register(subparsers) -> None:

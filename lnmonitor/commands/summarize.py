@@ -6,6 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
+from lnmonitor.core.metric_names import PREFIX
 from lnmonitor.errors import UsageError
 
 
@@ -26,8 +27,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lnmonitor.experiments.events import event_file_problem, event_files, find_runs, read_run
-    from lnmonitor.summary import comparison_lines, summary_text
+    from lnmonitor.views.events import event_file_problem, event_files, find_runs, read_run
+    from lnmonitor.views.summary import comparison_lines, summary_text
 
     logdir: Path = args.logdir
     if not logdir.exists():
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{path} is not a readable event file ({problem}): move it out of "
                                  f"{logdir} and run summarize again")
     runs = {_run_name(logdir, folder): read_run(folder) for folder in folders}
-    measured = {name: c for name, c in runs.items() if any(t.startswith("lnmonitor/") for t in c)}
+    measured = {name: c for name, c in runs.items() if any(t.startswith(f"{PREFIX}/") for t in c)}
     if not measured:
         raise UsageError(f"no lnmonitor metric in the {len(runs)} run(s) under {logdir}: was a "
                          "LayerNormMonitor or FinalNormInvarianceMonitor among the Trainer's callbacks?")
@@ -70,7 +71,7 @@ def _run_name(logdir: Path, folder: Path) -> str:
 
 
 def _figures(runs: dict, out: Path) -> list[Path]:
-    from lnmonitor.experiments.summary_figures import figure_heatmap, figure_ladders, figure_shares
+    from lnmonitor.views.summary_figures import figure_heatmap, figure_ladders, figure_shares
 
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,8 +1,8 @@
 """The whole LayerNorm story of one tiny-GPT checkpoint, as one :class:`Analysis`.
 
 :func:`analyze` runs the held-out measurement every experiment shares
-(:func:`lnmonitor.experiments.measure.measure`: loss, shares, ladder, invariance) and the
-structural probes of :mod:`lnmonitor.probes` at one position (each norm's Jacobian
+(:func:`lnmonitor.experiments.measure.measure_held_out`: loss, shares, ladder, invariance) and the
+structural probes of :mod:`lnmonitor.core.probes` at one position (each norm's Jacobian
 against autograd, block versus branch rank).  :mod:`lnmonitor.experiments.analysis_report`
 turns the result into tables, JSON and figures.
 
@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lnmonitor.errors import UsageError
-from lnmonitor.experiments.measure import measure
-from lnmonitor.heldout import LadderRow, ShareRow
-from lnmonitor.invariance import InvarianceResult
-from lnmonitor.probes import (
+from lnmonitor.core.heldout import LadderRow, ShareRow
+from lnmonitor.core.invariance import InvarianceResult
+from lnmonitor.core.probes import (
     BlockRankProbe,
     NormJacobianProbe,
     SequenceCapture,
@@ -33,6 +31,8 @@ from lnmonitor.probes import (
     probe_block_rank,
     probe_norm_jacobian,
 )
+from lnmonitor.errors import UsageError
+from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
 
 __all__ = ["Analysis", "analyze", "stream_labels"]
@@ -100,7 +100,7 @@ def analyze(
         )
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"batches must be a positive integer, got {batches!r}")
-    m = measure(module.eval(), held_out, norm_batches=batches, invariance=invariance,
+    m = measure_held_out(module.eval(), held_out, norm_batches=batches, invariance=invariance,
                 labels=stream_labels(module))
     blocks = find_blocks(module, m.norms)
     with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:

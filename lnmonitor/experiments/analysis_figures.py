@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor import geometry
+from lnmonitor.core import geometry
 from lnmonitor.experiments.analysis import Analysis
 from lnmonitor.experiments.plotting import new_figure, save_png, short_name
 

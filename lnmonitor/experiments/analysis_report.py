@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor import geometry
+from lnmonitor.core import geometry
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import Analysis
 from lnmonitor.experiments.analysis_figures import write_figures

@@ -1,16 +1,16 @@
 """Measure a trained model on held-out text: the one pipeline behind ``lnmonitor analyze``
 and ``lnmonitor eps-compare``.
 
-:func:`measure` takes a module whose ``forward(x, y)`` returns ``(logits, loss)`` (the
+:func:`measure_held_out` takes a module whose ``forward(x, y)`` returns ``(logits, loss)`` (the
 tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
 :class:`Measurement`:
 
 * the loss over every held-out window (eval mode, nats per token);
 * every norm's rows in float64 over the first ``norm_batches`` batches
-  (:mod:`lnmonitor.heldout`): the dead-plane shares against the random baseline and the
+  (:mod:`lnmonitor.core.heldout`): the dead-plane shares against the random baseline and the
   1/sigma ladder;
-* the final norm's invariance cases and scale sweep (:mod:`lnmonitor.invariance`) on the
-  *probe rows*: the first :data:`~lnmonitor.invariance.PROBE_WINDOWS` held-out windows
+* the final norm's invariance cases and scale sweep (:mod:`lnmonitor.core.invariance`) on the
+  *probe rows*: the first :data:`~lnmonitor.core.invariance.PROBE_WINDOWS` held-out windows
   (spread over the held-out text), whatever ``norm_batches`` is -- the rows the
   invariance monitor probes by default too, so every tool measures one checkpoint on the
   same rows.
@@ -26,18 +26,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.heldout import LadderRow, NormRows, ShareRow, measure_norm_rows, share_table, sigma_ladder
-from lnmonitor.invariance import PROBE_WINDOWS, InvarianceResult, final_norm_invariance
-from lnmonitor.norms import NormInfo, find_norms
+from lnmonitor.core.heldout import LadderRow, NormRows, ShareRow, measure_norm_rows, share_table, sigma_ladder
+from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceResult, final_norm_invariance
+from lnmonitor.core.norms import NormInfo, find_norms
 
-__all__ = ["Measurement", "held_out_loss", "measure", "probe_rows", "tiny_loss"]
+__all__ = ["Measurement", "held_out_loss", "measure_held_out", "probe_rows", "tiny_loss"]
 
 Batch = tuple[Tensor, Tensor]
 
 
 @dataclass
 class Measurement:
-    """What :func:`measure` found.  ``windows`` counts the held-out windows behind each part
+    """What :func:`measure_held_out` found.  ``windows`` counts the held-out windows behind each part
     (``loss``, ``norms``, ``invariance``); ``rows``/``shares``/``ladder`` list the norms in
     the order the forward first calls them."""
 
@@ -75,7 +75,7 @@ def probe_rows(batches: Sequence[Batch], windows: int = PROBE_WINDOWS) -> Batch:
     return x, y
 
 
-def measure(
+def measure_held_out(
     module: nn.Module, batches: Sequence[Batch], *, norm_batches: int | None = None,
     invariance: bool = True, labels: dict[str, str] | None = None,
 ) -> Measurement:

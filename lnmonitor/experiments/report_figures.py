@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lnmonitor.core.metric_names import per_norm
 from lnmonitor.experiments.plotting import new_figure, save_png, short_name
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label
@@ -263,10 +264,10 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
         return False
     colors = _colors(eps_values)
     fig = new_figure(11.0, 7.0)
-    panels = [(f"lnmonitor/transmission/{names[0]}", "transmission, first norm"),
-              (f"lnmonitor/transmission/{names[-1]}", "transmission, final norm"),
-              (f"lnmonitor/rms/{names[0]}", "rms of the stream, first norm"),
-              (f"lnmonitor/rms/{names[-1]}", "rms of the stream, final norm")]
+    panels = [(per_norm("transmission", names[0]), "transmission, first norm"),
+              (per_norm("transmission", names[-1]), "transmission, final norm"),
+              (per_norm("rms", names[0]), "rms of the stream, first norm"),
+              (per_norm("rms", names[-1]), "rms of the stream, final norm")]
     for i, (tag, title) in enumerate(panels, start=1):
         ax = fig.add_subplot(2, 2, i)
         for e in sorted(eps_values):
@@ -293,7 +294,7 @@ def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path
         return False
     rows, steps = [], None
     for name in names:
-        s, v = _curve_mean(runs, f"lnmonitor/transmission/{name}")
+        s, v = _curve_mean(runs, per_norm("transmission", name))
         if not s:
             return False
         steps = s if steps is None else steps

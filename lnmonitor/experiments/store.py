@@ -41,10 +41,6 @@ def run_dir(out: Path, eps: float, seed: int) -> Path:
     return Path(out) / f"eps={eps_label(eps)}" / f"seed={int(seed)}"
 
 
-def record_path(out: Path, eps: float, seed: int) -> Path:
-    return run_dir(out, eps, seed) / RECORD_NAME
-
-
 # ---------------------------------------------------------------------------
 # configuration guard
 # ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The plain-PyTorch door: the meter in a training loop of your own (nanoGPT's ``train.py``,
 torchtitan, a notebook), in three added lines.
 
-:class:`LoopMonitor` decides which steps :class:`~lnmonitor.meter.LadderMeter` measures
+:class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.LadderMeter` measures
 (every ``every_n_steps``-th and the last), merges them across ``torch.distributed``
 processes when a process group is up, and writes the numbers from rank zero to a
 TensorBoard ``SummaryWriter`` or a function of your own -- the metric names the Lightning
@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor import arguments
-from lnmonitor.meter import LadderMeter, LadderResult, due
-from lnmonitor.metric_names import LADDER_LAYOUT
-from lnmonitor.writers import metric_writer
+from lnmonitor.core import arguments
+from lnmonitor.core.meter import LadderMeter, LadderResult, due
+from lnmonitor.core.metric_names import LADDER_LAYOUT
+from lnmonitor.core.writers import metric_writer
 
 __all__ = ["LoopMonitor"]
 
@@ -41,13 +41,13 @@ class LoopMonitor:
         every_n_steps: measure the steps whose index is a multiple of this (default 50).
         max_steps: the number of optimizer steps, when known: the last is measured too.
         include, exclude, final_norm, ladder: as for
-            :class:`~lnmonitor.callbacks.layernorm_monitor.LayerNormMonitor`.
+            :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`.
         keep_history: keep every written dict in :attr:`history`; None keeps them only
             when there is no ``writer``.
 
     Raises:
-        lnmonitor.arguments.ArgumentError: an argument of the wrong type or range.
-        lnmonitor.discovery.NormSelectionError: the model has no norm it can measure as asked.
+        lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
+        lnmonitor.core.discovery.NormSelectionError: the model has no norm it can measure as asked.
         TypeError: ``writer`` is neither a SummaryWriter nor a function.
 
     Example::
@@ -62,7 +62,7 @@ class LoopMonitor:
         (0, True)
 
     It writes the metrics of
-    :class:`~lnmonitor.callbacks.layernorm_monitor.LayerNormMonitor` (``lnmonitor/sigma/<norm>``,
+    :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` (``lnmonitor/sigma/<norm>``,
     ``lnmonitor/ladder/attenuation``, ...), each at the step index given to :meth:`start`.
     A writer that raises is said once and dropped; training goes on.
     """

@@ -21,13 +21,13 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
         "lnmonitor.integrations.transformers needs transformers: pip install 'lnmonitor[hf]'"
     ) from err
 
-from lnmonitor import arguments
-from lnmonitor.discovery import choose_norms
-from lnmonitor.hooks import sharded
-from lnmonitor.invariance import PROBE_WINDOWS, InvarianceProbe, default_loss
-from lnmonitor.meter import LadderMeter, due
-from lnmonitor.metric_names import finite_metrics
-from lnmonitor.probe_rows import first_samples, map_tensors, probe_batch
+from lnmonitor.core import arguments
+from lnmonitor.core.discovery import choose_norms
+from lnmonitor.core.hooks import sharded
+from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, default_loss
+from lnmonitor.core.meter import LadderMeter, due
+from lnmonitor.core.metric_names import finite_metrics
+from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
 
 __all__ = ["LNMonitorCallback"]
 
@@ -40,13 +40,13 @@ class LNMonitorCallback(TrainerCallback):
     At every ``every_n_steps``-th optimizer step (default: the Trainer's
     ``logging_steps``; gradient accumulation does not multiply the count) and at the last,
     the norms are measured over every micro-batch of the step on every process
-    (:class:`~lnmonitor.meter.LadderMeter`, merged over ``torch.distributed`` under
+    (:class:`~lnmonitor.core.meter.LadderMeter`, merged over ``torch.distributed`` under
     ``accelerate``/``torchrun``); every ``invariance_every_n_steps`` steps and at the end of
     training the final-norm invariance probe runs on ``probe_size`` held-out rows (the
     first of the eval dataset, else of the first training batch, said once) with the
     model's own ``labels`` loss (``model(**batch).loss``).  The metrics -- the names of
-    :class:`~lnmonitor.callbacks.layernorm_monitor.LayerNormMonitor` and
-    :class:`~lnmonitor.callbacks.invariance_monitor.FinalNormInvarianceMonitor`, with
+    :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
+    :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor`, with
     ``<norm>`` qualified from the Trainer's model -- go from the main process to every
     ``report_to`` integration (TensorBoard, W&B, MLflow, ...) at the Trainer's
     ``global_step`` after the step's update, as its own loss is; the integrations apply
@@ -66,8 +66,8 @@ class LNMonitorCallback(TrainerCallback):
             when the Trainer reports to no integration.
 
     Raises:
-        lnmonitor.arguments.ArgumentError: an argument of the wrong type or range.
-        lnmonitor.discovery.NormSelectionError: when training begins, if the model has no
+        lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
+        lnmonitor.core.discovery.NormSelectionError: when training begins, if the model has no
             norm it can measure as asked.
 
     Example::

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnmonitor.kinds import KINDS
+from lnmonitor.core.kinds import KINDS
 from lnmonitor.tiny.recipe import ATTENTIONS, INITS
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from lnmonitor.core.kinds import KINDS
 from lnmonitor.errors import UsageError
-from lnmonitor.kinds import KINDS
 
 __all__ = ["ATTENTIONS", "DECAYS", "INITS", "Recipe"]
 

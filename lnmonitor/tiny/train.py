@@ -33,7 +33,7 @@ def monitor_callbacks() -> list[Callback]:
     """The monitoring callbacks train-tiny attaches by default: :class:`LayerNormMonitor`
     (every ``log_every_n_steps``) and :class:`FinalNormInvarianceMonitor` (every 1000
     steps and at the end of the fit), both at their defaults."""
-    from lnmonitor.callbacks import FinalNormInvarianceMonitor, LayerNormMonitor
+    from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 
     return [LayerNormMonitor(), FinalNormInvarianceMonitor()]
 

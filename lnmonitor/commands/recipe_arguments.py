@@ -1,0 +1,65 @@
+"""The tiny recipe's command-line options, shared by every command that trains it
+(``train-tiny`` and ``eps-compare``), and the :class:`~lnmonitor.tiny.recipe.Recipe` they
+describe.  Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME
+from lnmonitor.tiny.recipe import DECAYS, INITS, Recipe
+
+__all__ = ["add_recipe_arguments", "recipe_from_args", "trainer_kwargs"]
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that trains the recipe (defaults: the study's recipe)."""
+    defaults = Recipe()
+    parser.add_argument("--data", type=Path, default=None,
+                        help=f"UTF-8 text file to train on (default: {DEFAULT_CORPUS_NAME})")
+    parser.add_argument("--norm", choices=("layer", "rms"), default=defaults.norm,
+                        help="normalisation layer: LayerNorm or RMSNorm (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                        help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="sequences per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help="peak of the one-cycle learning rate (default: %(default)s)")
+    parser.add_argument("--init", choices=INITS, default=defaults.init,
+                        help="initialisation: PyTorch's own, as the study, or GPT-2's N(0, 0.02) "
+                        "(default: %(default)s)")
+    parser.add_argument("--decay", choices=DECAYS, default=defaults.decay,
+                        help="weight decay 0.1 on every parameter, as the study's AdamW, or on the "
+                        "matrices only (default: %(default)s)")
+    for name in ("width", "depth", "heads", "context"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name),
+                            help=f"model {name} (default: %(default)s)")
+    parser.add_argument("--val-every", type=int, default=defaults.val_every,
+                        help="validate and checkpoint every N steps (default: %(default)s)")
+    parser.add_argument("--accelerator", default="auto", help="Lightning accelerator (default: auto)")
+    parser.add_argument("--devices", default="auto", help="Lightning devices (default: auto)")
+    parser.add_argument("--precision", default=None,
+                        help="Lightning precision, e.g. bf16-mixed (default: 32-true)")
+    parser.add_argument("--no-monitor", action="store_true",
+                        help="train without the lnmonitor callbacks")
+
+
+def trainer_kwargs(args: argparse.Namespace) -> dict:
+    devices = int(args.devices) if str(args.devices).isdigit() else args.devices
+    kwargs = {"accelerator": args.accelerator, "devices": devices}
+    if args.precision is not None:
+        kwargs["precision"] = args.precision
+    return kwargs
+
+
+def recipe_from_args(args: argparse.Namespace, **overrides) -> Recipe:
+    fields = dict(
+        norm=args.norm, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+        init=args.init, decay=args.decay,
+        width=args.width, depth=args.depth, heads=args.heads, context=args.context,
+        val_every=min(args.val_every, args.max_steps) if args.max_steps > 0 else args.val_every,
+        trainer_kwargs=trainer_kwargs(args),
+    )
+    fields.update(overrides)
+    return Recipe(**fields)

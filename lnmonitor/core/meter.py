@@ -1,0 +1,315 @@
+"""The meter -- one measured step, from the hooks to the finished numbers.
+
+:class:`LadderMeter` owns everything between a model and the figures of a step, and knows
+nothing of who drives it (a Lightning callback, a ``transformers.Trainer`` callback or a
+plain loop all do)::
+
+    meter = LadderMeter(model)            # discovery, self-check: once
+    with meter.step():                    # hooks on for this step only
+        loss = model(**batch).loss
+        loss.backward()
+    result = meter.result()               # per-norm summaries, roles, ladder, baselines, metrics
+
+Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
+every forward and backward with gradient is measured, so the micro-batches of a step
+with gradient accumulation are one measured step.  ``stop()`` leaves the step's summary
+on the device (no host sync); :meth:`~LadderMeter.result` merges it across processes
+(``gather``), reads it on the host once, assigns the norms' roles on the first step, and
+computes every figure with :func:`lnmonitor.core.ladder.ladder_figures`.
+
+The meter never raises into training: a hook that cannot measure the model turns the
+meter off (:attr:`LadderMeter.off_reason`, said once), and what it needs to say goes to
+``say`` (information) and ``warn`` (once per key); both default to Python's ``logging``
+and ``warnings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
+from lnmonitor.core.hooks import compiled, eager
+from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
+from lnmonitor.core.metric_names import finite_metrics
+from lnmonitor.core.norms import FINAL, RUNGS, NormInfo, assign_roles
+from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
+from lnmonitor.core.taps import NormTap
+
+__all__ = ["Gather", "LadderMeter", "LadderResult", "due"]
+
+Gather = Callable[[Tensor], Tensor]
+"""``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
+``trainer.strategy.all_gather``); or pass the ``torch.distributed`` module itself."""
+
+_log = logging.getLogger("lnmonitor")
+
+
+@dataclass
+class LadderResult:
+    """One measured step: per-norm summaries (merged over micro-batches and processes), the
+    norms with their roles, their figures and ladder (:class:`~lnmonitor.core.ladder.LadderFigures`)."""
+
+    norms: list[NormInfo]
+    summaries: list[NormSummary]
+    figures: LadderFigures
+    unmeasured: list[str]
+
+    def metrics(self, positions: bool = False) -> dict[str, float]:
+        """The finite figures under their logged names; ``positions`` adds each norm's
+        ``ladder_position`` (logged once per run, at its first measured step)."""
+        m = self.figures.metrics()
+        if positions:
+            m.update(self.figures.positions())
+        return finite_metrics(m)
+
+    @property
+    def final(self) -> str | None:
+        return self.figures.final
+
+
+def _default_warn(seen: set[str]) -> Callable[[str, str], None]:
+    def warn(key: str, message: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    return warn
+
+
+class LadderMeter:
+    """Measure the norms of ``model`` on the steps you choose (see the module docstring).
+
+    Args:
+        model: the module whose norms are measured (names are qualified from it).
+        include, exclude: ``fnmatch`` glob(s) over qualified names selecting the norms.
+        final_norm: qualified name of the final norm; ``None`` finds it on the first step.
+        ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
+            input flows on past it reads the residual stream).
+        owner: the name messages start with (the callback's class name).
+        say: where information goes (default: the ``lnmonitor`` logger, INFO).
+        warn: ``warn(key, message)``, called once per key (default: ``warnings.warn``).
+
+    Raises:
+        NormSelectionError: the model has no normalisation layer, the patterns select none,
+            ``final_norm`` is not a selected norm, or a norm is too narrow for its dead
+            subspace.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        final_norm: str | None = None,
+        ladder: str | Sequence[str] | None = None,
+        owner: str = "LadderMeter",
+        say: Callable[[str], None] | None = None,
+        warn: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.owner = owner
+        self.final_norm = final_norm
+        self.ladder = ladder
+        self._say = say or _log.info
+        self._warn = warn or _default_warn(set())
+        self.model = model
+        self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
+        for info in self.norms:
+            if info.width is not None and info.width <= info.dead_dim:
+                raise NormSelectionError(
+                    f"{owner}: norm {info.name!r} has width {info.width}, not more than its "
+                    f"dead-subspace dimension {info.dead_dim} ({info.kind} norm): the dead subspace "
+                    f"is the whole space and the share is trivially 1. Leave it out with "
+                    f"exclude=[{info.name!r}]."
+                )
+        self.layout = Layout(len(self.norms))
+        self.order: list[str] = []
+        self.roles_known = False
+        self.off_reason: str | None = None
+        self._tap = NormTap(self.norms)
+        self._stance = None
+        self._pending: Tensor | None = None
+        self._eps: dict[int, float] = {}
+        said = measured_eps_message(owner, self.norms)
+        if said:
+            self._say(said)
+        if compiled(model):
+            self._say(
+                f"{owner}: the model is compiled (torch.compile); its measured steps run eagerly "
+                "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, "
+                "and the other steps run the compiled code."
+            )
+
+    # -- one measured step -------------------------------------------------------------
+
+    @property
+    def measuring(self) -> bool:
+        return self._stance is not None
+
+    def start(self) -> None:
+        """Hook the norms until :meth:`stop` (a no-op while measuring or when off)."""
+        if self.off_reason is not None or self.measuring:
+            return
+        # compiled code ignores hooks registered after it compiled (and hooks present while
+        # it compiles break its graph): the measured step runs eagerly
+        self._stance = eager()
+        self._stance.__enter__()
+        self._tap.attach(bypass=not self.roles_known)
+
+    def stop(self) -> None:
+        """Unhook, and leave the step's summary on the device for :meth:`result`."""
+        if not self.measuring:
+            return
+        self._unhook()
+        rows = self._tap.collect()
+        if self._tap.error is not None:  # a hook could not measure this model: say so, stop
+            err = self._tap.error
+            self.off_reason = (f"measuring a step failed inside a norm's hook ({type(err).__name__}: "
+                               f"{err}); training goes on. If a norm computes something lnmonitor "
+                               "misreads, leave it out with exclude=[...].")
+            self._warn("off", f"{self.owner} is off for the rest of this run: {self.off_reason}")
+            self._pending = None
+            return
+        if rows.order:
+            self.order = [self.norms[i].name for i in rows.order]
+        self._eps = rows.eps
+        self._pending = summarise(rows, self.layout, _device(self.model))
+
+    def abort(self) -> None:
+        """End a measured step early (an exception, the end of training): no hook, no row left."""
+        if self.measuring:
+            self._unhook()
+        self._tap.collect()
+        self._pending = None
+
+    def _unhook(self) -> None:
+        self._tap.detach()
+        stance, self._stance = self._stance, None
+        stance.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[LadderMeter]:
+        """Measure the forward and backward passes run inside the block."""
+        self.start()
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.stop()
+
+    # -- the numbers -------------------------------------------------------------------
+
+    def result(self, gather: Gather | None = None, *, counts: bool = False,
+               label: str = "the measured step") -> LadderResult | None:
+        """The last measured step's numbers, or None when there is none (off, or not measured).
+
+        ``gather``: merge across processes (every process must call this together);
+        ``counts``: keep the histograms in the summaries; ``label`` names the step in
+        messages (e.g. ``"step 120"``).
+        """
+        flat, self._pending = self._pending, None
+        if flat is None:
+            return None
+        if gather is not None:
+            flat = _gather(flat, gather)
+        summaries = read(merge(flat, self.layout), self.layout, counts=counts)
+        if not self.roles_known:
+            self._assign_roles(summaries)
+        unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
+        if unmeasured:
+            self._warn_unmeasured(label, unmeasured)
+        stats = [self._stats(i, s) for i, s in enumerate(summaries)]
+        rungs = self.rungs()
+        final = next((n.name for n in self.norms if n.role == FINAL), None)
+        return LadderResult(self.norms, summaries, ladder_figures(stats, rungs, final), unmeasured)
+
+    def eps(self, index: int) -> float:
+        """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
+        return self._eps.get(index, self.norms[index].eps())
+
+    def _stats(self, index: int, s: NormSummary) -> NormStats:
+        info = self.norms[index]
+        return NormStats(
+            name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
+            var=s.var_median, ms=s.ms_median, share_median=s.share_median, share_p90=s.share_p90,
+            share_max=s.share_max, share_rows=s.share_rows, skipped_rows=s.skipped_rows,
+        )
+
+    def rungs(self) -> list[str]:
+        """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
+        role = {info.name: info.role for info in self.norms}
+        order = self.order + [n.name for n in self.norms if n.name not in self.order]
+        return [name for name in order if role.get(name) in RUNGS or role.get(name) is None]
+
+    def _assign_roles(self, summaries: list[NormSummary]) -> None:
+        """Which norms are rungs, from what this step's gradient does at each norm's input."""
+        by_name = {n.name: n for n in self.norms}
+        ordered = [by_name[n] for n in self.order if n in by_name]
+        ordered += [n for n in self.norms if n.name not in self.order]
+        bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
+        roles = {n.name: n.role for n in assign_roles(ordered, bypass, self.ladder, self.final_norm)}
+        self.norms = [info.with_role(roles[info.name]) for info in self.norms]
+        self.roles_known = True
+        rungs = [n for n in ordered if roles[n.name] in RUNGS]
+        others = [n for n in ordered if roles[n.name] not in RUNGS]
+        final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
+        said = (f"{self.owner}: the ladder has {len(rungs)} rungs, the norms that read the residual "
+                f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "
+                f"final norm {repr(final) if final else 'none'}")
+        if others:
+            groups = sorted({roles[n.name] for n in others})
+            said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
+                     f"{', '.join(n.name for n in others[:3])}{', ...' if len(others) > 3 else ''}) "
+                     "are measured but are not rungs")
+        said += " (as ladder=... says)." if self.ladder else "; ladder=[...] names the rungs instead."
+        self._say(said)
+        if len(rungs) < 2:
+            self._warn("one-rung", (
+                f"{self.owner}: the ladder has {len(rungs)} rung(s), so no attenuation or growth is "
+                "logged: only these norms read the residual stream. Name the rungs with ladder=[...] "
+                "if they are others."))
+
+    def _warn_unmeasured(self, label: str, missing: list[str]) -> None:
+        """Say once when selected norms had no row in a measured step (never zero data
+        without a word): a norm the forward does not call, or a model run by code the hooks
+        cannot see (e.g. torch.compile on a torch without set_stance, TorchScript)."""
+        if len(missing) == len(self.norms):
+            what = f"none of the {len(missing)} selected norms ran with gradient"
+        else:
+            what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
+        self._warn("unmeasured", (
+            f"{self.owner}: {what} during {label} ({', '.join(missing[:8])}"
+            f"{', ...' if len(missing) > 8 else ''}), so nothing is logged for them. Either the "
+            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
+            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
+            "TorchScript). Said once."))
+
+
+def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
+    """Whether the doors measure optimizer step ``step`` (0-based, before its update): every
+    ``every_n_steps``-th, and the last when it is known."""
+    return step % every_n_steps == 0 or step == last_step
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _gather(flat: Tensor, gather) -> Tensor:
+    """``flat`` of every process, stacked: ``gather`` is a function, or ``torch.distributed``."""
+    if hasattr(gather, "all_gather_into_tensor"):
+        if not (gather.is_available() and gather.is_initialized()) or gather.get_world_size() == 1:
+            return flat
+        out = flat.new_empty((gather.get_world_size(), *flat.shape))
+        gather.all_gather_into_tensor(out, flat.contiguous())
+        return out
+    return gather(flat)

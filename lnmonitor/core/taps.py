@@ -1,0 +1,308 @@
+"""Tap the selected norms for the duration of one measured step.
+
+:class:`NormTap` registers a forward hook on each selected norm only while a step is
+being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
+exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
+(autograd saves that tensor for the backward anyway, so nothing is copied) and hooks
+the backward; when it fires, the five per-row float32 numbers of
+:data:`lnmonitor.core.reductions.FIELDS` are computed on the device and the reference is
+dropped.
+
+For ``nn.LayerNorm`` the hook sits on its backward node and reads what that backward
+has anyway -- the mean and ``1/sqrt(var + eps)`` saved in the forward, ``dL/dy`` and the
+gradient it passes to its input -- so the input activation is not read again
+(:func:`~lnmonitor.core.reductions.layernorm_backward_reductions`); other norms get a gradient
+hook on their output and reduce the input (:func:`~lnmonitor.core.reductions.row_reductions`).
+The one ``(rows, d)`` float32 temporary (``w``, and the centred input on the second
+path) lives in scratch buffers shared by every norm of the step and freed by
+:meth:`NormTap.collect`; no ``.item()``/``.cpu()`` is called.  Forward passes without
+gradient (validation, probes) are ignored.  Rows are kept as these five numbers per row
+until :meth:`NormTap.collect` at the end of the step: nothing survives the step.
+
+Activation checkpointing (``torch.utils.checkpoint``) re-runs the forward of a
+checkpointed region during the backward; each norm call is still measured once.  With
+``use_reentrant=True`` the original forward runs without gradient and is skipped, the
+recomputation is measured; with ``use_reentrant=False`` the original forward is measured
+and the recomputation (a forward inside a backward, under saved-tensor hooks) is skipped.
+Under saved-tensor hooks (checkpointing, ``save_on_cpu``) the forward hook never reads a
+LayerNorm's saved mean/rstd -- that would unpack them and, for checkpointing, run the
+region again inside the forward -- but takes the input path.  The forward order of the
+norms is recorded whatever the grad mode, so a reentrant recomputation (which runs the
+blocks backwards) does not reorder the ladder.  Forward passes run inside
+:func:`lnmonitor.core.hooks.unmeasured` (the probes' own passes) are ignored.  The private
+torch APIs these decisions use are looked up once, with a plain fallback
+(:mod:`lnmonitor.core.torch_internals`).
+
+The gain (``weight``, ``1 + weight``, ...) is read in the forward hook, while the model
+itself has it at hand (a sharded model gathers it for its forward).  With
+``attach(bypass=True)`` a third hook, on the norm's *input*, compares the whole gradient
+there with the part that came through the norm (``J^T dL/dy``): what goes around it
+(``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says whether the norm
+reads the residual stream, whose input flows on past it, or a branch.  A hook never
+raises into the user's backward: an error stops the tap for the step and is kept in
+:attr:`NormTap.error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.core import torch_internals
+from lnmonitor.core.hooks import Hooks, measuring
+from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.reductions import drop_rounding_rows, layernorm_backward_reductions, row_reductions
+
+__all__ = ["CallRecord", "NormTap", "StepRows"]
+
+
+class CallRecord(NamedTuple):
+    """One hooked call's rows in :attr:`StepRows.data`: the norm's index, how many rows, the
+    row width, the eps applied and the dead-subspace dimension."""
+
+    norm: int
+    rows: int
+    width: int
+    eps: float
+    dead_dim: int
+
+
+@dataclass(eq=False)
+class _Pending:
+    """What the hooks of one norm call hold between its forward and its backward: the input,
+    a LayerNorm's saved mean and rstd, the gain, and on the role-finding step the gradient
+    that came through the norm while the input's gradient is awaited.  ``x is None`` once
+    the call is measured (or dropped)."""
+
+    x: Tensor | None
+    saved: tuple | None
+    gain: Tensor | None
+    awaits_input: bool = False
+    through: Tensor | None = None
+
+    def clear(self) -> None:
+        self.x = self.saved = self.gain = self.through = None
+
+
+@dataclass
+class StepRows:
+    """Per-row reductions gathered during one measured step (all on one device).
+
+    ``data`` is ``(5, rows)`` float32 (:data:`~lnmonitor.core.reductions.FIELDS`), ``records``
+    lists a :class:`CallRecord` per hooked call, in the order the gradients arrived.
+    ``order`` holds the norm indices in the order their forward first ran.  ``bypass`` maps
+    a norm index to the float32 pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)`` summed over its
+    rows, when it was measured.
+    """
+
+    data: Tensor | None
+    records: list[CallRecord]
+    order: list[int]
+    eps: dict[int, float]
+    bypass: dict[int, Tensor] = field(default_factory=dict)
+
+
+class NormTap:
+    """Hooks on ``norms`` for the duration of one measured step.
+
+    ``attach()`` registers one forward hook per norm; ``detach()`` removes them (and
+    drops whatever a forward without backward left behind); ``collect()`` hands over
+    the rows measured since ``attach()`` and forgets them.
+    """
+
+    def __init__(self, norms: Sequence[NormInfo]) -> None:
+        self.norms = list(norms)
+        self.error: BaseException | None = None
+        self._hooks = Hooks()
+        self._bypass_step = False
+        self._chunks: list[Tensor] = []
+        self._records: list[CallRecord] = []
+        self._order: list[int] = []
+        self._seen: set[int] = set()
+        self._eps: dict[int, float] = {}
+        self._bypass: dict[int, Tensor] = {}
+        self._pending: list[_Pending] = []
+        self._workspace: tuple[Tensor, Tensor] | None = None
+
+    def attach(self, bypass: bool = False) -> None:
+        if self._hooks:
+            return
+        self._bypass_step = bypass
+        for index in range(len(self.norms)):
+            self._hooks.forward(self.norms[index].module, self._forward_hook(index))
+
+    def detach(self) -> None:
+        self._hooks.remove()
+        for box in self._pending:
+            box.clear()
+        self._pending = []
+
+    def _guarded(self, fn):
+        """``fn`` that never raises into the user's forward or backward: the first error is
+        kept in :attr:`error` and the tap stops for the rest of the step."""
+
+        def hook(*args):
+            if self.error is not None:
+                return None
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001 - never stop the user's training
+                self.error = err
+            return None
+
+        return hook
+
+    def _forward_hook(self, index: int):
+        info = self.norms[index]
+
+        def hook(module: nn.Module, args, output) -> None:
+            if not measuring():
+                return  # a probe's forward, not the training step's
+            if index not in self._seen:  # forward order, whatever the grad mode (see above)
+                self._seen.add(index)
+                self._order.append(index)
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
+                return
+            if not args or not isinstance(args[0], Tensor):
+                return
+            x = args[0]
+            packing = torch_internals.saved_tensor_hooks_active()
+            if packing and torch_internals.backward_running():
+                # a forward inside a backward under saved-tensor hooks: non-reentrant
+                # checkpointing recomputing its region; the original call is measured and
+                # this output never receives a gradient
+                return
+            saved = None
+            if not packing and info.kind == "layer":
+                saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
+            # the only references we hold, cleared by the backward hooks or detach()
+            box = _Pending(x, saved, info.gain())
+            self._pending.append(box)
+            if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
+                output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
+            else:
+                output.register_hook(self._guarded(self._grad_hook(index, info, box)))
+            if self._bypass_step and x.requires_grad:
+                box.awaits_input = True
+                x.register_hook(self._guarded(self._input_hook(index, box)))
+
+        return self._guarded(hook)
+
+    def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None]:
+        x, saved, gain = box.x, box.saved, box.gain
+        box.x = box.saved = box.gain = None
+        if not box.awaits_input:  # else the input hook, or detach(), lets it go
+            self._drop(box)
+        return x, saved, gain
+
+    def _drop(self, box: _Pending) -> None:
+        try:
+            self._pending.remove(box)
+        except ValueError:
+            pass
+
+    def _grad_hook(self, index: int, info: NormInfo, box: _Pending):
+        def hook(grad: Tensor) -> None:
+            if box.x is None:
+                return
+            x, _, gain = self._take(box)
+            d = x.shape[-1] if info.width is None else info.width
+            if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
+                return  # not rows of this norm, or no room outside the dead subspace
+            eps = info.eps(x.dtype)
+            self._eps[index] = eps
+            rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
+            args = (rows, grads, info.kind, gain, self._scratch(x.numel(), x.device))
+            self._run(row_reductions, args, x.device.type, index, d, eps, info)
+            if self._bypass_step:
+                with torch.no_grad():
+                    box.through = _through(rows, grads, info.kind, eps, gain)
+
+        return hook
+
+    def _node_hook(self, index: int, info: NormInfo, box: _Pending):
+        def hook(grad_inputs, grad_outputs) -> None:
+            if box.x is None:
+                return
+            x, (mean, rstd), gain = self._take(box)
+            g = grad_outputs[0] if grad_outputs else None
+            if g is None:
+                return
+            d = x.shape[-1]
+            if d <= info.dead_dim or g.shape != x.shape:
+                return
+            eps = info.eps(x.dtype)
+            self._eps[index] = eps
+            dx = grad_inputs[0] if grad_inputs else None
+            if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
+                args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
+                self._run(row_reductions, args, x.device.type, index, d, eps, info)
+                return
+            args = (g, dx, mean, rstd, eps, gain, self._scratch(x.numel(), x.device))
+            self._run(layernorm_backward_reductions, args, x.device.type, index, d, eps, info)
+            if self._bypass_step:
+                box.through = dx.detach().reshape(-1, d)
+
+        return hook
+
+    def _input_hook(self, index: int, box: _Pending):
+        """The whole gradient at the norm's input against the part through the norm."""
+
+        def hook(total: Tensor) -> None:
+            through = box.through
+            self._drop(box)
+            box.clear()
+            if through is None or total.numel() != through.numel():
+                return
+            with torch.no_grad():
+                g = total.detach().reshape(through.shape).float()
+                parts = torch.stack((g.square().sum(), (g - through.float()).square().sum()))
+            self._bypass[index] = parts if index not in self._bypass else self._bypass[index] + parts
+
+        return hook
+
+    def _run(self, fn, args, device: str, index: int, d: int, eps: float, info: NormInfo) -> None:
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                red = drop_rounding_rows(fn(*args))
+        else:  # the usual backward: no graph, no autocast, no context to enter
+            red = drop_rounding_rows(fn(*args))
+        self._chunks.append(red)
+        self._records.append(CallRecord(index, red.shape[1], d, eps, info.dead_dim))
+
+    def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Two flat float32 buffers reused by every norm of the step (freed by collect)."""
+        ws = self._workspace
+        if ws is None or ws[0].numel() < numel or ws[0].device != device:
+            ws = tuple(torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2))
+            self._workspace = ws
+        return ws
+
+    def collect(self) -> StepRows:
+        data = None
+        if self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks, dim=1)
+        rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass)
+        self._chunks, self._records, self._order = [], [], []
+        self._seen, self._eps, self._bypass = set(), {}, {}
+        self._workspace = None
+        self._bypass_step = False
+        return rows
+
+
+def _through(x: Tensor, g: Tensor, kind: str, eps: float, gain: Tensor | None) -> Tensor:
+    """``J^T dL/dy`` of a norm in float32: ``(1/sigma) (w - mean(w) - (w.xhat/d) xhat)`` with
+    ``w = gain * dL/dy`` (RMSNorm: without the mean)."""
+    x, g = x.float(), g.float()
+    w = g * gain.detach().reshape(-1).float() if gain is not None else g
+    xc = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+    sigma = (xc.square().mean(-1, keepdim=True) + eps).sqrt()
+    xhat = xc / sigma
+    out = w - (w * xhat).mean(-1, keepdim=True) * xhat
+    if kind == "layer":
+        out = out - w.mean(-1, keepdim=True)
+    return out / sigma

@@ -1,0 +1,342 @@
+r"""
+Final-Norm Invariance Monitor
+=============================
+
+Check, while training, that the loss ignores shifts and scales of the final norm's input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lnmonitor.core import arguments
+from lnmonitor.core.discovery import choose_norms, measured_eps_message
+from lnmonitor.core.hooks import sharded
+from lnmonitor.core.invariance import (
+    CASES,
+    PROBE_WINDOWS,
+    SWEEP_SCALES,
+    InvarianceProbe,
+    InvarianceResult,
+    NotAFinalNorm,
+)
+from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_LAYOUT, PREFIX, finite_metrics
+from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
+from lnmonitor.lightning.base import MonitorCallback, misconfiguration
+from lnmonitor.lightning.probe_loss import NoLoss, probe_loss
+from lnmonitor.views.summary import invariance_lines
+
+__all__ = ["FinalNormInvarianceMonitor"]
+
+
+class FinalNormInvarianceMonitor(MonitorCallback):
+    r"""Check that the loss ignores shifts and scales of the final norm's input.
+
+    The Lightning door of :class:`lnmonitor.core.invariance.InvarianceProbe`: it decides when
+    the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
+    batch, at step indices that are multiples of
+    ``every_n_steps`` (before that step's update: taken as soon as the previous update is
+    done, so that a checkpoint saved then records it; this includes the point after the
+    last update) and, with ``on_validation=True``, after each validation (not the sanity
+    check; a validation at a step already probed reuses that point), run
+    :func:`lnmonitor.core.invariance.final_norm_invariance`: the five cases of docs/design.md
+    and the scale sweep.  The input is transformed in float64 inside a forward hook and the
+    final norm evaluated in float64 there (only the final norm sees the transformed
+    input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
+    mode and the RNG state are restored; only rank zero computes (no collectives, the
+    other ranks go on training), except for a sharded model (FSDP, FSDP2), whose forward
+    needs every rank: then all ranks probe rank zero's probe batch together and rank zero
+    logs; a compiled model is probed eagerly.  With ``every_n_steps`` set, a fit that ends
+    at a point not probed yet (after its last update) is probed there too, so the curve
+    reaches the end of training.
+
+    Before its first run it checks, with one gradient pass on the probe batch
+    (:func:`lnmonitor.core.invariance.final_norm_bypass`), that the final norm's input reaches
+    the loss only through the norm.  When it does not -- a model without a final norm,
+    whose last norm sits inside a block -- the cases would read zero although the loss
+    is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs
+    nothing.  Any error while probing (a ``loss_fn`` that returns no loss, a model it does
+    not understand, ...) also turns it off with a warning instead of stopping the training.
+
+    Args:
+        every_n_steps: cadence in optimizer steps; ``None``: only after validation.
+        on_validation: also run after each validation (a run is 13 forward passes of the
+            probe rows, about 10 training steps of the train-tiny recipe: after a validation
+            every 250 steps that is 4% of the training time, against 1% at the default
+            1000-step cadence alone).
+        probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
+            first ``probe_size`` samples of the validation data the Trainer uses (a
+            datamodule's, the module's or the loaders given to ``fit``; as many batches
+            as it takes), else the first training batch (with a warning: it is not held out).
+        probe_size: the probe's rows: the first ``probe_size`` samples (default 64, the
+            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is 13 forward
+            passes of them); ``None`` keeps one whole batch.
+        loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
+            ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
+            ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
+            ``training_step(batch, 0)`` returns, with ``self.log`` muted (automatic
+            optimisation only); see :mod:`lnmonitor.lightning.probe_loss`.
+        final_norm: qualified name of the final norm; ``None`` finds the last
+            normalisation layer to run in the forward.
+        cases: the cases to run, a subset of ``("shift_5", "shift_1000", "scale_3",
+            "scale_3_shift_5", "axis_5")``.
+        scales: the sweep's scales (default ``1e3, 1e1, 1, 1e-1, 1e-2, 3e-3, 1e-3,
+            1e-4``); an empty tuple skips the sweep.
+        summary: print the last point's residuals at the end of the fit (global rank zero).
+        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
+            when the Trainer has no logger.
+
+    Raises:
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
+            range, or when it would never run; when the fit starts, if the model has no
+            normalisation layer or ``final_norm`` is not one.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lnmonitor import FinalNormInvarianceMonitor
+        >>> monitor = FinalNormInvarianceMonitor(every_n_steps=500)
+        >>> trainer = Trainer(callbacks=[monitor])
+
+    Logged metrics (``<case>`` in ``shift_5``, ``shift_1000``, ``scale_3``,
+    ``scale_3_shift_5``, ``axis_5``):
+
+    ================================================  ========================================
+    ``lnmonitor/invariance/<case>/dloss``             loss(transformed) - loss (nats); zero
+                                                      for the shifts, eps-sized for the
+                                                      scales, clearly non-zero for ``axis_5``
+    ``lnmonitor/invariance/<case>/log10_abs_dloss``   ``log10 |dloss|``, readable across the
+                                                      decades between the cases (none when
+                                                      dloss is exactly 0)
+    ``lnmonitor/invariance/<case>/max_dlogit``        max |delta logit| (logit units), when
+                                                      the forward returns logits
+    ``lnmonitor/invariance/<case>/out_residual``      median over rows of
+                                                      ``|xhat(Th) - xhat(h)| / |xhat(h)|`` in
+                                                      float64 (= ``|a sigma/sigma_a - 1|``)
+    ``lnmonitor/invariance/scale_slope``              slope of log|dloss| vs log(eps/v) over
+                                                      the sweep points with 1e-5 < eps/v < 10
+    ``lnmonitor/invariance/scale_constant``           exp(intercept) of that fit (nats)
+    ``lnmonitor/invariance/scale_rounding_points``    sweep points with eps/v <= 1e-5 whose
+                                                      loss moved: float32 rounding, not eps
+    ================================================  ========================================
+
+    The full result of the latest run (per-scale points included) is ``last_result``.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = 1000,
+        on_validation: bool = False,
+        probe_batch: Any = None,
+        probe_size: int | None = PROBE_WINDOWS,
+        loss_fn: Callable[[LightningModule, Any], Any] | None = None,
+        final_norm: str | None = None,
+        cases: Sequence[str] = CASES,
+        scales: Sequence[float] = SWEEP_SCALES,
+        summary: bool = True,
+        keep_history: bool | None = None,
+    ) -> None:
+        with misconfiguration():
+            self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
+            self.on_validation = arguments.flag(on_validation, "on_validation")
+            if self.every_n_steps is None and not self.on_validation:
+                raise MisconfigurationException(
+                    "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
+                    "integer or on_validation=True"
+                )
+            self.probe_batch = probe_batch
+            self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
+            self.loss_fn = arguments.function(
+                loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
+            )
+            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+            self.cases = arguments.choices(cases, "cases", CASES)
+            self.scales = arguments.scales(scales, "scales")
+            self.summary = arguments.flag(summary, "summary")
+        with misconfiguration():
+            keep_history = arguments.optional_flag(keep_history, "keep_history")
+        super().__init__(keep_history)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget everything about the last fit (a reused callback starts afresh)."""
+        self.last_result: InvarianceResult | None = None
+        self.disabled_reason: str | None = None
+        self._norms: list[NormInfo] = []
+        self._probe: Any = None
+        self._first_train_batch: Any = None
+        self._prober: InvarianceProbe | None = None
+        self._last_started_step = -1
+        self._sharded = False
+        self._final_name: str | None = self.final_norm
+        self._enabled = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, cases=self.cases)
+
+    # -- one fit (or validation run) -------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._reset()
+        self._sink.setup(trainer, hparams=stage == "fit")
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(pl_module)
+        metrics = [f"{INVARIANCE}/{c}/log10_abs_dloss" for c in ("scale_3", "axis_5") if c in self.cases]
+        if self.scales:
+            metrics.append(f"{INVARIANCE}/scale_slope")
+        params = {f"{PREFIX}/final_norm": self._final_name or "auto"}
+        self._sink.give_hparams(trainer, pl_module, params, metrics)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._norms:  # trainer.validate() alone: no on_fit_start
+            self._start(pl_module)
+
+    def _start(self, pl_module: LightningModule) -> None:
+        # After configure_model and the strategy's setup: the model is complete and sharded.
+        with misconfiguration():
+            self._norms = choose_norms(pl_module, None, None, self.final_norm, "FinalNormInvarianceMonitor",
+                                       self._warn)
+        said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
+        if said:
+            self._say(said)
+        self._sharded = sharded(pl_module)
+        self._enabled = self.disabled_reason is None
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.every_n_steps is not None:  # the point after the last update, unless taken
+            self._run(trainer, pl_module, trainer.global_step)
+        if self.summary and self.last_result is not None and trainer.is_global_zero:
+            step = self._sink.last_step
+            point = {tag: [(step, v)] for tag, v in finite_metrics(self.last_result.metrics()).items()}
+            head = f"lnmonitor summary: final norm {self._final_name!r}"
+            self._say("\n".join([head, *invariance_lines(point)]))
+        if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
+            when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
+            if self.on_validation:
+                when += (" and " if when else "") + "after each validation"
+            self._sink.warn_once(
+                "never-ran",
+                f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
+                "came (no validation ran?). Set every_n_steps, or add validation data.",
+            )
+
+    def _disable(self, reason: str) -> None:
+        self._enabled = False
+        self.disabled_reason = reason
+        self._sink.warn_once("off", f"FinalNormInvarianceMonitor is off for the rest of this run: {reason}")
+
+    # -- when to run -----------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._first_train_batch is None and self.probe_batch is None:
+            self._first_train_batch = batch
+        if step == self._last_started_step:
+            return  # a later micro-batch of the same optimizer step
+        self._last_started_step = step
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module, step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # The point of step s (the weights after s updates) is taken as soon as update s is
+        # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
+        # runs after the other callbacks) then records it, and the validation that may
+        # follow at the same global step reuses it, so a fit resumed from this checkpoint
+        # neither repeats nor misses it (this includes the point after the last update).
+        step = trainer.global_step
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module, step)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.on_validation and not trainer.sanity_checking:
+            self._run(trainer, pl_module, trainer.global_step)
+
+    # -- one run -----------------------------------------------------------------------
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if not self._enabled or step <= self._sink.last_step:
+            return
+        if not trainer.is_global_zero and not self._sharded:
+            self._sink.last_step = step
+            return
+        try:
+            probe = self._get_probe(trainer, pl_module)
+            if probe is None:
+                return
+            result = self._measure(trainer, pl_module, probe)
+        except (NoLoss, NotAFinalNorm) as err:
+            self._disable(str(err))
+            return
+        except Exception as err:  # noqa: BLE001 - never stop the user's training
+            self._disable(
+                f"{type(err).__name__}: {err}. If the model needs a particular loss or final norm, pass "
+                "loss_fn=lambda module, batch: ... and final_norm='...'"
+            )
+            return
+        self.last_result = result
+        if self._sink.last_step < 0:
+            self._sink.add_layout(INVARIANCE_LAYOUT)
+        self._sink.log(trainer, step, finite_metrics(result.metrics()))
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult:
+        if self._prober is None:
+            self._prober = InvarianceProbe(
+                pl_module, self.loss_fn or probe_loss(pl_module, probe), final_norm=self.final_norm,
+                cases=self.cases, scales=self.scales, autocast=trainer.precision_plugin.forward_context,
+                norms=self._norms,
+            )
+        result = self._prober.run(probe)
+        self._final_name = self._prober.final_norm
+        return result
+
+    def _get_probe(self, trainer: Trainer, pl_module: LightningModule):
+        if self._probe is not None:
+            return self._probe
+        batch = self.probe_batch
+        if batch is None:
+            batch = first_samples(trainer.val_dataloaders, self.probe_size)
+        if batch is None:
+            batch = self._first_train_batch
+            if batch is None:
+                return None
+            self._sink.warn_once(
+                "train-probe",
+                "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
+                "so it probes the first training batch; pass probe_batch=... to choose.",
+            )
+        batch = probe_batch(batch, self.probe_size)
+        if self._sharded:  # every rank probes the same rows: rank zero's
+            batch = trainer.strategy.broadcast(map_tensors(batch, lambda t: t.cpu()), src=0)
+        self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
+        return self._probe
+
+    # -- checkpointing ---------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "final_norm": self._final_name}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.final_norm is None and state_dict.get("final_norm"):
+            self._final_name = state_dict["final_norm"]

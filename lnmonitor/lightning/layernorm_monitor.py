@@ -1,0 +1,349 @@
+r"""
+LayerNorm Monitor
+=================
+
+Watch every normalisation layer's 1/sigma ladder and dead-plane share while training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from typing_extensions import override
+
+from lnmonitor.core import arguments
+from lnmonitor.core.meter import LadderMeter, LadderResult, due
+from lnmonitor.core.metric_names import LADDER_LAYOUT, PREFIX, per_norm
+from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.summaries import NormSummary
+from lnmonitor.lightning.base import MonitorCallback, misconfiguration
+from lnmonitor.lightning.sink import write_histogram
+from lnmonitor.views.pictures import heatmap_picture, ladder_picture
+from lnmonitor.views.summary import Trail, ladder_grid, summary_text
+
+__all__ = ["LayerNormMonitor"]
+
+
+class LayerNormMonitor(MonitorCallback):
+    r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
+
+    The Lightning door of :class:`lnmonitor.core.meter.LadderMeter`: it decides which steps
+    the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
+    steps (default: the Trainer's
+    ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
+    last optimizer step of the fit when the Trainer knows it, the
+    selected norms are hooked for the whole step, over every row (token) of the global
+    batch: all micro-batches and, under DDP, all ranks.  On the other steps no hook is
+    registered.  Per row the monitor measures, in float32 on the device, the norm's
+    input variance ``v`` (mean square for RMSNorm), the stream's mean square, and the
+    share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
+    span{xhat} for RMSNorm); see docs/design.md.  The rows are summarised in fixed-bin
+    histograms (:mod:`lnmonitor.core.summaries`: share resolved to 2.4e-4, sigma and rms to
+    0.39% relative, eps/var to 0.78%, over the whole float32 range), reduced across ranks
+    with one ``all_gather`` per logging step, and read on the host once.
+
+    Args:
+        every_n_steps: measure the steps whose index (``trainer.global_step`` before the
+            update) is a multiple of this; ``None`` uses ``trainer.log_every_n_steps``.
+        include: glob pattern(s) over qualified module names (``fnmatch``: ``"*.ln1"``,
+            ``"model.blocks.*"``); only matching norms are measured.  ``None``: all.
+        exclude: glob pattern(s) of norms to leave out.
+        final_norm: qualified name of the final norm (the ladder's last rung); ``None``
+            takes the last norm to run whose input gradient does not go around it.
+        ladder: glob pattern(s) naming the norms that read the residual stream, the rungs
+            of the 1/sigma ladder (e.g. ``"model.layers.*.input_layernorm"``); ``None``
+            finds them on the first measured step: a norm whose input flows on past it
+            (part of the gradient there goes around the norm) reads the stream, a QK-norm or
+            a norm of a branch's output does not.  All selected norms are measured either
+            way; only the rungs enter the attenuation and growth.
+        histograms: also write TensorBoard histograms of the per-row share and sigma.
+        images: log the ladder as a picture (1/sigma and rms of each rung against depth,
+            the final norm marked; about 5 ms and 10 KB each) at measured steps at least
+            ``image_every_n_steps`` apart and at the last, and 1/sigma of every rung against
+            depth and step at the end of the fit, to every logger that takes images.
+        image_every_n_steps: the least number of optimizer steps between two ladder
+            pictures (default 50: every measured step at the default cadence, one in 50
+            when every step is measured).
+        summary: print a one-screen summary of the ladder and the shares at the end of the
+            fit (global rank zero).
+        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
+            when the Trainer has no logger.
+
+    Raises:
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
+            range; when the fit starts, if the model has no normalisation layer, the
+            patterns select none, ``final_norm`` is not a selected norm, or a selected norm
+            is too narrow for its dead subspace.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lnmonitor import LayerNormMonitor
+        >>> monitor = LayerNormMonitor(every_n_steps=10)
+        >>> trainer = Trainer(callbacks=[monitor])
+
+    Logged metrics (``<norm>`` is the norm's qualified name in the LightningModule,
+    e.g. ``model.blocks.0.ln1``; all are over the rows of one measured step):
+
+    ==========================================  ==============================================
+    ``lnmonitor/sigma/<norm>``                  median ``sqrt(v + eps)`` of the input rows
+                                                (units of the input)
+    ``lnmonitor/inv_sigma/<norm>``              ``1 / sigma``: the norm's gain on the residual
+                                                stream (1 / input units); the ladder
+    ``lnmonitor/rms/<norm>``                    median ``sqrt(mean(x^2))`` of the stream the
+                                                norm reads (input units)
+    ``lnmonitor/eps_over_var/<norm>``           median ``eps / v`` (dimensionless)
+    ``lnmonitor/transmission/<norm>``           median ``eps / (v + eps)``: the fraction the
+                                                Jacobian passes along the scale direction
+    ``lnmonitor/log10_eps_over_var/<norm>``     ``log10`` of the median ``eps / v`` (these two
+    ``lnmonitor/log10_transmission/<norm>``     span decades: read them on this scale)
+    ``lnmonitor/share_median/<norm>``           median dead-plane share ``|P w| / |w|`` (0..1)
+    ``lnmonitor/share_p90/<norm>``              its 90th percentile
+    ``lnmonitor/share_max/<norm>``              its exact maximum
+    ``lnmonitor/skipped_rows/<norm>``           rows without a share (zero or non-finite
+                                                gradient or input, constant row), count
+    ``lnmonitor/share_baseline/median``         median share of a random direction for this
+                                                width and dead-subspace dimension
+    ``lnmonitor/share_baseline/max``            median of the max of as many random rows as
+                                                were measured (compare with ``share_max``)
+    ``lnmonitor/ladder/attenuation``            ``inv_sigma(first rung) / inv_sigma(last rung)``
+    ``lnmonitor/ladder/growth``                 ``rms(last rung) / rms(first rung)``
+    ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward
+                                                order (0 first), -1 for a norm that is not a
+                                                rung; logged once, at the first measured step
+    ==========================================  ==============================================
+
+    With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at measured steps
+    ``image_every_n_steps`` apart, and the last) and ``lnmonitor/ladder_over_training`` (at
+    the end of the fit).
+
+    When the selected norms differ in width or kind, the baselines are logged per norm
+    as ``lnmonitor/share_baseline/median/<norm>`` and ``.../max/<norm>``.  With a
+    TensorBoard logger: a custom-scalars layout (the whole ladder, the shares against
+    their baselines, each as one multi-line chart), the norm kind, eps and width in the
+    HPARAMS tab, and with ``histograms=True`` ``lnmonitor/hist/share/<norm>`` and
+    ``lnmonitor/hist/sigma/<norm>``.
+
+    What real training throws at it (the README's "Tested conditions"):
+
+    * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
+      a ratio, so the loss scale cancels; rows whose gradient or input is zero or not
+      finite (an fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``;
+    * gradient accumulation: one measured step covers all its micro-batches;
+    * ``torch.compile``: compiled code does not run hooks registered after it compiled, so
+      the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
+      once when the fit starts) and the others run the compiled code;
+    * activation checkpointing: every norm call is measured once (see
+      :mod:`lnmonitor.core.taps`);
+    * a selected norm that gets no row in a measured step (never called, or hidden from
+      the hooks) is named in a warning, once; nothing is made up for it.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        final_norm: str | None = None,
+        histograms: bool = False,
+        keep_history: bool | None = None,
+        ladder: str | Sequence[str] | None = None,
+        images: bool = True,
+        image_every_n_steps: int = 50,
+        summary: bool = True,
+    ) -> None:
+        with misconfiguration():
+            self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
+            self.include = arguments.patterns(include, "include")
+            self.exclude = arguments.patterns(exclude, "exclude")
+            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
+            self.ladder = arguments.patterns(ladder, "ladder")
+            self.histograms = arguments.flag(histograms, "histograms")
+            self.images = arguments.flag(images, "images")
+            self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
+                                                              allow_none=False)
+            self.summary = arguments.flag(summary, "summary")
+        with misconfiguration():
+            keep_history = arguments.optional_flag(keep_history, "keep_history")
+        super().__init__(keep_history)
+        self.every_n_steps: int | None = self._every_arg
+        self.meter: LadderMeter | None = None
+        self.last_summaries: list[NormSummary] = []
+        self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
+        self._measuring: int | None = None
+        self._last_step: int | None = None
+        self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
+        self._last_picture: float = -math.inf  # the step of the last ladder picture
+
+    @property
+    def norms(self) -> list[NormInfo]:
+        """The measured norms (with their roles once the first step has assigned them)."""
+        return self.meter.norms if self.meter is not None else []
+
+    @property
+    def order(self) -> list[str]:
+        """The norms' names in the order the forward first ran them."""
+        return self.meter.order if self.meter is not None and self.meter.order else self._order
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_steps=self._every_arg, include=self.include, exclude=self.exclude
+        )
+
+    # -- one fit ---------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._stop()
+        self.meter, self.last_summaries, self._order = None, [], []
+        self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
+        self._last_picture = -math.inf
+        self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
+        self._sink.setup(trainer, hparams=True)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_model and the strategy's setup: the model is complete and sharded.
+        with misconfiguration():
+            self.meter = LadderMeter(
+                pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
+                ladder=self.ladder, owner="LayerNormMonitor", say=self._say, warn=self._warn,
+            )
+        self.meter.order = list(self._order)
+        self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
+        last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self._last_step = int(last) - 1 if math.isfinite(last) else None
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
+        if not trainer.is_global_zero or not self._trail:
+            return
+        try:
+            curves = self._trail.curves()
+            rungs, steps, grid = ladder_grid(curves)
+            if self.images and len(steps) > 1:
+                picture = heatmap_picture([n.removeprefix("model.") for n in rungs], steps, grid,
+                                          "1/sigma of each rung over training (forward order, top down)")
+                self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", steps[-1], picture)
+            if self.summary:
+                self._say(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
+        except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
+            self._warn("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
+
+    def _stop(self) -> None:
+        """End a measured step early (an exception, the end of the fit): no hook, no row left."""
+        if self.meter is not None:
+            self.meter.abort()
+        self._measuring = None
+
+    # -- the measured step -----------------------------------------------------------
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.meter is None or self.meter.off_reason or self._measuring is not None:
+            return
+        step = trainer.global_step
+        if due(step, self.every_n_steps, self._last_step) and step > self._sink.last_step:
+            self._measuring = step
+            self.meter.start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measuring is None or trainer.global_step == self._measuring:
+            return  # not measuring, or still accumulating gradients for this step
+        step, self._measuring = self._measuring, None
+        self.meter.stop()
+        gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
+        result = self.meter.result(gather, counts=self.histograms, label=f"the measured step {step}")
+        if result is None:
+            return
+        self.last_summaries = result.summaries
+        metrics = result.metrics(positions=self._sink.last_step < 0)
+        if self._sink.last_step < 0:
+            self._sink.add_layout(LADDER_LAYOUT)
+        logged = self._sink.log(
+            trainer, step, metrics,
+            (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None,
+        )
+        if logged and trainer.is_global_zero:
+            self._trail.add(step, metrics)
+            spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
+            if self.images and spaced:
+                self._log_picture(trainer, step, result)
+                self._last_picture = step
+
+    def _log_picture(self, trainer: Trainer, step: int, result: LadderResult) -> None:
+        """The ladder at this step as a picture: 1/sigma and rms of every rung against depth."""
+        figures = result.figures
+        rungs, by_name = figures.rungs, figures.by_name()
+        title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
+                                  if math.isfinite(figures.attenuation) else "")
+        picture = ladder_picture(
+            [n.removeprefix("model.") for n in rungs],
+            [by_name[n].inv_sigma for n in rungs],
+            [by_name[n].rms for n in rungs],
+            figures.final.removeprefix("model.") if figures.final else None, title,
+        )
+        self._sink.log_image(trainer, f"{PREFIX}/ladder", step, picture)
+
+    def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
+        norms = self.norms
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
+        kinds = sorted({n.kind for n in norms})
+        epss = sorted({n.eps(dtype) for n in norms})
+        widths = sorted({n.width for n in norms if n.width is not None})
+        params = {
+            f"{PREFIX}/norm_kind": ",".join(kinds),
+            f"{PREFIX}/eps": epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
+            f"{PREFIX}/width": widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
+            f"{PREFIX}/n_norms": len(norms),
+            f"{PREFIX}/every_n_steps": self.every_n_steps,
+        }
+        last = self.final_norm or norms[-1].name
+        metrics = [f"{PREFIX}/ladder/attenuation", per_norm("log10_eps_over_var", last),
+                   per_norm("share_median", last), f"{PREFIX}/ladder/growth"]
+        return params, metrics
+
+    def _histograms(self, writer, step: int, result: LadderResult) -> None:
+        for i, (info, s) in enumerate(zip(result.norms, result.summaries, strict=True)):
+            write_histogram(writer, f"{PREFIX}/hist/share/{info.name}", step,
+                            s.share_counts, s.layout.share_edges(), group=64)
+            sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))
+            write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,  # 1/8 octave buckets
+                            s.var_counts, sigma_edges, group=16)
+
+    # -- checkpointing ---------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "every_n_steps": self.every_n_steps, "order": list(self.order)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._every_arg is None and state_dict.get("every_n_steps"):
+            self.every_n_steps = int(state_dict["every_n_steps"])
+        self._order = list(state_dict.get("order", []))
+        if self.meter is not None:
+            self.meter.order = list(self._order)

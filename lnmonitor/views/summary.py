@@ -1,0 +1,240 @@
+"""A one-screen summary of what lnmonitor logged for one run, from its curves.
+
+The input is ``{tag: [(step, value), ...]}`` -- what
+:func:`lnmonitor.views.events.read_scalars` reads back from a run, or what a monitor
+kept during a fit -- so ``lnmonitor summarize`` and the end-of-fit summary print the same.
+:func:`summary_text` gives the ladder at the last logged step (1/sigma, rms, eps/var, the
+dead-plane share against the random baseline), the attenuation and growth and how they
+moved since the first logged step, the norms that are not rungs, and the final norm's
+invariance residuals; :func:`comparison_lines` sets several runs side by side.
+:func:`ladder_of` orders the rungs by ``lnmonitor/ladder_position/<norm>`` (logged once
+per fit).  :class:`Trail` is what a monitor keeps of its curves for its end-of-fit views,
+in a bounded size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from lnmonitor.core.metric_names import PREFIX as P
+
+__all__ = [
+    "Curves", "Trail", "comparison_lines", "invariance_lines", "ladder_grid", "ladder_lines", "ladder_of",
+    "last", "name_prefix", "short_names", "summary_text",
+]
+
+Curves = Mapping[str, Sequence[tuple[int, float]]]
+NAME_WIDTH = 34  # the text table's norm column
+ELLIPSIS = "..."
+
+
+def last(curves: Curves, tag: str) -> float:
+    points = curves.get(tag) or ()
+    return float(points[-1][1]) if points else math.nan
+
+
+class Trail:
+    """What a monitor keeps of its own curves for its end-of-fit summary and pictures, in
+    a size that does not grow with the fit: the first and last point of every tag, and the
+    whole series of the tags starting with one of ``series``, thinned to at most
+    ``max_points`` steps (every other kept step dropped, and the stride doubled, when full;
+    the last point is always there)."""
+
+    def __init__(self, series: Sequence[str] = (), max_points: int = 256) -> None:
+        self.series, self.max_points = tuple(series), max_points
+        self._ends: dict[str, list[tuple[int, float]]] = {}
+        self._points: dict[str, dict[int, float]] = {}
+        self._kept: list[int] = []
+        self._stride, self._count = 1, 0
+
+    def add(self, step: int, metrics: Mapping[str, float]) -> None:
+        for tag, value in metrics.items():
+            self._ends.setdefault(tag, [(step, value)])[1:] = [(step, value)]
+        if self._count % self._stride == 0:
+            self._kept.append(step)
+            for tag, value in metrics.items():
+                if tag.startswith(self.series):
+                    self._points.setdefault(tag, {})[step] = value
+            if len(self._kept) > self.max_points:
+                self._stride *= 2
+                self._kept = self._kept[::2]
+                keep = set(self._kept)
+                for points in self._points.values():
+                    for s in [s for s in points if s not in keep]:
+                        del points[s]
+        self._count += 1
+
+    def curves(self) -> dict[str, list[tuple[int, float]]]:
+        """``{tag: [(step, value), ...]}`` in step order."""
+        out = {}
+        for tag, ends in self._ends.items():
+            points = dict(self._points.get(tag, {}))
+            points.update(dict(ends))
+            out[tag] = sorted(points.items())
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self._ends)
+
+
+def _first(curves: Curves, tag: str) -> tuple[int, float] | None:
+    points = curves.get(tag) or ()
+    return (int(points[0][0]), float(points[0][1])) if points else None
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
+    """``(rungs in forward order, other norms)``; without ladder positions (a log from an
+    older lnmonitor) every norm is a rung, in natural name order."""
+    norms = sorted({t.split("/", 2)[2] for t in curves if t.startswith(f"{P}/inv_sigma/")}, key=_natural)
+    position = {n: last(curves, f"{P}/ladder_position/{n}") for n in norms}
+    if all(math.isnan(p) for p in position.values()):
+        return norms, []
+    rungs = sorted((n for n in norms if position[n] >= 0), key=lambda n: position[n])
+    return rungs, [n for n in norms if not position[n] >= 0]
+
+
+def ladder_grid(curves: Curves, tag: str = "inv_sigma") -> tuple[list[str], list[int], np.ndarray]:
+    """``(rungs, steps, values)``: ``lnmonitor/<tag>/<rung>`` as a rungs x steps array
+    (forward order top down; NaN where a rung has no point at a step)."""
+    rungs, _ = ladder_of(curves)
+    series = [dict(curves.get(f"{P}/{tag}/{name}", ())) for name in rungs]
+    steps = sorted({s for points in series for s in points})
+    grid = np.array([[points.get(s, np.nan) for s in steps] for points in series], dtype=float)
+    return rungs, steps, grid.reshape(len(rungs), len(steps))
+
+
+def _f(value: float, digits: int = 3) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    if value == 0:
+        return "0"
+    if value != 0 and (abs(value) < 10 ** -(digits - 1) or abs(value) >= 1e4):
+        return f"{value:.{digits - 1}e}"
+    return f"{value:.{digits}g}" if abs(value) >= 1 else f"{value:.{digits}f}"
+
+
+def name_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix every name shares (``model.model.`` for a Llama held as ``self.model``),
+    never a whole name: a lone name keeps its last part."""
+    parts = [name.split(".") for name in names]
+    if not parts:
+        return ""
+    common = 0
+    while common < min(len(p) for p in parts) - 1 and len({p[common] for p in parts}) == 1:
+        common += 1
+    return "".join(f"{part}." for part in parts[0][:common])
+
+
+def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
+    """``names`` without their shared :func:`name_prefix`, each at most ``width`` characters:
+    a longer one keeps its start and its end, with ``...`` where the middle was cut."""
+    cut = len(name_prefix(names))
+    out = []
+    for name in (name[cut:] for name in names):
+        if len(name) > width:
+            head = (width - len(ELLIPSIS)) // 2
+            name = name[:head] + ELLIPSIS + name[len(name) - (width - len(ELLIPSIS) - head):]
+        out.append(name)
+    return out
+
+
+def summary_text(curves: Curves, title: str = "") -> str:
+    """The summary (see the module docstring); says so when nothing of lnmonitor was logged."""
+    steps = sorted({s for t, pts in curves.items() if t.startswith(f"{P}/") for s, _ in pts})
+    if not steps:
+        return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
+    head = f"lnmonitor summary{': ' + title if title else ''}"
+    return "\n".join([head, *ladder_lines(curves), *invariance_lines(curves)])
+
+
+def ladder_lines(curves: Curves) -> list[str]:
+    """The ladder and the shares at the last logged step, and how the ladder moved."""
+    rungs, others = ladder_of(curves)
+    if not rungs and not others:
+        return []
+    base_med = last(curves, f"{P}/share_baseline/median")
+    base_max = last(curves, f"{P}/share_baseline/max")
+    steps = sorted({s for n in rungs + others for s, _ in curves.get(f"{P}/inv_sigma/{n}", ())})
+    prefix = name_prefix(rungs + others)
+    shared = f"; names without {prefix!r}" if prefix else ""
+    lines = [f"  the ladder at step {steps[-1]} ({len(steps)} measured steps, the first at {steps[0]}"
+             f"{shared}):",
+             f"  {'norm':{NAME_WIDTH}s} {'1/sigma':>8s} {'rms':>8s} {'eps/var':>9s} {'share med':>9s} "
+             f"{'share max':>9s}"]
+    for name, short in zip(rungs + others, short_names(rungs + others), strict=True):
+        med = last(curves, f"{P}/share_median/{name}")
+        row_base = last(curves, f"{P}/share_baseline/median/{name}")
+        mark = "" if name in rungs else "  (not a rung)"
+        lines.append(
+            f"  {short:{NAME_WIDTH}s} {_f(last(curves, f'{P}/inv_sigma/{name}')):>8s} "
+            f"{_f(last(curves, f'{P}/rms/{name}')):>8s} "
+            f"{_f(last(curves, f'{P}/eps_over_var/{name}'), 2):>9s} "
+            f"{_f(med):>9s} {_f(last(curves, f'{P}/share_max/{name}')):>9s}{mark}"
+            + (f"  random {_f(row_base)}" if math.isfinite(row_base) else "")
+        )
+    if math.isfinite(base_med):
+        lines.append(f"  random direction: median share {_f(base_med)}, "
+                     f"max of as many rows {_f(base_max)}")
+    for key, word in (("attenuation", "1/sigma of the first rung / the last"),
+                      ("growth", "rms of the last rung / the first")):
+        tag = f"{P}/ladder/{key}"
+        start, now = _first(curves, tag), last(curves, tag)
+        if start is not None:
+            lines.append(f"  {key} ({word}): {_f(now)}x" + (
+                f", {_f(start[1])}x at step {start[0]}" if start[0] != steps[-1] else ""))
+    return lines
+
+
+def invariance_lines(curves: Curves) -> list[str]:
+    """The final-norm invariance residuals at the last probed point, one column per case."""
+    cases = [c for c in ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
+             if math.isfinite(last(curves, f"{P}/invariance/{c}/dloss"))]
+    if not cases:
+        return []
+    width = max(len(c) for c in cases) + 1
+    step = (curves.get(f"{P}/invariance/{cases[0]}/dloss") or [(None,)])[-1][0]
+    lines = [f"  {f'final-norm invariance at step {step}':33s}" + "".join(f"{c:>{width}s}" for c in cases)]
+    for statistic, label in (("dloss", "delta-loss (nats)"), ("out_residual", "float64 output residual")):
+        values = "".join(f"{_f(last(curves, f'{P}/invariance/{c}/{statistic}'), 2):>{width}s}" for c in cases)
+        lines.append(f"    {label:31s}{values}")
+    slope = last(curves, f"{P}/invariance/scale_slope")
+    if math.isfinite(slope):
+        lines.append(f"    scale sweep: |dloss| = {_f(last(curves, f'{P}/invariance/scale_constant'))} "
+                     f"nats x (eps/var)^{_f(slope)}")
+    return lines
+
+
+def comparison_lines(runs: Mapping[str, Curves]) -> list[str]:
+    """Runs side by side, one row each, at their last logged step: the ladder's attenuation
+    and growth, the final norm's 1/sigma, eps/var and median share (against the random
+    median), the scale_3 delta-loss and the validation loss when one was logged."""
+    header = ("run", "last step", "atten.", "growth", "final 1/sig", "final eps/var", "final share",
+              "random", "scale_3 dL", "val loss")
+    rows = [header]
+    for name, curves in runs.items():
+        rungs, _ = ladder_of(curves)
+        final = rungs[-1] if rungs else ""
+        steps = [s for t, pts in curves.items() if t.startswith(f"{P}/") for s, _ in pts]
+        base = last(curves, f"{P}/share_baseline/median/{final}")
+        loss = next((last(curves, t) for t in ("val/loss", "val_loss", "validation/loss") if t in curves),
+                    math.nan)
+        rows.append((
+            name, str(max(steps)) if steps else "-",
+            _f(last(curves, f"{P}/ladder/attenuation")), _f(last(curves, f"{P}/ladder/growth")),
+            _f(last(curves, f"{P}/inv_sigma/{final}")), _f(last(curves, f"{P}/eps_over_var/{final}"), 2),
+            _f(last(curves, f"{P}/share_median/{final}")),
+            _f(base if math.isfinite(base) else last(curves, f"{P}/share_baseline/median")),
+            _f(last(curves, f"{P}/invariance/scale_3/dloss"), 2), _f(loss, 4),
+        ))
+    widths = [max(len(row[k]) for row in rows) for k in range(len(header))]
+    return ["  " + f"{row[0]:{widths[0]}s}" + "".join(f"  {c:>{w}s}" for c, w in zip(row[1:], widths[1:],
+                                                                                   strict=True))
+            for row in rows]
