@@ -67,6 +67,7 @@ from lnmonitor.core.geometry import row_stats
 from lnmonitor.core.hooks import Hooks, eager, eval_mode, unmeasured
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES
 from lnmonitor.core.norms import NormInfo, find_norms
+from lnmonitor.core.sweep import FIT_RANGE, ROUNDING_BELOW
 
 __all__ = [
     "CASES",
@@ -95,8 +96,6 @@ CASES = INVARIANCE_CASES
 # (benchmarks/probe_rows.py).
 PROBE_WINDOWS = 64
 SWEEP_SCALES = (1e3, 1e1, 1.0, 1e-1, 1e-2, 3e-3, 1e-3, 1e-4)
-FIT_RANGE = (1e-5, 10.0)
-ROUNDING_BELOW = 1e-5
 
 # (scale a, shift c, single axis?) of each case: T h = a h + c (1 or e_0)
 _CASE_TRANSFORMS = {

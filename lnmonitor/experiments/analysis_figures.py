@@ -11,7 +11,7 @@ import numpy as np
 
 from lnmonitor.core import geometry
 from lnmonitor.experiments.analysis import Analysis
-from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
 
 __all__ = ["write_figures"]
 
@@ -82,25 +82,23 @@ def _fig_ladder(a: Analysis, path: Path) -> None:
 
 def _fig_sweep(a: Analysis, path: Path) -> None:
     inv = a.invariance
-    fig = new_figure(6, 4.2)
+    fitted = math.isfinite(inv.slope)
+    fig = new_figure(6.5, 4.2)
     ax = fig.add_subplot()
-    pts = [p for p in inv.sweep if p.dloss != 0 and math.isfinite(p.dloss)]
-    for flag, style, label in ((True, "o", "in fit"), (False, "x", "outside the fit range")):
-        sel = [p for p in pts if p.in_fit == flag and not p.rounding]
-        if sel:
-            ax.loglog([p.eps_over_var for p in sel], [abs(p.dloss) for p in sel], style, label=label)
-    rounding = [p for p in pts if p.rounding]
-    if rounding:
-        ax.loglog([p.eps_over_var for p in rounding], [abs(p.dloss) for p in rounding], "^", color="C3",
-                  label="float32 rounding, not eps")
-    if math.isfinite(inv.slope):
+    points = [(p.eps_over_var, p.dloss, p.in_fit, p.rounding) for p in inv.sweep]
+    reasons = scatter_sweep(ax, points, fitted, "C0")
+    lines = {}
+    if fitted:
         xs = np.logspace(-5, 1, 50)
-        ax.loglog(xs, inv.constant * xs**inv.slope, "k-", lw=1,
-                  label=f"|dloss| = {inv.constant:.3g} (eps/v)^{inv.slope:.2f}")
+        label = f"|dloss| = {inv.constant:.3g} (eps/v)^{inv.slope:.2f}"
+        ax.plot(xs, inv.constant * xs**inv.slope, "k-", lw=1)
+        lines[label] = "black"
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("eps / v at the final norm (after scaling by a)")
     ax.set_ylabel("|delta loss|, nats")
     ax.set_title(f"scale sweep of {short_name(inv.final_norm)}")
-    ax.legend(fontsize=8)
+    sweep_legend(ax, reasons, lines)
     save_png(fig, path)
 
 

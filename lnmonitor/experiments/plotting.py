@@ -1,14 +1,17 @@
 """What every lnmonitor figure shares: matplotlib's object API (no pyplot, no global
-backend state), atomic PNG writes and the short names of norms on an axis."""
+backend state), atomic PNG writes, the short names of norms on an axis, and the scale
+sweep's points drawn by why each is in its fit or not."""
 
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
+from lnmonitor.core.sweep import REASONS, sweep_reason
 from lnmonitor.experiments.files import atomic_write_bytes
 
-__all__ = ["new_figure", "save_png", "short_name"]
+__all__ = ["new_figure", "save_png", "scatter_sweep", "short_name", "sweep_legend"]
 
 
 def new_figure(width: float = 7.0, height: float = 4.5):
@@ -32,3 +35,37 @@ def save_png(fig, path: Path) -> None:
 def short_name(name: str) -> str:
     """A norm's qualified name without the LightningModule's ``model.`` prefix."""
     return name.removeprefix("model.")
+
+
+# marker and fill of a sweep point, per reason (lnmonitor.core.sweep.REASONS)
+_SWEEP_STYLE = {"fitted": ("o", True), "too_few": ("s", False), "sign": ("D", False),
+                "outside": ("o", False), "rounding": ("x", True)}
+
+
+def scatter_sweep(ax, points, fitted: bool, color: str) -> set[str]:
+    """One run's scale-sweep points ``(eps_over_var, dloss, in_fit, rounding)`` on ``ax``
+    (log-log, abs(delta loss)), each drawn in the style of its reason
+    (:func:`lnmonitor.core.sweep.sweep_reason`); points whose loss did not move have no
+    logarithm and are left out.  Returns the reasons drawn, for :func:`sweep_legend`."""
+    drawn: set[str] = set()
+    for reason, (marker, filled) in _SWEEP_STYLE.items():
+        sel = [(x, abs(d)) for x, d, in_fit, rounding in points if x > 0 and d != 0 and math.isfinite(d)
+               and sweep_reason(x, in_fit, rounding, fitted) == reason]
+        if sel:
+            style = {"color": color} if marker == "x" else {
+                "facecolors": color if filled else "none", "edgecolors": color}
+            ax.scatter(*zip(*sel, strict=True), marker=marker, s=24, **style)
+            drawn.add(reason)
+    return drawn
+
+
+def sweep_legend(ax, reasons: set[str], lines: dict[str, str] | None = None) -> None:
+    """A legend of the reasons drawn (black markers) and of ``lines`` (label -> colour)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=c, linewidth=2, label=label) for label, c in (lines or {}).items()]
+    for reason, (marker, filled) in _SWEEP_STYLE.items():
+        if reason in reasons:
+            handles.append(Line2D([], [], linestyle="none", marker=marker, color="black",
+                                  markerfacecolor="black" if filled else "none", label=REASONS[reason]))
+    ax.legend(handles=handles, fontsize=7, loc="upper left")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
-from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label
 
@@ -96,39 +96,26 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
 
 def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) -> bool:
     """Left: each run's scale sweep, abs(delta loss) against eps/var of the final norm's input,
-    with its fitted line ``constant * (eps/var)^slope``; filled points are in the fit,
-    hollow ones outside its range (crosses: float32 rounding, not eps). Right: one point per
-    run, the float64 output residual and abs(delta loss) of the scale-3 case against the
-    run's own eps/var, so the eps values line up along one law."""
+    with its fitted line ``constant * (eps/var)^slope``; each point's marker says why it is in
+    the fit or not (:data:`lnmonitor.core.sweep.REASONS`). Right: one point per run, the
+    float64 output residual and abs(delta loss) of the scale-3 case against the run's own
+    eps/var, so the eps values line up along one law."""
     colors = _colors(eps_values)
     fig = new_figure(11.0, 4.5)
     ax_sweep, ax_runs = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    drawn = False
+    reasons: set[str] = set()
     for eps in eps_values:
         runs = [r for (e, _), r in sorted(records.items()) if e == eps]
-        label = f"eps={eps_label(eps)}"
         for r in runs:
-            sweep = (r.get("invariance") or {}).get("sweep") or []
-            pts = [p for p in sweep if _pos(p.get("eps_over_var")) and _pos(_abs(p.get("dloss")))]
-            groups = (
-                ([p for p in pts if p.get("in_fit")], colors[eps], "o"),
-                ([p for p in pts if not p.get("in_fit") and not p.get("rounding")], "none", "o"),
-                ([p for p in pts if p.get("rounding")], colors[eps], "x"),
-            )
-            for group, face, marker in groups:
-                if not group:
-                    continue
-                kw = {"color": colors[eps]}
-                if marker == "o":
-                    kw = {"facecolors": face, "edgecolors": colors[eps]}
-                ax_sweep.scatter([p["eps_over_var"] for p in group], [abs(p["dloss"]) for p in group],
-                                 marker=marker, s=22, label=label, **kw)
-                label, drawn = None, True
-            fit = groups[0][0]
             slope = r["headline"].get("scale_slope")
             const = r["headline"].get("scale_constant")
-            if len(fit) >= 2 and slope is not None and _pos(const):
-                ends = [p["eps_over_var"] for p in fit]
+            fitted = slope is not None and _pos(const)
+            sweep = [(p.get("eps_over_var"), p.get("dloss"), p.get("in_fit"), p.get("rounding"))
+                     for p in (r.get("invariance") or {}).get("sweep") or []]
+            sweep = [p for p in sweep if p[0] is not None and p[1] is not None]
+            reasons |= scatter_sweep(ax_sweep, sweep, fitted, colors[eps])
+            ends = [x for x, _, in_fit, _ in sweep if in_fit]
+            if fitted and len(ends) >= 2:
                 xs = np.geomspace(min(ends), max(ends), 20)
                 ax_sweep.plot(xs, const * xs**slope, color=colors[eps], linewidth=1, alpha=0.8)
         xs = [r["headline"].get("final_eps_over_var") for r in runs]
@@ -139,27 +126,23 @@ def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) ->
             if pts:
                 ax_runs.scatter(*zip(*pts, strict=True), color=colors[eps], marker=marker, s=30,
                                 label=f"{what}, eps={eps_label(eps)}")
-                drawn = True
-    if not drawn:
+    if not reasons and not ax_runs.get_legend_handles_labels()[0]:
         return False
     for ax in (ax_sweep, ax_runs):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+    sweep_legend(ax_sweep, reasons, {f"eps={eps_label(e)}": colors[e] for e in eps_values})
+    if ax_runs.get_legend_handles_labels()[0]:
+        ax_runs.legend(fontsize=8)
     ax_sweep.set_xlabel("eps/var of the scaled final-norm input (median row)")
     ax_sweep.set_ylabel("abs(delta loss), nats")
-    ax_sweep.set_title("Scale sweep (filled: fitted; x: float32 rounding)", fontsize=10)
+    ax_sweep.set_title("Scale sweep: each point marked by why it is in the fit or not", fontsize=10)
     ax_runs.set_xlabel("eps/var of the final norm's input (median row)")
     ax_runs.set_ylabel("error of the scale-3 case")
     ax_runs.set_title("Scale 3: float64 output residual and delta loss", fontsize=10)
     save_png(fig, path)
     return True
-
-
-def _abs(value):
-    return None if value is None else abs(value)
 
 
 def _pos(value) -> bool:
