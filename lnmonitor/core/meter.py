@@ -306,10 +306,10 @@ def _device(model: nn.Module) -> torch.device:
 
 def _gather(flat: Tensor, gather) -> Tensor:
     """``flat`` of every process, stacked: ``gather`` is a function, or ``torch.distributed``."""
-    if hasattr(gather, "all_gather_into_tensor"):
+    if hasattr(gather, "all_gather"):  # torch.distributed: all_gather works on every backend (gloo too)
         if not (gather.is_available() and gather.is_initialized()) or gather.get_world_size() == 1:
             return flat
-        out = flat.new_empty((gather.get_world_size(), *flat.shape))
-        gather.all_gather_into_tensor(out, flat.contiguous())
-        return out
+        parts = [torch.empty_like(flat) for _ in range(gather.get_world_size())]
+        gather.all_gather(parts, flat.contiguous())
+        return torch.stack(parts)
     return gather(flat)

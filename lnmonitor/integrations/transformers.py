@@ -25,7 +25,7 @@ from lnmonitor.core import arguments
 from lnmonitor.core.discovery import choose_norms
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, default_loss
-from lnmonitor.core.meter import LadderMeter, due
+from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
 
@@ -110,6 +110,7 @@ class LNMonitorCallback(TrainerCallback):
         self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
         self.keep_history = arguments.optional_flag(keep_history, "keep_history")
         self.history: list[dict[str, float]] = []
+        self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
         self.every_n_steps: int | None = self._every_arg
         self.invariance_off: str | None = None
@@ -168,6 +169,7 @@ class LNMonitorCallback(TrainerCallback):
             gather = dist if dist.is_available() and dist.is_initialized() else None
             result = self.meter.result(gather, label=f"step {step}")
             if result is not None:
+                self.last_result = result
                 self._report(result.metrics(positions=self._logged < 0), args, state, control)
                 self._logged = step
         every = self.invariance_every_n_steps
