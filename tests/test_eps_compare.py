@@ -86,6 +86,8 @@ def test_end_to_end_writes_results_report_and_figures(compared):
     assert "## eps = 1e-05" in text and "## eps = 0.1" in text
     assert "no difference is resolved at this number of seeds" in text  # one seed: no interval
     assert "undefined (one seed)" in text
+    assert "## Over training" in text and "| 0.1 | " in text.split("## Over training")[1]
+    assert "the runs occupied" in text
     for key, name in report.FIGURES.items():
         if key == "dose_response":  # two eps make no dose-response: the report says so
             assert not (out / name).exists() and "needs finished runs at three or more eps" in text

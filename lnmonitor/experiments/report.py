@@ -11,16 +11,19 @@ rebuilds the report without torch, Lightning, event files or any training.  The 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import atomic_write_json, atomic_write_text
+from lnmonitor.experiments.over_training import markdown as over_training
 from lnmonitor.experiments.report_figures import (
     FIGURES,
     figure_dose_response,
     figure_invariance,
     figure_ladder,
+    figure_loss_gap,
     figure_shares,
     figure_training_curves,
     figure_transmission_by_norm,
@@ -86,9 +89,27 @@ def merge_results(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -
         "differences": {
             eps_label(e): paired_difference(records, e, base) for e in eps_values if e != base
         },
-        "seconds": {"train": train, "measure": measure, "total": train + measure},
+        "seconds": {"train": train, "measure": measure, "total": train + measure,
+                    "occupied": occupied_seconds(records.values())},
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def occupied_seconds(runs: Iterable[dict]) -> float:
+    """The wall time ``runs`` occupied: the union of their spans, each ending at its record's
+    ``finished`` time and lasting its training and measurement time, so runs trained side by
+    side count once and the gaps between invocations not at all (runs without a finish time
+    have no span)."""
+    spans = []
+    for r in runs:
+        if r.get("finished"):
+            end = datetime.strptime(r["finished"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+            spans.append((end - (r.get("train_seconds") or 0.0) - (r.get("measure_seconds") or 0.0), end))
+    total, reach = 0.0, -float("inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
 
 
 def results_pairs(results: dict) -> list[tuple[float, int]]:
@@ -239,17 +260,21 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         )
         lines.append("")
 
+    lines += over_training(records_of(results), [float(e) for e in grid["eps"]], base)
     lines += ["## Figures", ""]
     captions = {
         "val_loss": "Validation loss during training, one line per seed",
+        "loss_gap": "The validation-loss gap to the smallest eps over training, paired by seed, 95% interval",
         "dose_response": "Dose-response: validation loss, transmission and the ladder against eps",
         "training_curves": "Transmission and stream rms of the first and final norm over training",
         "transmission_by_norm": "Transmission of every norm over training, largest eps",
         "ladder": "The 1/sigma ladder per eps",
-        "invariance": "Invariance error against eps/var (log-log) with the fitted lines",
+        "invariance": "Scale sweep against eps/var (log-log), each point marked by why it is in the fit or "
+                      "not, with the fitted lines; the scale-3 case per run",
         "shares": "Median dead-plane share per norm against the random baseline",
     }
-    missing = {"dose_response": "needs finished runs at three or more eps values"}
+    missing = {"dose_response": "needs finished runs at three or more eps values",
+               "loss_gap": "needs a larger eps with validation curves paired by seed"}
     for key, name in FIGURES.items():
         if figures.get(key):
             lines.append(f"![{captions[key]}]({name})")
@@ -261,11 +286,15 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     lines += ["## Wall time", ""]
     if present:
         monitored = sum(1 for r in present if r.get("monitors"))
+        threads = ", ".join(map(str, sorted({r["threads"] for r in present if r.get("threads")})))
         lines.append(
-            f"Training {_minutes(seconds['train'])}, measurement {_minutes(seconds['measure'])}, "
-            f"total {_minutes(seconds['total'])} over {len(present)} runs (the final attempt of each run; "
-            f"time lost to an interruption is not counted). Monitors attached in {monitored} of "
-            f"{len(present)} runs."
+            f"Training {_minutes(seconds['train'])} summed over {len(present)} runs, measurement "
+            f"{_minutes(seconds['measure'])}; the runs occupied {_minutes(seconds['occupied'])} of "
+            "wall time (the union of their spans, each ending at its record's finish time and lasting its "
+            "training and measurement time: runs trained side by side with `--jobs` count once, the gaps "
+            "between invocations not at all). Each run counts its final attempt; time lost to an "
+            f"interruption is not counted. Torch threads per run: {threads or 'not recorded'}. "
+            f"Monitors attached in {monitored} of {len(present)} runs."
         )
     lines += ["", f"Rebuild with `lnmonitor report {out}`.", ""]
     return "\n".join(lines)
@@ -280,6 +309,7 @@ def write_report(out: Path, results: dict) -> Path:
               for p, r in records.items()}
     figures = {
         "val_loss": figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),
+        "loss_gap": figure_loss_gap(records, eps_values, results["baseline_eps"], out / FIGURES["loss_gap"]),
         "dose_response": figure_dose_response(records, eps_values, out / FIGURES["dose_response"]),
         "training_curves": figure_training_curves(records, eps_values, out / FIGURES["training_curves"]),
         "transmission_by_norm": figure_transmission_by_norm(

@@ -9,17 +9,19 @@ from pathlib import Path
 import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
+from lnmonitor.experiments.over_training import curve_mean, loss_gap
 from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label
 
 __all__ = [
-    "FIGURES", "figure_dose_response", "figure_invariance", "figure_ladder", "figure_shares",
-    "figure_training_curves", "figure_transmission_by_norm", "figure_val_loss",
+    "FIGURES", "figure_dose_response", "figure_invariance", "figure_ladder", "figure_loss_gap",
+    "figure_shares", "figure_training_curves", "figure_transmission_by_norm", "figure_val_loss",
 ]
 
 FIGURES = {
     "val_loss": "val_loss_curves.png",
+    "loss_gap": "loss_gap_over_training.png",
     "dose_response": "dose_response.png",
     "training_curves": "transmission_and_rms_over_training.png",
     "transmission_by_norm": "transmission_by_norm.png",
@@ -52,6 +54,36 @@ def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bo
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/char)")
     ax.set_title("Validation loss, one line per seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_png(fig, path)
+    return True
+
+
+def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, path: Path) -> bool:
+    """Per eps, the validation loss minus at ``base`` against the step, paired by seed: the
+    mean with its 95% interval (where two or more seeds pair)."""
+    colors = _colors(eps_values)
+    fig = new_figure()
+    ax = fig.add_subplot()
+    drawn = False
+    for eps in eps_values:
+        gap = loss_gap(records, eps, base) if eps != base else []
+        if not gap:
+            continue
+        steps = [g["step"] for g in gap]
+        ax.plot(steps, [g["mean"] for g in gap], "o-", color=colors[eps], markersize=3,
+                label=f"eps={eps_label(eps)} ({len(gap[0]['seeds'])} seeds)")
+        spans = [(s, g["lo"], g["hi"]) for s, g in zip(steps, gap, strict=True) if g["lo"] is not None]
+        if spans:
+            ax.fill_between(*zip(*spans, strict=True), color=colors[eps], alpha=0.2)
+        drawn = True
+    if not drawn:
+        return False
+    ax.axhline(0.0, color="0.4", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"validation loss minus eps={eps_label(base)} (nats/char)")
+    ax.set_title("The loss gap over training, paired by seed (band: 95% interval)")
     ax.grid(alpha=0.3)
     ax.legend()
     save_png(fig, path)
@@ -227,17 +259,6 @@ def figure_dose_response(records: dict, eps_values: Sequence[float], path: Path)
     return True
 
 
-def _curve_mean(runs: list[dict], tag: str) -> tuple[list[int], list[float]]:
-    """The geometric mean over runs of one training curve, on the steps all runs logged."""
-    curves = [dict(map(tuple, (r.get("curves") or {}).get(tag, []))) for r in runs]
-    curves = [c for c in curves if c]
-    if not curves:
-        return [], []
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    values = [float(np.exp(np.mean([np.log(max(c[s], 1e-300)) for c in curves]))) for s in steps]
-    return steps, values
-
-
 def figure_training_curves(records: dict, eps_values: Sequence[float], path: Path) -> bool:
     """Over training, per eps (geometric mean over seeds, from the monitors' logs): the
     transmission at the first and the final norm, and the rms of the stream they read."""
@@ -254,7 +275,7 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
     for i, (tag, title) in enumerate(panels, start=1):
         ax = fig.add_subplot(2, 2, i)
         for e in sorted(eps_values):
-            steps, values = _curve_mean(runs[e], tag)
+            steps, values = curve_mean(runs[e], tag)
             if steps:
                 ax.plot(steps, values, color=colors[e], label=f"eps={eps_label(e)}")
         ax.set_yscale("log")
@@ -277,7 +298,7 @@ def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path
         return False
     rows, steps = [], None
     for name in names:
-        s, v = _curve_mean(runs, per_norm("transmission", name))
+        s, v = curve_mean(runs, per_norm("transmission", name))
         if not s:
             return False
         steps = s if steps is None else steps

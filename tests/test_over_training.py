@@ -1,0 +1,68 @@
+"""lnmonitor.experiments.over_training: the loss gap paired by seed at every validation, the
+first norm's transmission and the stream rms over training, from tiny synthetic curves."""
+
+from __future__ import annotations
+
+import pytest
+
+from lnmonitor.experiments import over_training
+
+FIRST, FINAL = "model.blocks.0.ln1", "model.lnf"
+
+
+def record(eps: float, seed: int, losses: dict, transmission: dict) -> dict:
+    rms = {s: 0.1 * (1 + s / 100) for s in transmission}
+    return {"eps": eps, "seed": seed, "norm_order": [FIRST, FINAL], "curves": {
+        "val/loss": [[s, v] for s, v in losses.items()],
+        f"lnmonitor/transmission/{FIRST}": [[s, v] for s, v in transmission.items()],
+        f"lnmonitor/rms/{FIRST}": [[s, v] for s, v in rms.items()],
+        f"lnmonitor/rms/{FINAL}": [[s, 10 * v] for s, v in rms.items()],
+    }}
+
+
+def grid(gaps: list[float], seeds=(0, 1, 2)) -> dict:
+    """eps 1e-5 and 0.1: seed s has loss 2 + 0.1 s - step/1000 at 1e-5 and that plus
+    ``gaps[i]`` (+ 0.001 s) at the i-th validation (steps 100, 200, ...) at 0.1."""
+    steps = [100 * (i + 1) for i in range(len(gaps))]
+    out = {}
+    for s in seeds:
+        base = {st: 2 + 0.1 * s - st / 1000 for st in steps}
+        out[(1e-5, s)] = record(1e-5, s, base, {0: 1e-3, 100: 4e-4, 200: 3e-4})
+        larger = {st: base[st] + g + 0.001 * s for st, g in zip(steps, gaps, strict=True)}
+        out[(0.1, s)] = record(0.1, s, larger, {0: 0.99, 100: 0.9, 200: 0.95})
+    return out
+
+
+def test_the_gap_is_paired_by_seed_at_every_validation():
+    records = grid([0.5, 0.1, 0.0])
+    gap = over_training.loss_gap(records, 0.1, 1e-5)
+    assert [g["step"] for g in gap] == [100, 200, 300] and all(g["seeds"] == [0, 1, 2] for g in gap)
+    assert [g["mean"] for g in gap] == pytest.approx([0.501, 0.101, 0.001])
+    assert gap[0]["half_width"] == pytest.approx(gap[2]["half_width"])  # the seeds' 0.1 s offsets cancel
+
+
+def test_a_validation_missing_from_one_run_is_left_out():
+    records = grid([0.5, 0.1, 0.0])
+    records[(0.1, 1)]["curves"]["val/loss"].pop(1)
+    assert [g["step"] for g in over_training.loss_gap(records, 0.1, 1e-5)] == [100, 300]
+
+
+def test_first_below_half_and_never():
+    records = grid([0.5])
+    tag = f"lnmonitor/transmission/{FIRST}"
+    assert over_training.first_below_half(records[(1e-5, 0)], tag) == 100
+    assert over_training.first_below_half(records[(0.1, 0)], tag) is None
+
+
+def test_the_section_says_when_the_gap_is_resolved_and_what_the_first_norm_does():
+    lines = "\n".join(over_training.markdown(grid([0.5, 0.2, 0.0]), [1e-5, 0.1], 1e-5))
+    assert "eps=0.1 (3 paired seeds): first resolved at step 100, resolved at 2 of 3 validations" in lines
+    assert "| 0.1 | 0.99 -> 0.9 at step 100 -> 0.95 | 0: never, 1: never, 2: never |" in lines
+    assert "| 1e-05 | 0.001 -> 0.0003 at step 200 -> 0.0003 | 0: 100, 1: 100, 2: 100 |" in lines
+    assert "0.1 -> peak 0.3 at step 200 -> 0.3 | 1 -> peak 3 at step 200 -> 3 |" in lines
+    noise = grid([0.0, 0.0])
+    for s in (0, 1, 2):
+        noise[(0.1, s)]["curves"]["val/loss"][0][1] += 0.01 * (-1) ** s
+    assert "never resolved (every interval includes 0)" in "\n".join(
+        over_training.markdown(noise, [1e-5, 0.1], 1e-5))
+    assert over_training.markdown({(1e-5, 0): {"eps": 1e-5, "seed": 0}}, [1e-5], 1e-5) == []
