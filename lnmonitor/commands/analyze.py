@@ -7,6 +7,8 @@ from pathlib import Path
 
 from lnmonitor.errors import UsageError
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(

@@ -8,6 +8,8 @@ import sys
 
 from lnmonitor.errors import UsageError
 
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 # Each module under lnmonitor.commands registers one subcommand.
 COMMANDS = ("train_tiny", "eps_compare", "report", "analyze", "summarize")
 

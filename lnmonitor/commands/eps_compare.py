@@ -13,6 +13,8 @@ from lnmonitor.experiments.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, p
 from lnmonitor.experiments.run import RunInterrupted
 from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
 
+__all__ = ["parse_shard", "register", "run"]
+
 
 def parse_shard(text: str | None) -> tuple[int, int]:
     """``"i/n"`` (0 <= i < n) as ``(i, n)``; None is ``(0, 1)``, the whole grid."""

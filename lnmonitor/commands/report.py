@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(

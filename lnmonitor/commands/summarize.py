@@ -9,6 +9,8 @@ from pathlib import Path
 from lnmonitor.core.metric_names import PREFIX
 from lnmonitor.errors import UsageError
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(

@@ -10,6 +10,8 @@ from lnmonitor.commands.recipe_arguments import add_recipe_arguments, recipe_fro
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 
+__all__ = ["CUSTOM_SCALARS", "register", "run"]
+
 # the dashboard with lnmonitor's charts, at TensorBoard's default port
 CUSTOM_SCALARS = "http://localhost:6006/#custom_scalars"
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from scipy import special, stats
 from torch import Tensor
 
-from lnmonitor.core.kinds import KINDS
+from lnmonitor.core.kinds import KINDS, NormKind
 
 __all__ = [
     "KINDS",
@@ -54,7 +54,6 @@ __all__ = [
     "transmission",
 ]
 
-NormKind = Literal["layer", "rms"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core import geometry
 from lnmonitor.core.hooks import Hooks
+from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.ladder import NormStats, baseline_max, baseline_median, ladder_figures
 from lnmonitor.core.norms import NormInfo
 
@@ -41,7 +42,7 @@ class NormRows:
     """
 
     name: str
-    kind: str
+    kind: NormKind
     width: int
     eps: float
     share: np.ndarray
@@ -175,7 +176,7 @@ class ShareRow:
     """
 
     name: str
-    kind: str
+    kind: NormKind
     width: int
     rows: int
     skipped: int

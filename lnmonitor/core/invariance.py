@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core.geometry import row_stats
 from lnmonitor.core.hooks import Hooks, eager, eval_mode, unmeasured
+from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES
 from lnmonitor.core.norms import NormInfo, find_norms
 from lnmonitor.core.sweep import FIT_RANGE, ROUNDING_BELOW
@@ -139,7 +140,7 @@ class InvarianceResult:
     """Everything :func:`final_norm_invariance` measured."""
 
     final_norm: str
-    kind: str
+    kind: NormKind
     eps: float
     rows: int
     base_loss: float
@@ -342,7 +343,7 @@ def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:
     return out
 
 
-def _xhat(h: Tensor, eps: float, kind: str) -> Tensor:
+def _xhat(h: Tensor, eps: float, kind: NormKind) -> Tensor:
     return row_stats(h, eps, kind).xhat
 
 

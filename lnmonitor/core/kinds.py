@@ -5,4 +5,10 @@ so the command line can name them without importing torch.
 * ``"rms"``: RMSNorm-like, does not centre; dead subspace span{xhat} (k = 1).
 """
 
+from typing import Literal
+
+__all__ = ["KINDS", "NormKind"]
+
+NormKind = Literal["layer", "rms"]
+
 KINDS = ("layer", "rms")

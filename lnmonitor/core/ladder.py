@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lnmonitor.core import geometry
+from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.metric_names import PREFIX, per_norm
 
 __all__ = [
@@ -35,7 +36,7 @@ class NormStats:
     """
 
     name: str
-    kind: str
+    kind: NormKind
     width: int | None
     eps: float
     var: float

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core.geometry import dead_dim, row_stats
 from lnmonitor.core.hooks import float64_twin, unmeasured
-from lnmonitor.core.kinds import KINDS
+from lnmonitor.core.kinds import KINDS, NormKind
 
 __all__ = [
     "RUNG_BYPASS_TOLERANCE",
@@ -69,7 +69,7 @@ class _Spec:
     """What a norm computes: ``kind``, where its epsilon is, and its gain
     (``offset + module.<weight>``, or ``gain(module)``; no gain when both are None)."""
 
-    kind: str
+    kind: NormKind
     eps: str | float | None  # attribute name, fixed value, or None (dtype's machine eps)
     weight: str | None = "weight"
     offset: float = 0.0
@@ -103,7 +103,7 @@ _REGISTRY_VERSION = [0]
 
 
 def register_norm(
-    cls: type, kind: str = "layer", *, eps: str | float | None = "eps",
+    cls: type, kind: NormKind = "layer", *, eps: str | float | None = "eps",
     weight: str | None = "weight", offset: float = 0.0, gain: GainFn | None = None,
 ) -> type:
     """Declare ``cls`` (and its subclasses) a normalisation layer of ``kind``.
@@ -263,7 +263,7 @@ def _check(module: nn.Module, spec: _Spec, y_cache: dict) -> _Check:
     return _Check(eps if error <= 1e-4 else None, error)
 
 
-def _measured_eps(c: Tensor, v: Tensor, g: Tensor, b: Tensor, y: Tensor, kind: str) -> float | None:
+def _measured_eps(c: Tensor, v: Tensor, g: Tensor, b: Tensor, y: Tensor, kind: NormKind) -> float | None:
     """The epsilon the output implies on the row whose variance (mean square) is 1e-5,
     where ``sigma^2 = 1e-5 + eps``, to 3 significant digits."""
     row = 1 if kind == "layer" else 2
@@ -293,7 +293,7 @@ class NormInfo:
 
     name: str
     module: nn.Module
-    kind: str
+    kind: NormKind
     width: int | None
     spec: _Spec = field(repr=False)
     role: str | None = None

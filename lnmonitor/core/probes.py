@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core import geometry
 from lnmonitor.core.hooks import Hooks, float64_twin
+from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo, describe_norm
 
 __all__ = [
@@ -107,7 +108,7 @@ class NormJacobianProbe:
     """
 
     name: str
-    kind: str
+    kind: NormKind
     width: int
     eps: float
     max_abs_error: float
@@ -124,7 +125,7 @@ class NormJacobianProbe:
     singular_values_eps0: tuple[float, ...]
 
 
-def _norm_info(norm, kind: str | None, eps: float | None):
+def _norm_info(norm, kind: NormKind | None, eps: float | None):
     """``(module, kind, eps, eps64, weight)`` from a ``NormInfo`` or a bare module: ``eps``
     is what the norm applies to float32 input, ``eps64`` what it applies to float64 input
     (they differ for an eps of None, "the dtype's machine epsilon")."""
@@ -145,7 +146,7 @@ def _norm_info(norm, kind: str | None, eps: float | None):
 
 
 def probe_norm_jacobian(
-    norm, x: Tensor, *, name: str = "", kind: str | None = None, eps: float | None = None,
+    norm, x: Tensor, *, name: str = "", kind: NormKind | None = None, eps: float | None = None,
     rtol: float | None = None,
 ) -> NormJacobianProbe:
     """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd.

@@ -21,6 +21,8 @@ import math
 import torch
 from torch import Tensor
 
+from lnmonitor.core.kinds import NormKind
+
 __all__ = ["FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "layernorm_backward_reductions", "row_reductions",
            "row_values"]
 
@@ -50,7 +52,7 @@ def _buffers(workspace, n: int, d: int):
 def row_reductions(
     x: Tensor,
     grad_output: Tensor,
-    kind: str,
+    kind: NormKind,
     weight: Tensor | None = None,
     workspace: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:

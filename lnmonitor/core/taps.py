@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core import torch_internals
 from lnmonitor.core.hooks import Hooks, measuring
+from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.reductions import drop_rounding_rows, layernorm_backward_reductions, row_reductions
 
@@ -294,7 +295,7 @@ class NormTap:
         return rows
 
 
-def _through(x: Tensor, g: Tensor, kind: str, eps: float, gain: Tensor | None) -> Tensor:
+def _through(x: Tensor, g: Tensor, kind: NormKind, eps: float, gain: Tensor | None) -> Tensor:
     """``J^T dL/dy`` of a norm in float32: ``(1/sigma) (w - mean(w) - (w.xhat/d) xhat)`` with
     ``w = gain * dL/dy`` (RMSNorm: without the mean)."""
     x, g = x.float(), g.float()

@@ -23,6 +23,11 @@ from pathlib import Path
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import read_json
 
+__all__ = [
+    "RECORD_FORMAT", "RECORD_NAME", "RESULTS_FORMAT", "RESULTS_NAME", "check_config", "config_differences",
+    "eps_label", "grid_pairs", "load_results", "read_record", "run_dir", "scan_records",
+]
+
 RESULTS_NAME = "results.json"
 RECORD_NAME = "result.json"
 RESULTS_FORMAT = "lnmonitor.eps-compare.results/1"

@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lnmonitor.errors import UsageError
 
+__all__ = ["CharDataModule", "CharVocab", "RandomWindows", "split_tokens", "windows_at"]
+
 
 class CharVocab:
     """The sorted set of characters of a text; stored with checkpoints as a plain string."""

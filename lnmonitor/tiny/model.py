@@ -19,6 +19,8 @@ from torch import nn
 from lnmonitor.core.kinds import KINDS
 from lnmonitor.tiny.recipe import ATTENTIONS, INITS
 
+__all__ = ["MLP", "Block", "CausalSelfAttention", "GPTConfig", "make_norm", "TinyGPT"]
+
 
 @dataclass(frozen=True)
 class GPTConfig:

@@ -9,6 +9,8 @@ from lnmonitor.tiny.data import CharVocab
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import DECAYS
 
+__all__ = ["TinyGPTModule"]
+
 
 class TinyGPTModule(L.LightningModule):
     """A :class:`TinyGPT` with the recipe's optimiser: AdamW with ``weight_decay`` on every

@@ -20,6 +20,8 @@ from lnmonitor.tiny.module import TinyGPTModule
 from lnmonitor.tiny.progress import ProgressLines
 from lnmonitor.tiny.recipe import Recipe
 
+__all__ = ["fit", "FitResult", "monitor_callbacks"]
+
 
 @dataclass(frozen=True)
 class FitResult:
