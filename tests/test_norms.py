@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from lnmonitor.core.norms import (
-    assign_roles,
     discover_norms,
     find_norms,
     register_norm,
     select_norms,
     unregister_norm,
 )
+from lnmonitor.core.roles import assign_roles
 
 # ---------------------------------------------------------------------------
 # discovery

@@ -38,7 +38,8 @@ from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_
 from lnmonitor.core.hooks import compiled, eager
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics
-from lnmonitor.core.norms import FINAL, RUNGS, NormInfo, assign_roles
+from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.roles import FINAL, RUNGS, assign_roles
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
 

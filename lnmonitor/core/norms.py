@@ -46,14 +46,13 @@ from lnmonitor.core.hooks import float64_twin, unmeasured
 from lnmonitor.core.kinds import KINDS, NormKind
 
 __all__ = [
-    "RUNG_BYPASS_TOLERANCE",
     "Discovery",
     "NormInfo",
     "Refusal",
-    "assign_roles",
     "describe_norm",
     "discover_norms",
     "find_norms",
+    "glob_patterns",
     "norm_eps",
     "register_norm",
     "select_norms",
@@ -443,61 +442,7 @@ def find_norms(module: nn.Module) -> list[NormInfo]:
     return discover_norms(module).norms
 
 
-# ---------------------------------------------------------------------------
-# roles
-# ---------------------------------------------------------------------------
-
-RESIDUAL, FINAL, QK, POST = "residual", "final", "qk", "post"
-RUNGS = (RESIDUAL, FINAL)  # the roles that read the residual stream: the ladder's rungs
-# share of the gradient at a norm's input that goes around it above which the norm's input
-# flows on past it (a residual-stream norm); a branch or final norm gives float rounding
-RUNG_BYPASS_TOLERANCE = 1e-3
-_QK_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm",
-             "query_layernorm", "key_layernorm", "norm_q", "norm_k", "q_ln", "k_ln")
-
-
-def assign_roles(
-    norms: Sequence[NormInfo], bypass: dict[str, float] | None = None,
-    ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
-) -> list[NormInfo]:
-    """``norms`` (in forward order) with their roles.
-
-    With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
-    rung when more than :data:`RUNG_BYPASS_TOLERANCE` of the loss gradient at its input goes
-    around it (``bypass[name]``, measured on a training step: its input flows on through
-    the residual), or when that was not measured.  The final norm is ``final_norm``, else
-    the last norm to run if its gradient does not go around it (with ``ladder``: the last
-    rung); a model without one has none.  It is the ladder's last rung.  The other norms
-    read a branch: ``"qk"`` (by name: ``q_norm``, ``k_norm``, ...) or ``"post"``
-    (a sublayer's output before it is added).
-    """
-    bypass = bypass or {}
-    patterns = _patterns(ladder)
-
-    def goes_around(name: str) -> bool:
-        return not bypass.get(name, math.nan) <= RUNG_BYPASS_TOLERANCE  # unmeasured (nan): yes
-
-    if patterns is not None:
-        rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
-        if final_norm is None and rungs:
-            final_norm = rungs[-1]
-    else:
-        rungs = [n.name for n in norms if goes_around(n.name)]
-        if final_norm is None and norms and not goes_around(norms[-1].name):
-            final_norm = norms[-1].name  # the last norm to run, its input read by it alone
-
-    def role(info: NormInfo) -> str:
-        if info.name == final_norm:
-            return FINAL
-        if info.name in rungs:
-            return RESIDUAL
-        leaf = info.name.rsplit(".", 1)[-1].lower()
-        return QK if leaf in _QK_NAMES else POST
-
-    return [info.with_role(role(info)) for info in norms]
-
-
-def _patterns(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
+def glob_patterns(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -512,7 +457,7 @@ def select_norms(
 ) -> list[NormInfo]:
     """Norms whose qualified name matches an ``include`` glob (all when ``None``) and no
     ``exclude`` glob (``fnmatch`` patterns: ``*`` matches dots too, e.g. ``"*.ln1"``)."""
-    inc, exc = _patterns(include), _patterns(exclude)
+    inc, exc = glob_patterns(include), glob_patterns(exclude)
     out = []
     for info in norms:
         if inc is not None and not any(fnmatch.fnmatchcase(info.name, p) for p in inc):

@@ -1,0 +1,62 @@
+"""Which norms read the residual stream: the rungs of the 1/sigma ladder, the final norm,
+and the norms of a branch (a query/key norm, a sublayer's output norm)."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+
+from lnmonitor.core.norms import NormInfo, glob_patterns
+
+__all__ = ["FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "assign_roles"]
+
+
+RESIDUAL, FINAL, QK, POST = "residual", "final", "qk", "post"
+RUNGS = (RESIDUAL, FINAL)  # the roles that read the residual stream: the ladder's rungs
+# share of the gradient at a norm's input that goes around it above which the norm's input
+# flows on past it (a residual-stream norm); a branch or final norm gives float rounding
+RUNG_BYPASS_TOLERANCE = 1e-3
+_QK_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm",
+             "query_layernorm", "key_layernorm", "norm_q", "norm_k", "q_ln", "k_ln")
+
+
+def assign_roles(
+    norms: Sequence[NormInfo], bypass: dict[str, float] | None = None,
+    ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
+) -> list[NormInfo]:
+    """``norms`` (in forward order) with their roles.
+
+    With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
+    rung when more than :data:`RUNG_BYPASS_TOLERANCE` of the loss gradient at its input goes
+    around it (``bypass[name]``, measured on a training step: its input flows on through
+    the residual), or when that was not measured.  The final norm is ``final_norm``, else
+    the last norm to run if its gradient does not go around it (with ``ladder``: the last
+    rung); a model without one has none.  It is the ladder's last rung.  The other norms
+    read a branch: ``"qk"`` (by name: ``q_norm``, ``k_norm``, ...) or ``"post"``
+    (a sublayer's output before it is added).
+    """
+    bypass = bypass or {}
+    patterns = glob_patterns(ladder)
+
+    def goes_around(name: str) -> bool:
+        return not bypass.get(name, math.nan) <= RUNG_BYPASS_TOLERANCE  # unmeasured (nan): yes
+
+    if patterns is not None:
+        rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
+        if final_norm is None and rungs:
+            final_norm = rungs[-1]
+    else:
+        rungs = [n.name for n in norms if goes_around(n.name)]
+        if final_norm is None and norms and not goes_around(norms[-1].name):
+            final_norm = norms[-1].name  # the last norm to run, its input read by it alone
+
+    def role(info: NormInfo) -> str:
+        if info.name == final_norm:
+            return FINAL
+        if info.name in rungs:
+            return RESIDUAL
+        leaf = info.name.rsplit(".", 1)[-1].lower()
+        return QK if leaf in _QK_NAMES else POST
+
+    return [info.with_role(role(info)) for info in norms]
