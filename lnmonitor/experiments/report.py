@@ -139,8 +139,8 @@ def publish(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -> dict
             return results
 
 
-def rebuild(out: Path) -> dict:
-    """``lnmonitor report``: re-merge the records under ``out`` and rewrite the report (no training)."""
+def load_folder(out: Path) -> dict:
+    """The merged results of an eps-compare ``--out`` folder; UsageError when it is none."""
     out = Path(out)
     if not out.is_dir():
         raise UsageError(f"{str(out)!r} is not a folder: pass the --out folder of an eps-compare run")
@@ -149,7 +149,19 @@ def rebuild(out: Path) -> dict:
         raise UsageError(
             f"{str(out / RESULTS_NAME)!r} does not exist: pass the --out folder of an eps-compare run"
         )
-    return publish(out, results["config"], results_pairs(results))
+    return results
+
+
+def rebuild(outs: Sequence[Path]) -> dict[str, dict]:
+    """``lnmonitor report``: re-merge the records under each folder of ``outs`` and rewrite its
+    report (no training); every folder is checked before anything is written.  Returns the
+    merged results by folder, as given."""
+    names = [str(out) for out in outs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"{', '.join(map(repr, twice))} given twice: name each folder once")
+    loaded = {name: load_folder(Path(name)) for name in names}
+    return {name: publish(Path(name), r["config"], results_pairs(r)) for name, r in loaded.items()}
 
 
 # ---------------------------------------------------------------------------
