@@ -5,12 +5,14 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from lnmonitor.commands.cli import main
+from lnmonitor.core.norms import find_norms
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.analysis import analyze
+from lnmonitor.experiments.analysis import analyze, study_ladder
 from lnmonitor.experiments.analysis_report import summary_rows, to_markdown
 from lnmonitor.tiny.checkpoint import load_checkpoint
 from lnmonitor.tiny.corpus import load_corpus
@@ -97,8 +99,23 @@ def test_summary_rows_and_markdown_from_the_api(checkpoint):
     assert a.invariance is None and a.step == 40
     quantities = [q for q, _, _ in summary_rows(a)]
     assert "block rank at one position" in quantities and "dloss: shift 5 / scale 3" not in quantities
+    assert [r.name for r in a.study] == [r.name for r in a.ladder] and a.study_sequences == 8
+    assert "residual rms, first -> last (study's: global rms, 8 sequences)" in quantities
+    assert "block singular values, blocks.0 alone" in quantities
     assert "## Final-norm invariance" not in to_markdown(a)
     assert a.val_loss < math.log(len(module.vocab))
+
+
+def test_the_study_statistics_are_the_global_rms_and_the_median_unbiased_row_std():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    x = torch.randn(10, 5, 16)
+    x[8:] *= 1000.0  # beyond the study's 8 sequences: must not count
+    (rung,) = study_ladder(model, x, find_norms(model))
+    h = model[0](x[:8]).detach().double().numpy()
+    stds = np.sort(h.std(axis=-1, ddof=1).ravel())
+    assert rung.rms == pytest.approx(np.sqrt(np.mean(h**2)), rel=1e-12)
+    assert rung.std == pytest.approx(stds[(stds.size - 1) // 2], rel=1e-12)  # torch's median: the lower one
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from lnmonitor.core.heldout import LadderRow, ShareRow
+from lnmonitor.core.hooks import Hooks
 from lnmonitor.core.invariance import InvarianceResult
 from lnmonitor.core.probes import (
     BlockRankProbe,
@@ -35,7 +36,44 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
 
-__all__ = ["Analysis", "analyze", "stream_labels"]
+__all__ = ["STUDY_SEQUENCES", "Analysis", "StudyRung", "analyze", "stream_labels", "study_ladder"]
+
+STUDY_SEQUENCES = 8  # the study's ladder used one batch of 8 sequences (docs/design.md)
+
+
+@dataclass(frozen=True)
+class StudyRung:
+    """One rung of the ladder as the study computed it, on the first :data:`STUDY_SEQUENCES`
+    held-out sequences: ``rms`` the global rms over all their rows and features, ``std`` the
+    median over rows of the per-row unbiased std (``h.std(-1).median()``, no eps).  Ours
+    (:class:`~lnmonitor.core.heldout.LadderRow`) are medians over every measured row, with
+    ``sigma = sqrt(v + eps)``: different statistics of the same stream."""
+
+    name: str
+    rms: float
+    std: float
+
+
+def study_ladder(module, x: torch.Tensor, norms) -> list[StudyRung]:
+    """The study's rms and std of the input of each of ``norms`` (in the given order) over the
+    first :data:`STUDY_SEQUENCES` sequences of the token batch ``x`` (``module(x)`` runs the
+    model)."""
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(mod, args):
+            if name not in inputs and args and isinstance(args[0], torch.Tensor):
+                inputs[name] = args[0].detach().to(torch.float64)
+
+        return hook
+
+    with torch.no_grad(), Hooks() as hooks:
+        for info in norms:
+            hooks.forward_pre(info.module, keep(info.name))
+        module(x[:STUDY_SEQUENCES])
+    return [StudyRung(info.name, rms=float(inputs[info.name].pow(2).mean().sqrt()),
+                      std=float(inputs[info.name].std(-1).median()))
+            for info in norms if info.name in inputs]
 
 
 @dataclass
@@ -58,6 +96,8 @@ class Analysis:
     attenuation: float
     growth: float
     invariance: InvarianceResult | None
+    study: list[StudyRung] = field(default_factory=list)
+    study_sequences: int = 0
     seconds: float = 0.0
     share_values: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -110,11 +150,14 @@ def analyze(
         for name, block in blocks
     ]
     norm_probes = [probe_norm_jacobian(info, cap.norms[info.name][position], rtol=rtol) for info in m.norms]
+    rungs = {info.name: info for info in m.norms}
+    study = study_ladder(module, held_out[0][0], [rungs[r.name] for r in m.ladder])
     return Analysis(
         checkpoint=str(checkpoint), step=step, config=dict(hp), data=data_name,
         batches=len(held_out) if batches is None else min(batches, len(held_out)),
         rows=m.windows["norms"] * context, val_loss=m.val_loss, position=position % context,
         norms=norm_probes, blocks=block_probes, shares=m.shares, ladder=m.ladder,
-        attenuation=m.attenuation, growth=m.growth, invariance=m.invariance,
+        attenuation=m.attenuation, growth=m.growth, invariance=m.invariance, study=study,
+        study_sequences=min(STUDY_SEQUENCES, int(held_out[0][0].shape[0])),
         seconds=time.perf_counter() - started, share_values={r.name: r.share for r in m.rows},
     )

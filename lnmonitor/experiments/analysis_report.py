@@ -32,7 +32,7 @@ REFERENCE = {
     "block_rank": "128/128",
     "block_sv": "0.36 .. 2.50",
     "branch_rank": "123",
-    "rms": "0.90 -> 3.90",
+    "rms": "0.90 -> 3.90 (4.3x)",
     "inv_sigma": "1.112 -> 0.323 (3.4x)",
     "shift_scale": "0 / 0 (identical)",
     "slope": "0.97 / 0.049",
@@ -68,6 +68,21 @@ def _range(values) -> str:
 
 RTOLS = (1e-12, 1e-9, 1e-6, 1e-3)
 
+# what the rows marked "study's" compute, and what is not known of the study (docs/design.md)
+STUDY_NOTE = (
+    "The study's statistics: its ladder rms is the global rms over all rows and features of one batch of "
+    "8 sequences, its sigma the median over rows of the per-row unbiased std (h.std(-1).median(), no eps); "
+    "ours are the median row's rms and sqrt(v + eps) over every measured row. Its block singular values "
+    "are those of one block. Its rank tolerance is not on record: d x 2^-23 of the largest singular value "
+    "is torch.linalg.matrix_rank's default on a float32 matrix."
+)
+
+
+def float32_rtol(width: int) -> float:
+    """``torch.linalg.matrix_rank``'s default tolerance for a float32 matrix of ``width`` rows
+    and columns, relative to its largest singular value: ``width * 2^-23``."""
+    return width * 2.0**-23
+
 
 def _rank_at(singular_values, rtol: float) -> int:
     """Numerical rank of a stored spectrum at a tolerance relative to its largest value."""
@@ -101,28 +116,43 @@ def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
     if a.blocks:
         ranks = sorted({b.block_rank for b in a.blocks})
         loose = _range(_rank_at(b.branch_singular_values, 1e-6) for b in a.blocks)
+        first = a.blocks[0]
         rows += [
             ("block rank at one position", f"{'/'.join(map(str, ranks))}/{width}", REFERENCE["block_rank"]),
             (
-                "block singular values",
+                "block singular values, all blocks pooled",
                 f"{_f(min(b.block_sv_min for b in a.blocks))} .. {_f(max(b.block_sv_max for b in a.blocks))}",
-                REFERENCE["block_sv"],
+                "(one block: next row)",
             ),
+            (f"block singular values, {short_name(first.name)} alone",
+             f"{_f(first.block_sv_min)} .. {_f(first.block_sv_max)}", REFERENCE["block_sv"]),
             (
-                f"branch rank ({a.blocks[0].branch})",
+                f"branch rank ({first.branch})",
                 f"{_range(b.branch_rank for b in a.blocks)} ({loose} at rtol 1e-6)",
                 REFERENCE["branch_rank"],
             ),
+            (f"branch rank, {short_name(first.name)}, sv > {width} x 2^-23 s_max (torch's float32 default)",
+             str(_rank_at(first.branch_singular_values, float32_rtol(width))), REFERENCE["branch_rank"]),
         ]
     if a.ladder:
         first, last = a.ladder[0], a.ladder[-1]
         rows += [
-            ("residual rms, first -> last", f"{_f(first.rms, 2)} -> {_f(last.rms, 2)}", REFERENCE["rms"]),
+            ("residual rms, first -> last (ours: median row)",
+             f"{_f(first.rms, 2)} -> {_f(last.rms, 2)} ({a.growth:.1f}x)", "(another statistic: below)"),
             (
-                "1/sigma, first -> last",
+                "1/sigma, first -> last (ours: median row's sqrt(v + eps))",
                 f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({a.attenuation:.1f}x)",
-                REFERENCE["inv_sigma"],
+                "(another statistic: below)",
             ),
+        ]
+    if a.study:
+        first, last, n = a.study[0], a.study[-1], a.study_sequences
+        rows += [
+            (f"residual rms, first -> last (study's: global rms, {n} sequences)",
+             f"{_f(first.rms, 2)} -> {_f(last.rms, 2)} ({last.rms / first.rms:.1f}x)", REFERENCE["rms"]),
+            (f"1/sigma, first -> last (study's: median unbiased row std, {n} sequences)",
+             f"{_f(1 / first.std)} -> {_f(1 / last.std)} ({last.std / first.std:.1f}x)",
+             REFERENCE["inv_sigma"]),
         ]
     inv = a.invariance
     if inv is not None:
@@ -202,6 +232,7 @@ def to_terminal(a: Analysis) -> str:
     lines = _header(a) + [""]
     lines += _table(["quantity", "this model", "study"],
                     [list(r) for r in summary_rows(a)], markdown=False)
+    lines += [STUDY_NOTE]
     lines += ["", "per norm (dead-plane shares of w = g * dL/dy over all rows; ladder medians; "
               "gain spread at one row):"]
     lines += _table(NORM_HEADERS, _norm_rows(a), markdown=False)
@@ -225,7 +256,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     md += ["", "## Summary, next to the study", ""]
     md += _table(["quantity", "this model", "study"], [list(r) for r in summary_rows(a)], True)
     md += ["", "The study used a 65-symbol corpus; a different text changes the loss and the vocabulary, "
-           "not the geometry being compared.", ""]
+           "not the geometry being compared. " + STUDY_NOTE, ""]
 
     md += ["## Norm Jacobians at one row", "",
            f"Row: position {a.position} of the first held-out sequence. Closed form "
@@ -251,14 +282,18 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
               _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks],
             True,
         )
+        width = a.blocks[0].width
+        rtols = sorted((*RTOLS, float32_rtol(width)))
+        rtols_note = (f"{float32_rtol(width):.2g} = {width} x 2^-23 is torch.linalg.matrix_rank's default "
+                      "for a float32 matrix")
         md += ["", "The branch spectrum trails off rather than stopping, so its rank depends on the "
                "tolerance; the norm deletes the all-ones direction exactly and passes the scale "
-               "direction only at eps/(v+eps). Ranks at tolerances relative to the largest singular value:",
-               ""]
+               "direction only at eps/(v+eps). Ranks at tolerances relative to the largest singular value "
+               f"({rtols_note}):", ""]
         md += _table(
-            ["block", *(f"block @{r:g}" for r in RTOLS), *(f"branch @{r:g}" for r in RTOLS)],
-            [[short_name(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in RTOLS),
-              *(str(_rank_at(b.branch_singular_values, r)) for r in RTOLS)] for b in a.blocks],
+            ["block", *(f"block @{r:.2g}" for r in rtols), *(f"branch @{r:.2g}" for r in rtols)],
+            [[short_name(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in rtols),
+              *(str(_rank_at(b.branch_singular_values, r)) for r in rtols)] for b in a.blocks],
             True,
         )
     md += ["", "## Dead-plane shares", "",
@@ -283,6 +318,20 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     )
     md += ["", f"Attenuation 1/sigma(first) / 1/sigma(last) = {_f(a.attenuation)}; "
            f"growth rms(last) / rms(first) = {_f(a.growth)}."]
+    if a.study:
+        md += ["", "### The same stream, as the study computed it", "",
+               f"On the first {a.study_sequences} held-out sequences: rms is the global rms over all their "
+               "rows and features (ours above: the median row's, over every measured row), std the median "
+               "over rows of the per-row unbiased std, without eps (ours: sqrt(v + eps) of the median row). "
+               "Each pair measures the same stream with a different statistic.", ""]
+        ours = {r.name: r for r in a.ladder}
+        md += _table(
+            ["norm", "rms, median row (ours)", "global rms (study)", "sigma, median row (ours)",
+             "median unbiased std (study)"],
+            [[short_name(r.name), _f(ours[r.name].rms), _f(r.rms), _f(ours[r.name].sigma), _f(r.std)]
+             for r in a.study],
+            True,
+        )
     inv = a.invariance
     if inv is not None:
         md += ["", "## Final-norm invariance", "",
@@ -312,7 +361,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
 def to_json(a: Analysis) -> dict:
     """A JSON-ready dict of everything except the per-row shares; non-finite numbers are null."""
     out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "share_values"}
-    for key in ("norms", "blocks", "shares", "ladder"):
+    for key in ("norms", "blocks", "shares", "ladder", "study"):
         out[key] = [dataclasses.asdict(x) for x in out[key]]
     if a.invariance is not None:
         out["invariance"] = dataclasses.asdict(a.invariance)
