@@ -2,8 +2,10 @@
 tiny GPT, or a transformers GPT-2 from a small config, with both monitors on ``devices``
 processes on one fixed global batch of 8 windows per step, and write rank zero's
 histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp``, ``fsdp1``
-(Lightning's FSDPStrategy, every block wrapped) or ``fsdp2`` (ModelParallelStrategy with
-``fully_shard`` applied to every block and the model in ``configure_model``).
+(Lightning's FSDPStrategy, every block wrapped), ``fsdp2`` (ModelParallelStrategy with
+``fully_shard`` applied to every block and the model in ``configure_model``) or
+``fsdp2-norms`` (the same, and every norm a unit of its own first: ``fully_shard(norm)``,
+the final norm grouped with the head as torchtitan does).
 
 Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
@@ -63,10 +65,18 @@ class Counting(LayerNormMonitor):
 
 
 class ShardedGPT(TinyGPTModule):
-    """The tiny GPT sharded with FSDP2 when the strategy gives it a device mesh."""
+    """The tiny GPT sharded with FSDP2 when the strategy gives it a device mesh: every block a
+    unit, and with ``norm_units`` every norm in a block its own unit too and the final norm
+    grouped with the head (torchtitan's ``fully_shard([model.norm, model.output])``)."""
+
+    norm_units = False
 
     def blocks(self):
         return self.model.blocks
+
+    def norm_groups(self):
+        return [[norm] for block in self.blocks() for norm in (block.ln1, block.ln2)] + [
+            [self.model.lnf, self.model.head]]
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # not under ModelParallelStrategy
@@ -74,6 +84,8 @@ class ShardedGPT(TinyGPTModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        for group in self.norm_groups() if self.norm_units else ():
+            fully_shard(group, mesh=mesh)
         for block in self.blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -98,6 +110,10 @@ class GPT2(L.LightningModule):
     def blocks(self):
         return self.model.transformer.h
 
+    def norm_groups(self):
+        return [[m] for m in self.model.modules() if isinstance(m, torch.nn.LayerNorm)]
+
+    norm_units = False
     configure_model = ShardedGPT.configure_model
 
     def configure_optimizers(self):
@@ -118,7 +134,8 @@ def main() -> None:
     probe = tuple(t[:4] for t in Windows()[:4])
     invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
                                             keep_history=True, scales=(1.0, 0.1, 0.01))
-    if strategy == "fsdp2":
+    module.norm_units = strategy == "fsdp2-norms"
+    if strategy.startswith("fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         chosen = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)

@@ -1,6 +1,7 @@
-"""Both monitors under real 2-process DDP and FSDP2 (gloo on CPU): the same statistics as one
-process on the same global batch, one all_gather per logging step, and the invariance probe
-run by every rank of a sharded model (its forward is a collective)."""
+"""Both monitors under real 2-process DDP and FSDP2 (gloo on CPU), with blocks as FSDP units and
+with every norm a unit of its own: the same statistics and roles as one process on the same
+global batch, one all_gather per logging step, and the invariance probe run by every rank of a
+sharded model (its forward is a collective)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-norms"])
 def test_two_processes_match_one(single, tmp_path, strategy):
     two = run(strategy, 2, tmp_path / "out.json")
     assert two["world"] == 2 and single["world"] == 1

@@ -58,3 +58,28 @@ def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
     assert torch.isfinite(g).all() and ln.weight.grad is None
     assert ln.weight.dtype == torch.float32
     assert all(torch.equal(v, state[k]) for k, v in ln.state_dict().items())
+
+
+def test_a_forward_hook_sees_the_callers_tensor_where_a_pre_hook_passed_an_alias():
+    # FSDP2 replaces a unit's input by an alias that carries only the gradient through the
+    # unit; a hook that measures the input's whole gradient needs the caller's tensor. A pre-hook
+    # that changes the values gives the module its input: the hook sees what the module got.
+    x = torch.randn(3, 4, requires_grad=True)
+    for pre, expected in ((lambda m, a: (a[0].view_as(a[0]),), x), (lambda m, a: (2 * a[0],), 2 * x)):
+        norm = nn.LayerNorm(4)
+        norm.register_forward_pre_hook(pre)
+        seen = []
+        with Hooks() as hooks:
+            hooks.forward(norm, lambda m, args, out, seen=seen: seen.append(args[0]))
+            norm(x)
+        assert (seen[0] is x) == (expected is x)
+        assert torch.equal(seen[0], expected)
+
+
+def test_a_forward_hook_may_replace_the_output_and_is_removed_with_its_pre_hook():
+    lin = nn.Linear(4, 4)
+    with Hooks() as hooks:
+        hooks.forward(lin, lambda m, args, out: out * 0)
+        assert torch.equal(lin(torch.randn(2, 4)), torch.zeros(2, 4))
+    assert not lin._forward_hooks and not lin._forward_pre_hooks
+

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from conftest import free_port
 from torch import nn
 
 from lnmonitor.core.norms import (
@@ -104,6 +109,42 @@ def test_bad_declared_kind_and_registry_arguments():
         register_norm(ForeignNorm, "group")
     with pytest.raises(TypeError):
         register_norm(int, "rms")
+
+
+FSDP2_UNITS = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from lnmonitor.core.norms import discover_norms
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 2.0)
+        model[3].weight.uniform_(0.5, 2.0)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    before = [model[i](x.float()).double() for i in (1, 3)]
+    fully_shard(model[1])
+    fully_shard([model[3], model[4]])  # torchtitan's grouping of the final norm with the head
+    fully_shard(model)
+    found = discover_norms(model)
+    assert [(n.name, n.kind) for n in found.norms] == [("1", "layer"), ("3", "rms")], found
+    assert not found.refused, found.refused
+    for info, y in zip(found.norms, before):
+        assert type(info.gain()) is torch.Tensor  # whole, not a shard
+        assert torch.allclose(info.reference(x), y, rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
+
+def test_norms_that_are_fsdp2_units_are_checked_on_their_gathered_weights():
+    # fully_shard(norm) hooks the norm's forward to gather its shards: the float64 check calls
+    # the norm's own forward on gathered float64 copies instead (a real process group of one)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", FSDP2_UNITS], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_select_by_glob():

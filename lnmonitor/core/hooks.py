@@ -40,7 +40,24 @@ class Hooks:
         self._handles: list = []
 
     def forward(self, module: nn.Module, fn: Callable) -> None:
-        self._handles.append(module.register_forward_hook(fn))
+        """``fn(module, args, output)`` after each forward of ``module`` (what it returns
+        replaces the output).  An input that a pre-hook replaced by an alias of itself (same
+        storage, shape, strides and dtype: FSDP2 on the inputs of a module that is its own
+        unit) reaches ``fn`` as the caller passed it: the same values, and the tensor whose
+        gradient is all the model's, not only what comes back through ``module``."""
+        calls: list[tuple] = []  # a stack: a call that raises leaves its entry, the next pops its own
+
+        def before(_module, args) -> None:
+            calls.append(args)
+
+        def after(module, args, output):
+            caller = calls.pop() if calls else ()
+            if len(caller) == len(args):
+                args = tuple(map(_caller_tensor, args, caller))
+            return fn(module, args, output)
+
+        self._handles.append(module.register_forward_pre_hook(before, prepend=True))
+        self._handles.append(module.register_forward_hook(after))
 
     def forward_pre(self, module: nn.Module, fn: Callable) -> None:
         self._handles.append(module.register_forward_pre_hook(fn))
@@ -115,12 +132,7 @@ def compiled(module: nn.Module) -> bool:
 def sharded(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters sharded across ranks (FSDP2's ``fully_shard``,
     FSDP1), so that its forward is a collective every rank must join."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()
-    return any(isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"
-               for m in module.modules())
+    return any(_fsdp_unit(m) or type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
 
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:
@@ -140,11 +152,45 @@ def float64_twin(module: nn.Module) -> Callable[..., object]:
     """``twin(*args)``: ``module``'s forward evaluated with float64 copies of its parameters
     and buffers (``torch.func.functional_call``), invisible to the taps.  The module is
     neither copied nor changed, so this also works where ``deepcopy`` is refused (FSDP2).
-    Gradients flow to the inputs, not to the parameters."""
+    A module that is itself an FSDP2 unit (``fully_shard(norm)``) is called without the
+    hooks FSDP2 put on it, which would gather the shards the copies replace: its own
+    ``forward`` on the gathered copies.  Gradients flow to the inputs, not to the parameters."""
     state = float64_state(module)
+    if _fsdp_unit(module):
+        module = _Forward(module)
+        state = {f"module.{name}": t for name, t in state.items()}
 
     def twin(*args):
         with unmeasured():
             return torch.func.functional_call(module, state, args)
 
     return twin
+
+
+def _caller_tensor(seen: object, passed: object) -> object:
+    """``passed`` where ``seen`` is an alias of it, else ``seen``."""
+    if (isinstance(seen, Tensor) and isinstance(passed, Tensor) and seen is not passed
+            and seen.data_ptr() == passed.data_ptr() and seen.dtype == passed.dtype
+            and seen.shape == passed.shape and seen.stride() == passed.stride()):
+        return passed
+    return seen
+
+
+class _Forward(nn.Module):
+    """``module.forward`` as a module of its own: called without the hooks on ``module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module.forward(*args)
+
+
+def _fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard(module)``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)

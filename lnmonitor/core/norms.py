@@ -75,17 +75,23 @@ class _Spec:
     gain: GainFn | None = None
     eps_measured: bool = False  # no eps attribute: ``eps`` was measured from the output
 
-    def gain_of(self, module: nn.Module, dtype: torch.dtype | None = None) -> Tensor | None:
-        """The gain of ``module`` (in ``dtype`` when given: the offset is added in it)."""
+    def held_gain(self, module: nn.Module) -> Tensor | None:
+        """The tensor the gain is made of, as ``module`` holds it (sharded or not), without the
+        offset."""
         if self.gain is not None:
             g = self.gain(module)
-            return g if dtype is None or g is None else _gathered(g).to(dtype)
-        w = getattr(module, self.weight, None) if self.weight else None
-        if not isinstance(w, Tensor):
+        else:
+            g = getattr(module, self.weight, None) if self.weight else None
+        return g if isinstance(g, Tensor) else None
+
+    def gain_of(self, module: nn.Module, dtype: torch.dtype | None = None) -> Tensor | None:
+        """The gain of ``module``, whole (a sharded one is gathered: a collective), in ``dtype``
+        when given (the offset is added in it)."""
+        g = self.held_gain(module)
+        if g is None:
             return None
-        if dtype is not None:
-            w = _gathered(w).to(dtype)
-        return w + self.offset if self.offset else w
+        g = _whole(g) if dtype is None else _gathered(g).to(dtype)
+        return g + self.offset if self.offset and self.gain is None else g
 
     def describe(self) -> str:
         if self.gain is not None:
@@ -209,19 +215,23 @@ def _width_of(module: nn.Module, spec: _Spec) -> int | None:
             return int(math.prod(int(s) for s in shape))
         except TypeError:
             pass
-    for g in (spec.gain_of(module), getattr(module, "weight", None)):
+    for g in (spec.held_gain(module), getattr(module, "weight", None)):  # a DTensor's size is whole
         if isinstance(g, Tensor) and g.numel() > 0:
             return int(g.numel())
     return None
+
+
+def _whole(t: Tensor) -> Tensor:
+    """``t`` itself, or a sharded ``DTensor`` gathered, detached (a collective every rank joins:
+    FSDP2 holds a norm that is its own unit sharded again when its forward hooks run)."""
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _gathered(t: Tensor | None) -> Tensor | None:
     """``t`` as a plain float64 tensor (a sharded DTensor is gathered: a collective)."""
     if t is None:
         return None
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().reshape(-1).to(torch.float64)
+    return _whole(t).detach().reshape(-1).to(torch.float64)
 
 
 @torch.no_grad()
