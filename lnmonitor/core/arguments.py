@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 __all__ = [
     "ArgumentError", "child_path", "choices", "flag", "fraction", "function", "module_name",
-    "optional_flag", "patterns", "position", "positive_int", "scales",
+    "optional_flag", "patterns", "position", "positive_int", "row_mask", "scales",
 ]
 
 
@@ -132,6 +132,16 @@ def function(value, name: str, signature: str) -> Callable | None:
     if value is not None and not callable(value):
         raise ArgumentError(f"{name} must be a callable {signature} or None, got {value!r}")
     return value
+
+
+def row_mask(value) -> Callable | bool | None:
+    """``None`` (the batch's own padding mask), ``False`` (every row counts) or a callable."""
+    if value is None or value is False or callable(value):
+        return value
+    raise ArgumentError(
+        f"row_mask must be None (padding from the batch's attention_mask), False (no "
+        f"mask) or a callable row_mask(batch) -> bool tensor of the rows to measure, got {value!r}"
+    )
 
 
 def child_path(value, name: str) -> tuple[str, ...] | Callable | None:

@@ -77,6 +77,7 @@ __all__ = [
     "FIT_RANGE",
     "InvarianceProbe",
     "InvarianceResult",
+    "NonFiniteLoss",
     "NotAFinalNorm",
     "SWEEP_SCALES",
     "SweepPoint",
@@ -504,6 +505,10 @@ class NotAFinalNorm(ValueError):
     final-norm invariance to check."""
 
 
+class NonFiniteLoss(ValueError):
+    """The loss on the probe rows is not finite (a diverged model): no point to measure now."""
+
+
 class InvarianceProbe:
     """The final-norm invariance probe of one model, run whenever its driver decides.
 
@@ -551,7 +556,11 @@ class InvarianceProbe:
                     "its head; if it has one, name it with final_norm=..."
                 )
             self.checked = True
-        return final_norm_invariance(
+        result = final_norm_invariance(
             self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases,
             scales=self.scales, autocast=self.autocast, norms=self.norms,
         )
+        if not math.isfinite(result.base_loss):
+            raise NonFiniteLoss(f"the loss on the probe rows is {result.base_loss}: there is no change of it "
+                                "to measure (has the model diverged?)")
+        return result

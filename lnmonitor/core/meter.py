@@ -12,7 +12,12 @@ plain loop all do)::
 
 Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
 every forward and backward with gradient is measured, so the micro-batches of a step
-with gradient accumulation are one measured step.  ``stop()`` leaves the step's summary
+with gradient accumulation are one measured step.  Padding rows are left out of every
+statistic when a micro-batch says which they are (:mod:`lnmonitor.core.padding`: its
+``attention_mask``, given with :meth:`~LadderMeter.use_batch` or seen in the
+model's keyword inputs; or ``row_mask``).  A norm that gets no gradient (frozen inputs and
+gain, as with frozen embeddings or LoRA) is measured from its forward alone: sigma, rms,
+eps/var and the transmission, no share.  ``stop()`` leaves the step's summary
 on the device (no host sync); :meth:`~LadderMeter.result` merges it across processes
 (``gather``), reads it on the host once, assigns the norms' roles on the first step, and
 computes every figure with :func:`lnmonitor.core.ladder.ladder_figures`.
@@ -39,7 +44,8 @@ from lnmonitor.core.hooks import compiled, eager
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.roles import FINAL, RUNGS, assign_roles
+from lnmonitor.core.padding import padding_mask
+from lnmonitor.core.roles import FINAL, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
 
@@ -93,6 +99,10 @@ class LadderMeter:
         final_norm: qualified name of the final norm; ``None`` finds it on the first step.
         ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
             input flows on past it reads the residual stream).
+        row_mask: ``row_mask(batch)`` -> a bool tensor, True on the rows (tokens) to measure,
+            or None; ``batch`` is what :meth:`use_batch` was given, or the model's keyword
+            inputs.  None (default): :func:`~lnmonitor.core.padding.padding_mask`; False:
+            every row counts.
         owner: the name messages start with (the callback's class name).
         say: where information goes (default: the ``lnmonitor`` logger, INFO).
         warn: ``warn(key, message)``, called once per key (default: ``warnings.warn``).
@@ -111,6 +121,7 @@ class LadderMeter:
         exclude: str | Sequence[str] | None = None,
         final_norm: str | None = None,
         ladder: str | Sequence[str] | None = None,
+        row_mask: Callable | bool | None = None,
         owner: str = "LadderMeter",
         say: Callable[[str], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
@@ -138,6 +149,12 @@ class LadderMeter:
         self._stance = None
         self._pending: Tensor | None = None
         self._eps: dict[int, float] = {}
+        self._resolution: dict[int, float] = {}
+        self._forward_only: set[int] = set()
+        self._ran_forward = False
+        self._row_mask = row_mask
+        self._mask_source: str | None = None
+        self._inputs_hook = None
         said = measured_eps_message(owner, self.norms)
         if said:
             self._say(said)
@@ -162,7 +179,32 @@ class LadderMeter:
         # it compiles break its graph): the measured step runs eagerly
         self._stance = eager()
         self._stance.__enter__()
+        self._tap.row_mask = None
         self._tap.attach(bypass=not self.roles_known)
+        if self._row_mask is not False:
+            self._inputs_hook = self.model.register_forward_pre_hook(self._on_inputs, with_kwargs=True)
+
+    def use_batch(self, batch) -> None:
+        """The (micro-)batch about to run: its padding rows are left out (see ``row_mask``)."""
+        if self.measuring and self._row_mask is not False:
+            self._tap.row_mask = self._keep(batch)
+
+    def _on_inputs(self, module, args, kwargs) -> None:
+        """The model's keyword inputs (``model(**batch)``): a padding mask there is used."""
+        keep = self._keep(kwargs) if kwargs else None
+        if keep is not None:
+            self._tap.row_mask = keep
+
+    def _keep(self, batch) -> Tensor | None:
+        if callable(self._row_mask):
+            keep, source = self._row_mask(batch), "row_mask"
+        else:
+            found = padding_mask(batch)
+            keep, source = found if found is not None else (None, None)
+        if keep is None:
+            return None
+        self._mask_source = source
+        return keep.to(_device(self.model), non_blocking=True).reshape(-1).bool()
 
     def stop(self) -> None:
         """Unhook, and leave the step's summary on the device for :meth:`result`."""
@@ -180,7 +222,8 @@ class LadderMeter:
             return
         if rows.order:
             self.order = [self.norms[i].name for i in rows.order]
-        self._eps = rows.eps
+        self._eps, self._resolution, self._forward_only = rows.eps, rows.resolution, rows.forward_only
+        self._ran_forward = bool(rows.order)
         self._pending = summarise(rows, self.layout, _device(self.model))
 
     def abort(self) -> None:
@@ -192,6 +235,10 @@ class LadderMeter:
 
     def _unhook(self) -> None:
         self._tap.detach()
+        self._tap.row_mask = None
+        if self._inputs_hook is not None:
+            self._inputs_hook.remove()
+            self._inputs_hook = None
         stance, self._stance = self._stance, None
         stance.__exit__(None, None, None)
 
@@ -225,12 +272,34 @@ class LadderMeter:
         if not self.roles_known:
             self._assign_roles(summaries)
         unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
+        if len(unmeasured) == len(self.norms) and self._ran_forward:
+            self._say(f"{self.owner}: {label} ran its forward but no backward (the training step returned no "
+                      "loss?): nothing is logged for it.")
+            return None
         if unmeasured:
             self._warn_unmeasured(label, unmeasured)
+            if len(unmeasured) == len(self.norms):
+                return None
+        self._say_conditions(summaries)
         stats = [self._stats(i, s) for i, s in enumerate(summaries)]
         rungs = self.rungs()
         final = next((n.name for n in self.norms if n.role == FINAL), None)
         return LadderResult(self.norms, summaries, ladder_figures(stats, rungs, final), unmeasured)
+
+    def _say_conditions(self, summaries: list[NormSummary]) -> None:
+        """Say once what this step's conditions did: padding left out, norms without gradient."""
+        if any(s.pad_rows for s in summaries):
+            self._warn("padding", (
+                f"{self.owner}: {self._mask_source} marks padding; its rows are left out of every "
+                "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
+                "Said once."))
+        if self._forward_only:
+            names = [self.norms[i].name for i in sorted(self._forward_only)]
+            self._warn("forward-only", (
+                f"{self.owner}: no gradient reaches {', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''} "
+                "(frozen inputs and gain, e.g. frozen embeddings or LoRA): their sigma, rms, eps/var and "
+                "transmission come from the forward, and they have no share. Said once."))
 
     def eps(self, index: int) -> float:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
@@ -256,7 +325,12 @@ class LadderMeter:
         ordered = [by_name[n] for n in self.order if n in by_name]
         ordered += [n for n in self.norms if n.name not in self.order]
         bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
-        roles = {n.name: n.role for n in assign_roles(ordered, bypass, self.ladder, self.final_norm)}
+        # a low-precision gradient rounds: what goes around a norm is measured to about its
+        # resolution (bfloat16: 2^-7), so a branch norm's rounding is not read as a residual path
+        tolerance = {self.norms[i].name: max(RUNG_BYPASS_TOLERANCE, 8 * r)
+                     for i, r in self._resolution.items()}
+        found = assign_roles(ordered, bypass, self.ladder, self.final_norm, tolerance)
+        roles = {n.name: n.role for n in found}
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
         rungs = [n for n in ordered if roles[n.name] in RUNGS]

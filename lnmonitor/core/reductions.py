@@ -23,8 +23,10 @@ from torch import Tensor
 
 from lnmonitor.core.kinds import NormKind
 
-__all__ = ["FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "layernorm_backward_reductions", "row_reductions",
-           "row_values"]
+__all__ = [
+    "FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "forward_reductions", "layernorm_backward_reductions",
+    "mask_rows", "row_reductions", "row_values",
+]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
 # A row whose |w| is below this fraction of the rms |w| of its call carries no information:
@@ -41,6 +43,26 @@ def drop_rounding_rows(red: Tensor) -> Tensor:
     mean = torch.where(finite, ww, 0.0).sum() / finite.sum().clamp_(min=1)  # of the finite rows
     red[3] = torch.where((ww > (ROUNDING_ROW**2) * mean) | ~finite, ww, 0.0)  # the rest skipped later
     return red
+
+
+def mask_rows(red: Tensor, keep: Tensor) -> Tensor:
+    """``red`` with every statistic of the rows where ``keep`` is False made nan (padding: no
+    histogram counts them, and :func:`drop_rounding_rows` leaves them out of its mean)."""
+    return torch.where(keep, red, math.nan)
+
+
+def forward_reductions(x: Tensor, kind: NormKind) -> Tensor:
+    """:data:`FIELDS` of rows that get no gradient: ``var`` and ``ms`` of the input as in
+    :func:`row_reductions`, and ``sw = ww = wx2v = 0`` (no share)."""
+    d = x.shape[-1]
+    x = x.detach().reshape(-1, d).float()
+    ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(d)
+    if kind == "layer":  # centred, as the backward path computes it (no cancellation)
+        var = torch.linalg.vector_norm(x - x.mean(dim=-1, keepdim=True), dim=-1).square_().div_(d)
+    else:
+        var = ms
+    zero = torch.zeros_like(ms)
+    return torch.stack((var, ms, zero, zero, zero))
 
 
 def _buffers(workspace, n: int, d: int):

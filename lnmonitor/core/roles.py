@@ -24,23 +24,25 @@ _QK_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "ke
 def assign_roles(
     norms: Sequence[NormInfo], bypass: dict[str, float] | None = None,
     ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
+    tolerance: dict[str, float] | None = None,
 ) -> list[NormInfo]:
     """``norms`` (in forward order) with their roles.
 
     With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
-    rung when more than :data:`RUNG_BYPASS_TOLERANCE` of the loss gradient at its input goes
-    around it (``bypass[name]``, measured on a training step: its input flows on through
-    the residual), or when that was not measured.  The final norm is ``final_norm``, else
-    the last norm to run if its gradient does not go around it (with ``ladder``: the last
-    rung); a model without one has none.  It is the ladder's last rung.  The other norms
-    read a branch: ``"qk"`` (by name: ``q_norm``, ``k_norm``, ...) or ``"post"``
-    (a sublayer's output before it is added).
+    rung when more than ``tolerance[name]`` (default :data:`RUNG_BYPASS_TOLERANCE`) of the
+    loss gradient at its input goes around it (``bypass[name]``, measured on a training
+    step: its input flows on through the residual), or when that was not measured.  The
+    final norm is ``final_norm``, else the last norm to run if its gradient does not go
+    around it (with ``ladder``: the last rung); a model without one has none.  It is the
+    ladder's last rung.  The other norms read a branch: ``"qk"`` (by name: ``q_norm``,
+    ``k_norm``, ...) or ``"post"`` (a sublayer's output before it is added).
     """
     bypass = bypass or {}
     patterns = glob_patterns(ladder)
+    tolerance = tolerance or {}
 
-    def goes_around(name: str) -> bool:
-        return not bypass.get(name, math.nan) <= RUNG_BYPASS_TOLERANCE  # unmeasured (nan): yes
+    def goes_around(name: str) -> bool:  # unmeasured (nan): yes
+        return not bypass.get(name, math.nan) <= tolerance.get(name, RUNG_BYPASS_TOLERANCE)
 
     if patterns is not None:
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]

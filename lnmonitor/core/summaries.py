@@ -19,7 +19,8 @@ laid out by :class:`Layout`:
 
 * per norm, sums: the rows seen and, on the step that tells residual-stream norms from
   branch norms, ``|dL/dx|^2`` and ``|dL/dx - J^T dL/dy|^2`` at the norm's input (the part of
-  the gradient that goes around the norm, :attr:`NormSummary.bypass`);
+  the gradient that goes around the norm, :attr:`NormSummary.bypass`), and the padding rows
+  the batch's row mask left out (:attr:`NormSummary.pad_rows`);
 * per norm, the exact maximum share.
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
@@ -66,7 +67,7 @@ VALUE_BINS = 1 << (31 - VALUE_SHIFT)  # every non-negative float32 bit pattern, 
 VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 3  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2
+N_SUMS = 4  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows
 N_MAX = 1  # share max
 
 
@@ -162,7 +163,9 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
     sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
     sums[:, 0] = _to_device(per_norm_rows, device)
     for index, parts in rows.bypass.items():
-        sums[index, 1:] = parts
+        sums[index, 1:3] = parts
+    for index, pads in rows.pads.items():
+        sums[index, 3] = pads
     maxes = flat[layout.sum_end : layout.size]
     maxes.fill_(-math.inf)
     maxes.scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
@@ -304,14 +307,16 @@ class NormSummary:
     ms_max: float
     layout: Layout
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
+    pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
     ms_counts: np.ndarray | None = None
 
     @property
     def skipped_rows(self) -> int:
-        """Rows without a share: zero or non-finite gradient or input, constant row."""
-        return self.rows - self.share_rows
+        """Rows without a share, padding apart: zero or non-finite gradient or input, constant
+        row, or no gradient at all (a frozen norm's rows)."""
+        return self.rows - self.pad_rows - self.share_rows
 
     def _need_counts(self) -> None:
         if self.share_counts is None:
@@ -386,6 +391,7 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 ms_max=float(ms_hi[i]),
                 layout=layout,
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
+                pad_rows=int(round(sums[i, 3])),
                 share_counts=share_c[i].astype(np.float64) if counts else None,
                 var_counts=var_c[i].astype(np.float64) if counts else None,
                 ms_counts=ms_c[i].astype(np.float64) if counts else None,

@@ -56,7 +56,13 @@ from lnmonitor.core import torch_internals
 from lnmonitor.core.hooks import Hooks, measuring
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.reductions import drop_rounding_rows, layernorm_backward_reductions, row_reductions
+from lnmonitor.core.reductions import (
+    drop_rounding_rows,
+    forward_reductions,
+    layernorm_backward_reductions,
+    mask_rows,
+    row_reductions,
+)
 
 __all__ = ["CallRecord", "NormTap", "StepRows"]
 
@@ -82,11 +88,12 @@ class _Pending:
     x: Tensor | None
     saved: tuple | None
     gain: Tensor | None
+    keep: Tensor | None = None  # the rows that are not padding, when a row mask fits this call
     awaits_input: bool = False
     through: Tensor | None = None
 
     def clear(self) -> None:
-        self.x = self.saved = self.gain = self.through = None
+        self.x = self.saved = self.gain = self.keep = self.through = None
 
 
 @dataclass
@@ -97,7 +104,10 @@ class StepRows:
     lists a :class:`CallRecord` per hooked call, in the order the gradients arrived.
     ``order`` holds the norm indices in the order their forward first ran.  ``bypass`` maps
     a norm index to the float32 pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)`` summed over its
-    rows, when it was measured.
+    rows, when it was measured, and ``resolution`` to the relative resolution of the
+    gradient's dtype there.  ``pads`` maps a norm index to the number of its padding rows
+    (a device tensor), ``forward_only`` holds the norms whose output got no gradient
+    (their rows carry the forward statistics alone).
     """
 
     data: Tensor | None
@@ -105,6 +115,9 @@ class StepRows:
     order: list[int]
     eps: dict[int, float]
     bypass: dict[int, Tensor] = field(default_factory=dict)
+    resolution: dict[int, float] = field(default_factory=dict)
+    pads: dict[int, Tensor] = field(default_factory=dict)
+    forward_only: set[int] = field(default_factory=set)
 
 
 class NormTap:
@@ -118,6 +131,9 @@ class NormTap:
     def __init__(self, norms: Sequence[NormInfo]) -> None:
         self.norms = list(norms)
         self.error: BaseException | None = None
+        # the rows of the current micro-batch that are not padding (flat bool on the device),
+        # set by the meter; applied to every call whose rows it fits
+        self.row_mask: Tensor | None = None
         self._hooks = Hooks()
         self._bypass_step = False
         self._chunks: list[Tensor] = []
@@ -126,6 +142,9 @@ class NormTap:
         self._seen: set[int] = set()
         self._eps: dict[int, float] = {}
         self._bypass: dict[int, Tensor] = {}
+        self._resolution: dict[int, float] = {}
+        self._pads: dict[int, Tensor] = {}
+        self._forward_only: set[int] = set()
         self._pending: list[_Pending] = []
         self._workspace: tuple[Tensor, Tensor] | None = None
 
@@ -166,11 +185,14 @@ class NormTap:
             if index not in self._seen:  # forward order, whatever the grad mode (see above)
                 self._seen.add(index)
                 self._order.append(index)
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
                 return
             if not args or not isinstance(args[0], Tensor):
                 return
             x = args[0]
+            if not output.requires_grad:  # frozen inputs and gain: no gradient will come
+                self._forward_rows(index, info, x)
+                return
             packing = torch_internals.saved_tensor_hooks_active()
             if packing and torch_internals.backward_running():
                 # a forward inside a backward under saved-tensor hooks: non-reentrant
@@ -181,7 +203,7 @@ class NormTap:
             if not packing and info.kind == "layer":
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
             # the only references we hold, cleared by the backward hooks or detach()
-            box = _Pending(x, saved, info.gain())
+            box = _Pending(x, saved, info.gain(), self._keep(x, info))
             self._pending.append(box)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
                 output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
@@ -193,12 +215,30 @@ class NormTap:
 
         return self._guarded(hook)
 
-    def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None]:
-        x, saved, gain = box.x, box.saved, box.gain
-        box.x = box.saved = box.gain = None
+    def _keep(self, x: Tensor, info: NormInfo) -> Tensor | None:
+        """The current row mask, when it has one entry per row of this call."""
+        mask = self.row_mask
+        d = x.shape[-1] if info.width is None else info.width
+        return mask if mask is not None and mask.numel() * d == x.numel() else None
+
+    def _forward_rows(self, index: int, info: NormInfo, x: Tensor) -> None:
+        """The forward statistics of a call whose output needs no gradient (frozen)."""
+        d = x.shape[-1] if info.width is None else info.width
+        if x.numel() % d or d <= info.dead_dim:
+            return
+        self._forward_only.add(index)
+        eps = info.eps(x.dtype)
+        self._eps[index] = eps
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            red = forward_reductions(x.reshape(-1, d), info.kind)
+            self._keep_rows(red, self._keep(x, info), index, d, eps, info)
+
+    def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
+        x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
+        box.x = box.saved = box.gain = box.keep = None
         if not box.awaits_input:  # else the input hook, or detach(), lets it go
             self._drop(box)
-        return x, saved, gain
+        return x, saved, gain, keep
 
     def _drop(self, box: _Pending) -> None:
         try:
@@ -210,7 +250,7 @@ class NormTap:
         def hook(grad: Tensor) -> None:
             if box.x is None:
                 return
-            x, _, gain = self._take(box)
+            x, _, gain, keep = self._take(box)
             d = x.shape[-1] if info.width is None else info.width
             if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
                 return  # not rows of this norm, or no room outside the dead subspace
@@ -218,7 +258,7 @@ class NormTap:
             self._eps[index] = eps
             rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
             args = (rows, grads, info.kind, gain, self._scratch(x.numel(), x.device))
-            self._run(row_reductions, args, x.device.type, index, d, eps, info)
+            self._run(row_reductions, args, keep, index, d, eps, info)
             if self._bypass_step:
                 with torch.no_grad():
                     box.through = _through(rows, grads, info.kind, eps, gain)
@@ -229,7 +269,7 @@ class NormTap:
         def hook(grad_inputs, grad_outputs) -> None:
             if box.x is None:
                 return
-            x, (mean, rstd), gain = self._take(box)
+            x, (mean, rstd), gain, keep = self._take(box)
             g = grad_outputs[0] if grad_outputs else None
             if g is None:
                 return
@@ -241,10 +281,10 @@ class NormTap:
             dx = grad_inputs[0] if grad_inputs else None
             if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
                 args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
-                self._run(row_reductions, args, x.device.type, index, d, eps, info)
+                self._run(row_reductions, args, keep, index, d, eps, info)
                 return
             args = (g, dx, mean, rstd, eps, gain, self._scratch(x.numel(), x.device))
-            self._run(layernorm_backward_reductions, args, x.device.type, index, d, eps, info)
+            self._run(layernorm_backward_reductions, args, keep, index, d, eps, info)
             if self._bypass_step:
                 box.through = dx.detach().reshape(-1, d)
 
@@ -263,16 +303,27 @@ class NormTap:
                 g = total.detach().reshape(through.shape).float()
                 parts = torch.stack((g.square().sum(), (g - through.float()).square().sum()))
             self._bypass[index] = parts if index not in self._bypass else self._bypass[index] + parts
+            self._resolution[index] = max(torch.finfo(total.dtype).eps, self._resolution.get(index, 0.0))
 
         return hook
 
-    def _run(self, fn, args, device: str, index: int, d: int, eps: float, info: NormInfo) -> None:
+    def _run(self, fn, args, keep: Tensor | None, index: int, d: int, eps: float, info: NormInfo) -> None:
+        device = args[0].device.type
         if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
             with torch.no_grad(), torch.autocast(device, enabled=False):
-                red = drop_rounding_rows(fn(*args))
+                self._keep_rows(fn(*args), keep, index, d, eps, info)
         else:  # the usual backward: no graph, no autocast, no context to enter
-            red = drop_rounding_rows(fn(*args))
-        self._chunks.append(red)
+            self._keep_rows(fn(*args), keep, index, d, eps, info)
+
+    def _keep_rows(
+        self, red: Tensor, keep: Tensor | None, index: int, d: int, eps: float, info: NormInfo
+    ) -> None:
+        """Keep one call's reductions: padding rows masked out (and counted), rounding rows marked."""
+        if keep is not None:
+            red = mask_rows(red, keep)
+            pads = keep.numel() - keep.sum()
+            self._pads[index] = pads if index not in self._pads else self._pads[index] + pads
+        self._chunks.append(drop_rounding_rows(red))
         self._records.append(CallRecord(index, red.shape[1], d, eps, info.dead_dim))
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -287,9 +338,11 @@ class NormTap:
         data = None
         if self._chunks:
             data = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks, dim=1)
-        rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass)
+        rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass, self._resolution,
+                        self._pads, self._forward_only)
         self._chunks, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
+        self._resolution, self._pads, self._forward_only = {}, {}, set()
         self._workspace = None
         self._bypass_step = False
         return rows

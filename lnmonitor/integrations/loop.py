@@ -42,6 +42,10 @@ class LoopMonitor:
         max_steps: the number of optimizer steps, when known: the last is measured too.
         include, exclude, final_norm, ladder: as for
             :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`.
+        row_mask: which rows (tokens) to measure: None (default) leaves out the padding that
+            the model's keyword inputs mark (``model(**batch)`` with an
+            ``attention_mask``); ``False`` measures every row; a callable ``row_mask(inputs)``
+            of the model's keyword inputs returns a bool tensor of the rows to measure.
         keep_history: keep every written dict in :attr:`history`; None keeps them only
             when there is no ``writer``.
 
@@ -78,6 +82,7 @@ class LoopMonitor:
         exclude: str | Sequence[str] | None = None,
         final_norm: str | None = None,
         ladder: str | Sequence[str] | None = None,
+        row_mask: Callable | bool | None = None,
         keep_history: bool | None = None,
     ) -> None:
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps", allow_none=False)
@@ -92,7 +97,8 @@ class LoopMonitor:
             model, include=arguments.patterns(include, "include"),
             exclude=arguments.patterns(exclude, "exclude"),
             final_norm=arguments.module_name(final_norm, "final_norm", "transformer.ln_f"),
-            ladder=arguments.patterns(ladder, "ladder"), owner="LoopMonitor", warn=self._warn,
+            ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
+            owner="LoopMonitor", warn=self._warn,
         )
         self._measuring: int | None = None
         self._logged = False

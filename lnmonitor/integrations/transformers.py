@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import choose_norms
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, default_loss
+from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
@@ -59,6 +59,10 @@ class LNMonitorCallback(TrainerCallback):
         every_n_steps: measure the norms every this many optimizer steps; None: the
             Trainer's ``logging_steps``.
         include, exclude, final_norm, ladder: as for ``LayerNormMonitor``.
+        row_mask: which rows (tokens) to measure: None (default) leaves out the padding of
+            each batch (its ``attention_mask``), said once; ``False``
+            measures every row; a callable ``row_mask(inputs)`` of the model's keyword inputs
+            returns a bool tensor of the rows to measure.
         invariance_every_n_steps: run the invariance probe every this many steps (and at
             the end); None: never.
         probe_size: the probe's rows (default 64, as ``FinalNormInvarianceMonitor``).
@@ -90,6 +94,7 @@ class LNMonitorCallback(TrainerCallback):
         exclude: str | Sequence[str] | None = None,
         final_norm: str | None = None,
         ladder: str | Sequence[str] | None = None,
+        row_mask: Callable | bool | None = None,
         invariance_every_n_steps: int | None = 1000,
         probe_size: int | None = PROBE_WINDOWS,
         keep_history: bool | None = None,
@@ -105,6 +110,7 @@ class LNMonitorCallback(TrainerCallback):
         self.exclude = arguments.patterns(exclude, "exclude")
         self.final_norm = arguments.module_name(final_norm, "final_norm", "model.norm")
         self.ladder = arguments.patterns(ladder, "ladder")
+        self.row_mask = arguments.row_mask(row_mask)
         self.invariance_every_n_steps = arguments.positive_int(invariance_every_n_steps,
                                                                "invariance_every_n_steps")
         self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
@@ -145,7 +151,7 @@ class LNMonitorCallback(TrainerCallback):
         self._last_step = state.max_steps - 1 if state.max_steps > 0 else None
         self.meter = LadderMeter(
             model, include=self.include, exclude=self.exclude, final_norm=self.final_norm, ladder=self.ladder,
-            owner="LNMonitorCallback", say=self._say, warn=self._warn,
+            row_mask=self.row_mask, owner="LNMonitorCallback", say=self._say, warn=self._warn,
         )
         self._reporters = [cb for cb in self.trainer.callback_handler.callbacks
                            if type(cb) in INTEGRATION_TO_CALLBACK.values()]
@@ -213,6 +219,9 @@ class LNMonitorCallback(TrainerCallback):
         self._probed = state.global_step
         try:
             result = self._prober.run(self._probe)
+        except NonFiniteLoss as err:  # this point only
+            self._warn("nan-loss", f"LNMonitorCallback: no invariance at step {state.global_step}: {err}.")
+            return
         except Exception as err:  # noqa: BLE001 - never stop the user's training
             self._prober = None
             self._invariance_off(

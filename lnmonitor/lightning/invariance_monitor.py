@@ -23,6 +23,7 @@ from lnmonitor.core.invariance import (
     SWEEP_SCALES,
     InvarianceProbe,
     InvarianceResult,
+    NonFiniteLoss,
     NotAFinalNorm,
 )
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_LAYOUT, PREFIX, finite_metrics
@@ -285,6 +286,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             result = self._measure(trainer, pl_module, probe)
         except (NoLoss, NotAFinalNorm) as err:
             self._disable(str(err))
+            return
+        except NonFiniteLoss as err:  # this point only: a later one may be finite again
+            self._sink.warn_once("nan-loss", f"FinalNormInvarianceMonitor logs nothing at step {step}: "
+                                             f"{err}. Said once; it probes again at the next point.")
             return
         except Exception as err:  # noqa: BLE001 - never stop the user's training
             self._disable(

@@ -8,7 +8,7 @@ Watch every normalisation layer's 1/sigma ladder and dead-plane share while trai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,10 @@ class LayerNormMonitor(MonitorCallback):
             the final norm marked; about 5 ms and 10 KB each) at measured steps at least
             ``image_every_n_steps`` apart and at the last, and 1/sigma of every rung against
             depth and step at the end of the fit, to every logger that takes images.
+        row_mask: which rows (tokens) of a batch to measure: None (default) leaves out the
+            padding a mapping batch marks (its ``attention_mask``),
+            said once; ``False`` measures every row; a callable ``row_mask(batch)`` returns a
+            bool tensor with one entry per row (True: measure it), or None.
         image_every_n_steps: the least number of optimizer steps between two ladder
             pictures (default 50: every measured step at the default cadence, one in 50
             when every step is measured).
@@ -156,6 +160,7 @@ class LayerNormMonitor(MonitorCallback):
         images: bool = True,
         image_every_n_steps: int = 50,
         summary: bool = True,
+        row_mask: Callable | bool | None = None,
     ) -> None:
         with misconfiguration():
             self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
@@ -168,6 +173,7 @@ class LayerNormMonitor(MonitorCallback):
             self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
                                                               allow_none=False)
             self.summary = arguments.flag(summary, "summary")
+            self.row_mask = arguments.row_mask(row_mask)
         with misconfiguration():
             keep_history = arguments.optional_flag(keep_history, "keep_history")
         super().__init__(keep_history)
@@ -215,7 +221,8 @@ class LayerNormMonitor(MonitorCallback):
         with misconfiguration():
             self.meter = LadderMeter(
                 pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
-                ladder=self.ladder, owner="LayerNormMonitor", say=self._say, warn=self._warn,
+                ladder=self.ladder, row_mask=self.row_mask, owner="LayerNormMonitor", say=self._say,
+                warn=self._warn,
             )
         self.meter.order = list(self._order)
         self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
@@ -259,12 +266,15 @@ class LayerNormMonitor(MonitorCallback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.meter is None or self.meter.off_reason or self._measuring is not None:
+        if self.meter is None or self.meter.off_reason:
             return
         step = trainer.global_step
-        if due(step, self.every_n_steps, self._last_step) and step > self._sink.last_step:
+        starts = self._measuring is None and step > self._sink.last_step
+        if starts and due(step, self.every_n_steps, self._last_step):
             self._measuring = step
             self.meter.start()
+        if self._measuring is not None:
+            self.meter.use_batch(batch)  # each micro-batch's padding
 
     @override
     def on_train_batch_end(
