@@ -93,7 +93,7 @@ VALID = {
     (StructureProbe, "branch"): lambda v: v is None or callable(v) or (
         not isinstance(v, str) and _strings(v)),
     (StructureProbe, "rtol"): _rtol,
-    (StructureProbe, "norms"): lambda v: isinstance(v, bool),
+    (StructureProbe, "norm_jacobians"): lambda v: isinstance(v, bool),
 }
 
 
@@ -179,7 +179,7 @@ def test_invariance_monitor_bad_arguments(kwargs):
         ({"branch": "ln1"}, "sequence of child names"),
         ({"rtol": 0.0}, r"float in \(0, 1\)"),
         ({"rtol": 2}, r"float in \(0, 1\)"),
-        ({"norms": "yes"}, "True or False"),
+        ({"norm_jacobians": "yes"}, "True or False"),
     ],
 )
 def test_probe_rejects_bad_arguments_early(kwargs, message):

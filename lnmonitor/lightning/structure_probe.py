@@ -81,7 +81,7 @@ class StructureProbe(MonitorCallback):
             the first norm child and the child registered after it.
         rtol: rank tolerance relative to the largest singular value; ``None`` uses numpy's
             ``matrix_rank`` rule ``s_max * d * eps_float64``.
-        norms: ``False`` to skip the per-norm gain spread.
+        norm_jacobians: ``False`` to skip the per-norm Jacobian probe (the gain spread).
 
     Logged metrics (through every logger in ``trainer.loggers``, at ``trainer.global_step``):
         - ``lnmonitor/probe/block_rank/<block>``: numerical rank of ``d block(h)[p] / d h[p]``
@@ -119,7 +119,7 @@ class StructureProbe(MonitorCallback):
         blocks: str | None = None,
         branch: Sequence[str] | Callable[[nn.Module, Tensor], Tensor] | None = None,
         rtol: float | None = None,
-        norms: bool = True,
+        norm_jacobians: bool = True,
     ) -> None:
         with misconfiguration():
             self.every_n_validations = arguments.positive_int(
@@ -129,7 +129,7 @@ class StructureProbe(MonitorCallback):
             self.blocks = arguments.module_name(blocks, "blocks", "model.blocks")
             self.branch = arguments.child_path(branch, "branch")
             self.rtol = arguments.fraction(rtol, "rtol", "None is numpy's rank rule")
-            self.norms = arguments.flag(norms, "norms")
+            self.norm_jacobians = arguments.flag(norm_jacobians, "norm_jacobians")
         super().__init__(keep_history=None)
         self.last: ProbeResult | None = None
         self._validations = 0
@@ -159,11 +159,11 @@ class StructureProbe(MonitorCallback):
                 resolve_branch(block, found, self.branch)
         except ValueError as err:
             raise MisconfigurationException(f"StructureProbe: {err}") from None
-        self._norm_list = found if self.norms else []
-        if self.norms and not found:
+        self._norm_list = found if self.norm_jacobians else []
+        if self.norm_jacobians and not found:
             raise MisconfigurationException(
                 "StructureProbe found no normalisation layer in the model: register yours with "
-                "lnmonitor.register_norm, or pass norms=False"
+                "lnmonitor.register_norm, or pass norm_jacobians=False"
             )
 
     # -- cadence -------------------------------------------------------------------------
