@@ -5,7 +5,8 @@ histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp``, ``fsd
 (Lightning's FSDPStrategy, every block wrapped), ``fsdp2`` (ModelParallelStrategy with
 ``fully_shard`` applied to every block and the model in ``configure_model``) or
 ``fsdp2-norms`` (the same, and every norm a unit of its own first: ``fully_shard(norm)``,
-the final norm grouped with the head as torchtitan does).
+the final norm grouped with the head as torchtitan does); ``tp`` is ModelParallelStrategy's
+tensor parallelism over all ``DEVICES`` with sequence-parallel norms (DTensor inputs).
 
 Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
@@ -41,13 +42,15 @@ class Windows(Dataset):
 
 
 class Data(L.LightningDataModule):
-    """Sample i goes to rank i % world (no shuffling): the ranks' micro-batches together
-    are exactly the single process's batch."""
+    """Sample i goes to data-parallel rank i % world (no shuffling): the ranks' micro-batches
+    together are exactly the single process's batch."""
 
     def train_dataloader(self) -> DataLoader:
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(Windows(), num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(Windows(), batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        # the data-parallel rank and size: tensor-parallel ranks share one shard of the batch
+        strategy = self.trainer.strategy
+        shard = getattr(strategy, "distributed_sampler_kwargs", None) or dict(num_replicas=1, rank=0)
+        sampler = DistributedSampler(Windows(), shuffle=False, **shard)
+        return DataLoader(Windows(), batch_size=GLOBAL_BATCH // shard["num_replicas"], sampler=sampler)
 
 
 class Counting(LayerNormMonitor):
@@ -83,12 +86,39 @@ class ShardedGPT(TinyGPTModule):
             return
         from torch.distributed.fsdp import fully_shard
 
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            return self.sequence_parallel(self.device_mesh["tensor_parallel"])
         mesh = self.device_mesh["data_parallel"]
         for group in self.norm_groups() if self.norm_units else ():
             fully_shard(group, mesh=mesh)
         for block in self.blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+    def sequence_parallel(self, mesh) -> None:
+        """Every norm ``SequenceParallel`` (its input a DTensor sharded along the sequence),
+        attention and MLP on the gathered sequence, as torchtitan lays out a block (the
+        projections stay whole: the tiny GPT's fused qkv does not split by columns)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                    use_local_output=True)
+        scatter = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                      use_local_output=True)
+        plan = {"blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                               use_local_output=True),
+                "lnf": SequenceParallel(), "head": gather}
+        for i in range(len(self.blocks())):
+            plan |= {f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel(),
+                     f"blocks.{i}.attn": gather, f"blocks.{i}.attn.proj": scatter,
+                     f"blocks.{i}.mlp": gather, f"blocks.{i}.mlp.proj": scatter}
+        parallelize_module(self.model, mesh, plan)
 
 
 class GPT2(L.LightningModule):
@@ -135,7 +165,11 @@ def main() -> None:
     invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
                                             keep_history=True, scales=(1.0, 0.1, 0.01))
     module.norm_units = strategy == "fsdp2-norms"
-    if strategy.startswith("fsdp2"):
+    if strategy == "tp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        chosen = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=devices)
+    elif strategy.startswith("fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         chosen = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
@@ -158,7 +192,8 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"history": monitor.history, "collectives": Counting.collectives,
                        "invariance": invariance.history, "disabled": invariance.disabled_reason,
-                       "rows": rows, "world": trainer.world_size}, f)
+                       "rows": rows, "world": trainer.world_size, "steps": trainer.global_step,
+                       "off": monitor.meter.off_reason}, f)
 
 
 if __name__ == "__main__":

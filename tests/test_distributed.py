@@ -73,3 +73,20 @@ def test_two_processes_match_one(single, tmp_path, strategy):
     assert first.keys() == ref.keys()
     for key, value in first.items():
         assert value == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trains_on_and_both_monitors_say_why_they_measure_nothing(tmp_path):
+    # ModelParallelStrategy(tensor_parallel_size=2), every norm SequenceParallel: a norm's input
+    # and its gradient are DTensors sharded along the sequence, which the taps do not reduce
+    # (their per-row reductions need the local rows: x.to_local(), grad.to_local()). Gloo runs
+    # the all_gather and reduce_scatter of sequence parallelism on CPU, so this is the model's
+    # real run; the check of every norm passes (its own forward on gathered weights), the
+    # invariance probe runs on every rank (a tensor-parallel forward is a collective), and
+    # training goes on with both monitors off, each saying why, instead of an abort.
+    tp = run("tp", 2, tmp_path / "out.json")
+    assert tp["world"] == 2 and tp["steps"] == 2
+    assert tp["history"] == [] and tp["rows"] == []
+    assert "inside a norm's hook" in tp["off"] and "DTensor" in tp["off"]
+    assert "DTensor" in tp["disabled"]
+

@@ -130,9 +130,11 @@ def compiled(module: nn.Module) -> bool:
 
 
 def sharded(module: nn.Module) -> bool:
-    """Whether ``module`` holds parameters sharded across ranks (FSDP2's ``fully_shard``,
-    FSDP1), so that its forward is a collective every rank must join."""
-    return any(_fsdp_unit(m) or type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+    """Whether ``module`` holds parameters distributed across ranks (a ``DTensor``: FSDP2's
+    ``fully_shard``, tensor parallelism; or FSDP1), so that its forward is a collective every
+    rank must join."""
+    return (any(_distributed(p) for p in module.parameters())
+            or any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()))
 
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:
@@ -141,7 +143,7 @@ def float64_state(module: nn.Module) -> dict[str, Tensor]:
     every rank must call this together)."""
     state = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if hasattr(t, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
+        if _distributed(t):
             t = t.full_tensor()
         t = t.detach()
         state[name] = t.to(torch.float64) if t.is_floating_point() else t
@@ -152,11 +154,13 @@ def float64_twin(module: nn.Module) -> Callable[..., object]:
     """``twin(*args)``: ``module``'s forward evaluated with float64 copies of its parameters
     and buffers (``torch.func.functional_call``), invisible to the taps.  The module is
     neither copied nor changed, so this also works where ``deepcopy`` is refused (FSDP2).
-    A module that is itself an FSDP2 unit (``fully_shard(norm)``) is called without the
-    hooks FSDP2 put on it, which would gather the shards the copies replace: its own
-    ``forward`` on the gathered copies.  Gradients flow to the inputs, not to the parameters."""
+    A module whose parameters are distributed (``DTensor``: an FSDP2 unit, ``fully_shard(norm)``,
+    or a tensor-parallel one such as a ``SequenceParallel`` norm) is called without its hooks,
+    which lay out tensors across ranks (gather the shards the copies replace, shard the
+    input): its own ``forward`` on the gathered copies.  Gradients flow to the inputs, not to
+    the parameters."""
     state = float64_state(module)
-    if _fsdp_unit(module):
+    if any(_distributed(p) for p in module.parameters()):
         module = _Forward(module)
         state = {f"module.{name}": t for name, t in state.items()}
 
@@ -187,10 +191,7 @@ class _Forward(nn.Module):
         return self.module.forward(*args)
 
 
-def _fsdp_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 unit (``fully_shard(module)``)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+def _distributed(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallelism)."""
+    return hasattr(t, "full_tensor")
+
