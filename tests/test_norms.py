@@ -99,6 +99,27 @@ def test_discovery_kinds_order_and_protocol():
     assert "5" not in [f.name for f in find_norms(model)]
 
 
+class GatedRMSNorm(DuckRMSNorm):
+    """Mamba2's MambaRMSNormGated: rmsnorm(x * silu(gate)), without a gate a plain RMSNorm."""
+
+    lnmonitor_norm_kind = "rms"  # declared too: a declaration does not make the gate go away
+
+    def forward(self, x, gate=None):
+        return super().forward(x if gate is None else x * nn.functional.silu(gate))
+
+
+def test_a_norm_whose_forward_takes_more_than_its_input_is_left_out_and_named():
+    # called without its gate it passes the float64 check; called with it, it normalises
+    # x * silu(gate), and measured on its first argument it would be measured on the wrong tensor
+    gated = GatedRMSNorm(8)
+    x, gate = torch.randn(4, 8), torch.randn(4, 8)
+    assert not torch.allclose(gated(x, gate), gated(x))
+    found = discover_norms(nn.Sequential(DuckRMSNorm(8), gated))
+    assert [n.name for n in found.norms] == ["0"]
+    assert [(r.name, r.cls) for r in found.refused] == [("1", "GatedRMSNorm")]
+    assert "more than the input it normalises (gate)" in found.refused[0].reason
+
+
 def test_bad_declared_kind_and_registry_arguments():
     class Bad(nn.Module):
         lnmonitor_norm_kind = "batch"

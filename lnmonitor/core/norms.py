@@ -22,7 +22,10 @@ the first that reproduces the output.  Without an epsilon attribute the epsilon 
 *measured* from the output on a low-variance row (:attr:`NormInfo.eps_measured`).  A
 candidate that reproduces nothing is *refused* (:attr:`Discovery.refused`, with the
 measured mismatch and what to declare); nothing is ever measured with a gain or a kind
-its output does not confirm.
+its output does not confirm.  A candidate whose ``forward`` takes more than the input it
+normalises (a gate, a mask, a conditioning: Mamba2's ``MambaRMSNormGated.forward(x,
+gate)`` normalises ``x * silu(gate)``) is refused too: lnmonitor measures a norm on its
+first argument, which is then not what it normalises.
 
 Rows are the input flattened to ``(-1, d)`` with ``d = prod(normalized_shape)`` (or the
 gain's size, or the last dimension).  An ``eps`` of ``None`` (``nn.RMSNorm``'s default)
@@ -32,6 +35,7 @@ means ``torch.finfo(input.dtype).eps``, as torch does.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
 import numbers
 import weakref
@@ -382,6 +386,11 @@ def _identify(module: nn.Module) -> _Spec | str | None:
     if found is None:
         return None
     specs, declared = found
+    extra = _extra_inputs(module)
+    if extra:
+        return (f"its forward takes more than the input it normalises ({', '.join(extra)}): called "
+                "with it, the norm normalises something else than its first argument (Mamba2's "
+                "gated norm: rmsnorm(x * silu(gate))), and lnmonitor would measure the wrong tensor")
     key = (_REGISTRY_VERSION[0], tuple(specs))  # a changed declaration is checked again
     try:
         cached = _VERIFIED.get(module)
@@ -423,6 +432,16 @@ def _identify(module: nn.Module) -> _Spec | str | None:
     except TypeError:  # pragma: no cover
         pass
     return result
+
+
+def _extra_inputs(module: nn.Module) -> list[str]:
+    """The named parameters of ``module.forward`` after the input it normalises."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return []
+    named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return named[1:]
 
 
 def describe_norm(module: nn.Module, name: str = "") -> NormInfo | None:
