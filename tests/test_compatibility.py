@@ -123,6 +123,12 @@ def _hf(config_cls, **kw):
     return build
 
 
+def _masked_lm(config_cls, **kw):
+    def build():
+        return transformers.AutoModelForMaskedLM.from_config(getattr(transformers, config_cls)(**kw))
+    return build
+
+
 def _litgpt(norm, name="tiny"):
     def build():
         from litgpt import GPT, Config
@@ -171,6 +177,19 @@ FAMILIES = [
            unit_offset=True, hf=False, final="model.transformer.ln_f"),
     Family("nanoGPT-style (hand-written LayerNorm)", NanoGPT, ("LayerNorm",), "layer", hf=False,
            final="model.transformer.ln_f"),
+    # post-LN: each block's norms normalise the sum after the residual add; no gradient goes
+    # around any of them, so there is no pre-norm ladder; the MLM head's norm is the last to run
+    # before the logits (the final norm of the invariance probe), a ladder of one rung
+    Family("BERT (post-LN, masked LM)", _masked_lm(
+        "BertConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0), ("LayerNorm",), "layer",
+        roles={"*.embeddings.LayerNorm": "embedding", "*.encoder.layer.*": "post"},
+        final="model.cls.predictions.transform.LayerNorm"),
+    Family("BLOOM (embedding norm)", _hf(
+        "BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+        attention_dropout=0.0), ("LayerNorm",), "layer",
+        roles={"*.word_embeddings_layernorm": "embedding"}, final="model.transformer.ln_f"),
     # the gated norm inside each mixer computes rmsnorm(x * silu(gate)) from forward(x, gate):
     # measured on x it logged sigma 0.155 against 0.044 true; it is left out and named
     Family("Mamba2 (gated norms left out)", _hf(
@@ -321,7 +340,8 @@ def matrix_row(family: Family) -> str:
     h = ln.history[0]
     dev = max(abs(h[f"lnmonitor/share_median/{n}"] - np.median(r["share"])) for n, r in ref.items())
     sig = max(abs(h[f"lnmonitor/sigma/{n}"] / r["sigma"] - 1) for n, r in ref.items())
-    role_text = ", ".join(f"{roles[k]} {k}" for k in ("residual", "final", "qk", "post") if k in roles)
+    role_text = ", ".join(f"{roles[k]} {k}" for k in ("residual", "final", "qk", "embedding", "post")
+                          if k in roles)
     on = "on, 5 cases" if inv.disabled_reason is None else "off"
     return (f"| {family.label} | {len(ln.norms)} {family.kind}, gain {gain} | {role_text} | "
             f"`{inv.last_result.final_norm.removeprefix('model.')}` | {on} | "

@@ -262,6 +262,14 @@ def test_roles_from_what_the_gradient_does_at_each_input():
     qk = [n.with_role(None) for n in norms]
     object.__setattr__(qk[1], "name", "layers.0.attn.q_norm")
     assert assign_roles(qk, {**bypass, "layers.0.attn.q_norm": 0.0})[1].role == "qk"
+    # a norm of the embeddings (BERT's embeddings.LayerNorm, BLOOM's word_embeddings_layernorm) is
+    # its own role when no gradient goes around it; a model wrapped as `embedder` is not all embedding
+    for name, role in (("bert.embeddings.LayerNorm", "embedding"), ("word_embeddings_layernorm", "embedding"),
+                       ("embedder.layers.0.post_norm", "post")):
+        renamed = [n.with_role(None) for n in norms]
+        object.__setattr__(renamed[3], "name", name)
+        assert assign_roles(renamed, {**bypass, name: 0.0})[3].role == role, name
+    assert assign_roles(renamed, {**bypass, name: 0.5})[3].role == "residual"
     # no final norm: the last norm's input flows on, so it is only the last rung
     assert [n.role for n in assign_roles(norms, {**bypass, "4": 0.8})][-1] == "residual"
     # unmeasured (no gradient reached the input): a rung, not a branch

@@ -302,7 +302,8 @@ class NormInfo:
 
     ``role`` is ``None`` until the monitors know which norms read the residual stream:
     ``"residual"`` (a rung of the ladder), ``"final"`` (the last rung), ``"qk"`` (a query or
-    key norm) or ``"post"`` (a norm of a branch's output before it is added)."""
+    key norm), ``"embedding"`` (the norm of the embeddings) or ``"post"`` (a norm of a branch's
+    output before it is added, or post-LN of the sum after it)."""
 
     name: str
     module: nn.Module

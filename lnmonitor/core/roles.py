@@ -1,5 +1,6 @@
 """Which norms read the residual stream: the rungs of the 1/sigma ladder, the final norm,
-and the norms of a branch (a query/key norm, a sublayer's output norm)."""
+the norms of a branch (a query/key norm, a sublayer's output norm) and the norm of the
+embeddings."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from collections.abc import Sequence
 
 from lnmonitor.core.norms import NormInfo, glob_patterns
 
-__all__ = ["FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "assign_roles"]
+__all__ = ["EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "assign_roles"]
 
 
-RESIDUAL, FINAL, QK, POST = "residual", "final", "qk", "post"
+RESIDUAL, FINAL, QK, POST, EMBEDDING = "residual", "final", "qk", "post", "embedding"
 RUNGS = (RESIDUAL, FINAL)  # the roles that read the residual stream: the ladder's rungs
 # share of the gradient at a norm's input that goes around it above which the norm's input
 # flows on past it (a residual-stream norm); a branch or final norm gives float rounding
@@ -34,8 +35,11 @@ def assign_roles(
     step: its input flows on through the residual), or when that was not measured.  The
     final norm is ``final_norm``, else the last norm to run if its gradient does not go
     around it (with ``ladder``: the last rung); a model without one has none.  It is the
-    ladder's last rung.  The other norms read a branch: ``"qk"`` (by name: ``q_norm``,
-    ``k_norm``, ...) or ``"post"`` (a sublayer's output before it is added).
+    ladder's last rung.  The other norms are, by name, ``"qk"`` (``q_norm``, ``k_norm``,
+    ...) or ``"embedding"`` (``emb`` in its name or its parent's: BERT's ``embeddings.LayerNorm``,
+    BLOOM's ``word_embeddings_layernorm``, the stream's start, not a rung), else ``"post"``
+    (a sublayer's output before it is added, OLMo2; or, post-LN as in BERT, the sum after it
+    is added: no gradient goes around either, and a post-LN model has no pre-norm ladder).
     """
     bypass = bypass or {}
     patterns = glob_patterns(ladder)
@@ -58,7 +62,9 @@ def assign_roles(
             return FINAL
         if info.name in rungs:
             return RESIDUAL
-        leaf = info.name.rsplit(".", 1)[-1].lower()
-        return QK if leaf in _QK_NAMES else POST
+        parts = info.name.lower().split(".")
+        if parts[-1] in _QK_NAMES:
+            return QK
+        return EMBEDDING if any("emb" in part for part in parts[-2:]) else POST  # the norm or its parent
 
     return [info.with_role(role(info)) for info in norms]
