@@ -210,3 +210,41 @@ def test_a_diverged_loss_is_said_and_the_invariance_monitor_stays_on():
     said = [str(w.message) for w in caught if "FinalNormInvarianceMonitor" in str(w.message)]
     assert any("the loss on the probe rows is nan" in w for w in said), said
     assert inv.history == [] and inv.disabled_reason is None
+
+
+class _Looped(torch.nn.Module):
+    """One pre-norm block applied three times (ALBERT's sharing), then a final norm."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.mix, self.mlp = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.lnf, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, VOCAB)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(3):
+            h = h + self.mix(self.ln1(h))
+            h = h + self.mlp(self.ln2(h))
+        return self.head(self.lnf(h))
+
+
+def test_a_norm_called_more_often_than_the_others_is_kept_out_of_the_ladder():
+    """A looped block's norms pool three depths: they are named, once, and are no rungs;
+    every call's rows are measured (3 x the final norm's)."""
+    torch.manual_seed(0)
+    model, x = _Looped(), torch.randint(0, VOCAB, (4, CONTEXT))
+    meter = LadderMeter(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with meter.step():
+            model(x).square().mean().backward()
+        result = meter.result()
+    said = [str(w.message) for w in caught if "more often than the other norms" in str(w.message)]
+    assert len(said) == 1 and "ln1" in said[0] and "ln2" in said[0]
+    rows = {info.name: s.rows for info, s in zip(result.norms, result.summaries, strict=True)}
+    assert rows == {"ln1": 3 * 4 * CONTEXT, "ln2": 3 * 4 * CONTEXT, "lnf": 4 * CONTEXT}
+    positions = result.figures.positions()
+    assert positions["lnmonitor/ladder_position/ln1"] == positions["lnmonitor/ladder_position/ln2"] == -1
+    assert "lnmonitor/ladder/attenuation" not in result.metrics()  # one rung left: no ladder

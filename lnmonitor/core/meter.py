@@ -152,6 +152,7 @@ class LadderMeter:
         self._resolution: dict[int, float] = {}
         self._forward_only: set[int] = set()
         self._ran_forward = False
+        self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
         self._row_mask = row_mask
         self._mask_source: str | None = None
         self._inputs_hook = None
@@ -224,6 +225,9 @@ class LadderMeter:
             self.order = [self.norms[i].name for i in rows.order]
         self._eps, self._resolution, self._forward_only = rows.eps, rows.resolution, rows.forward_only
         self._ran_forward = bool(rows.order)
+        if rows.calls and not self.roles_known:
+            fewest = min(rows.calls.values())
+            self.reused = {self.norms[i].name for i, c in rows.calls.items() if c > fewest}
         self._pending = summarise(rows, self.layout, _device(self.model))
 
     def abort(self) -> None:
@@ -317,7 +321,8 @@ class LadderMeter:
         """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
         role = {info.name: info.role for info in self.norms}
         order = self.order + [n.name for n in self.norms if n.name not in self.order]
-        return [name for name in order if role.get(name) in RUNGS or role.get(name) is None]
+        return [name for name in order
+                if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused]
 
     def _assign_roles(self, summaries: list[NormSummary]) -> None:
         """Which norms are rungs, from what this step's gradient does at each norm's input."""
@@ -333,8 +338,15 @@ class LadderMeter:
         roles = {n.name: n.role for n in found}
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
-        rungs = [n for n in ordered if roles[n.name] in RUNGS]
+        rungs = [n for n in ordered if roles[n.name] in RUNGS and n.name not in self.reused]
         others = [n for n in ordered if roles[n.name] not in RUNGS]
+        if self.reused:
+            names = sorted(self.reused)
+            self._warn("reused", (
+                f"{self.owner}: the forward calls {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} "
+                "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
+                "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
+                "depth each. Said once."))
         final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
         said = (f"{self.owner}: the ladder has {len(rungs)} rungs, the norms that read the residual "
                 f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "

@@ -107,7 +107,8 @@ class StepRows:
     rows, when it was measured, and ``resolution`` to the relative resolution of the
     gradient's dtype there.  ``pads`` maps a norm index to the number of its padding rows
     (a device tensor), ``forward_only`` holds the norms whose output got no gradient
-    (their rows carry the forward statistics alone).
+    (their rows carry the forward statistics alone), and ``calls`` counts each norm's
+    measured calls (a module the forward calls more than once is reused).
     """
 
     data: Tensor | None
@@ -118,6 +119,7 @@ class StepRows:
     resolution: dict[int, float] = field(default_factory=dict)
     pads: dict[int, Tensor] = field(default_factory=dict)
     forward_only: set[int] = field(default_factory=set)
+    calls: dict[int, int] = field(default_factory=dict)
 
 
 class NormTap:
@@ -145,6 +147,7 @@ class NormTap:
         self._resolution: dict[int, float] = {}
         self._pads: dict[int, Tensor] = {}
         self._forward_only: set[int] = set()
+        self._calls: dict[int, int] = {}
         self._pending: list[_Pending] = []
         self._workspace: tuple[Tensor, Tensor] | None = None
 
@@ -190,6 +193,8 @@ class NormTap:
             if not args or not isinstance(args[0], Tensor):
                 return
             x = args[0]
+            if not (torch_internals.saved_tensor_hooks_active() and torch_internals.backward_running()):
+                self._calls[index] = self._calls.get(index, 0) + 1  # not a checkpoint's recomputation
             if not output.requires_grad:  # frozen inputs and gain: no gradient will come
                 self._forward_rows(index, info, x)
                 return
@@ -339,10 +344,10 @@ class NormTap:
         if self._chunks:
             data = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks, dim=1)
         rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass, self._resolution,
-                        self._pads, self._forward_only)
+                        self._pads, self._forward_only, self._calls)
         self._chunks, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
-        self._resolution, self._pads, self._forward_only = {}, {}, set()
+        self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
         self._workspace = None
         self._bypass_step = False
         return rows
