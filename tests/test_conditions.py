@@ -248,3 +248,24 @@ def test_a_norm_called_more_often_than_the_others_is_kept_out_of_the_ladder():
     positions = result.figures.positions()
     assert positions["lnmonitor/ladder_position/ln1"] == positions["lnmonitor/ladder_position/ln2"] == -1
     assert "lnmonitor/ladder/attenuation" not in result.metrics()  # one rung left: no ladder
+
+
+def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
+    """BERT normalises each sublayer's output after the residual add: no norm reads a stream
+    that flows on past it, so there is no 1/sigma ladder to log, and the message says why."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(config)
+    x = torch.randint(1, VOCAB, (4, CONTEXT))
+    meter = LadderMeter(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with meter.step():
+            model(input_ids=x, labels=x).loss.backward()
+        result = meter.result()
+    said = [str(w.message) for w in caught if "rung(s)" in str(w.message)]
+    assert len(said) == 1 and "post-LN" in said[0]
+    assert "lnmonitor/ladder/attenuation" not in result.metrics()
+    assert "lnmonitor/sigma/bert.encoder.layer.0.output.LayerNorm" in result.metrics()

@@ -45,7 +45,7 @@ from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.padding import padding_mask
-from lnmonitor.core.roles import FINAL, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles
+from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
 
@@ -359,10 +359,13 @@ class LadderMeter:
         said += " (as ladder=... says)." if self.ladder else "; ladder=[...] names the rungs instead."
         self._say(said)
         if len(rungs) < 2:
+            post = [n.name for n in ordered if roles[n.name] == POST]
+            why = (f"no pre-norm ladder: {len(post)} norms normalise a sublayer's output (post-LN, as "
+                   "BERT's), and sigma is logged per norm" if post and len(post) >= len(rungs) else
+                   "only these norms read the residual stream")
             self._warn("one-rung", (
                 f"{self.owner}: the ladder has {len(rungs)} rung(s), so no attenuation or growth is "
-                "logged: only these norms read the residual stream. Name the rungs with ladder=[...] "
-                "if they are others."))
+                f"logged: {why}. Name the rungs with ladder=[...] if they are others."))
 
     def _warn_unmeasured(self, label: str, missing: list[str]) -> None:
         """Say once when selected norms had no row in a measured step (never zero data
