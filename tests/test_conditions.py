@@ -255,7 +255,8 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
     that flows on past it, so there is no 1/sigma ladder to log, and the message says why."""
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=CONTEXT,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = transformers.BertForMaskedLM(config)
     x = torch.randint(1, VOCAB, (4, CONTEXT))
