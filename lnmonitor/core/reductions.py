@@ -52,17 +52,9 @@ def mask_rows(red: Tensor, keep: Tensor) -> Tensor:
 
 
 def forward_reductions(x: Tensor, kind: NormKind) -> Tensor:
-    """:data:`FIELDS` of rows that get no gradient: ``var`` and ``ms`` of the input as in
-    :func:`row_reductions`, and ``sw = ww = wx2v = 0`` (no share)."""
-    d = x.shape[-1]
-    x = x.detach().reshape(-1, d).float()
-    ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(d)
-    if kind == "layer":  # centred, as the backward path computes it (no cancellation)
-        var = torch.linalg.vector_norm(x - x.mean(dim=-1, keepdim=True), dim=-1).square_().div_(d)
-    else:
-        var = ms
-    zero = torch.zeros_like(ms)
-    return torch.stack((var, ms, zero, zero, zero))
+    """:data:`FIELDS` of rows that get no gradient: :func:`row_reductions` with a zero
+    gradient, so ``var`` and ``ms`` are its own and ``sw = ww = 0`` (no share)."""
+    return row_reductions(x, torch.zeros_like(x), kind)
 
 
 def _buffers(workspace, n: int, d: int):
