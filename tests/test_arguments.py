@@ -77,6 +77,10 @@ VALID = {
     (LayerNormMonitor, "histograms"): lambda v: isinstance(v, bool),
     (LayerNormMonitor, "keep_history"): lambda v: v is None or isinstance(v, bool),
     (LayerNormMonitor, "image_every_n_steps"): lambda v: _int(v, 1),
+    (LayerNormMonitor, "ladder"): lambda v: v is None or _strings(v),
+    (LayerNormMonitor, "images"): lambda v: isinstance(v, bool),
+    (LayerNormMonitor, "summary"): lambda v: isinstance(v, bool),
+    (LayerNormMonitor, "row_mask"): lambda v: v is None or v is False or callable(v),
     # None alone would leave it nothing to run on (on_validation is False by default)
     (FinalNormInvarianceMonitor, "every_n_steps"): lambda v: _int(v, 1),
     (FinalNormInvarianceMonitor, "on_validation"): lambda v: isinstance(v, bool),
@@ -87,6 +91,7 @@ VALID = {
     (FinalNormInvarianceMonitor, "cases"): lambda v: _strings(v, CASES, distinct=True),
     (FinalNormInvarianceMonitor, "scales"): _scales,
     (FinalNormInvarianceMonitor, "keep_history"): lambda v: v is None or isinstance(v, bool),
+    (FinalNormInvarianceMonitor, "summary"): lambda v: isinstance(v, bool),
     (StructureProbe, "every_n_validations"): lambda v: _int(v, 1),
     (StructureProbe, "position"): _int,
     (StructureProbe, "blocks"): _name_or_none,
@@ -185,3 +190,11 @@ def test_invariance_monitor_bad_arguments(kwargs):
 def test_probe_rejects_bad_arguments_early(kwargs, message):
     with pytest.raises(MisconfigurationException, match=message):
         StructureProbe(**kwargs)
+
+
+def test_the_fuzz_covers_every_public_argument():
+    import inspect
+
+    for cls in (LayerNormMonitor, FinalNormInvarianceMonitor, StructureProbe):
+        names = [n for n in inspect.signature(cls).parameters if n != "self"]
+        assert [n for n in names if (cls, n) not in VALID] == [], cls.__name__
