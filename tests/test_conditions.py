@@ -270,3 +270,13 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
     assert len(said) == 1 and "post-LN" in said[0]
     assert "lnmonitor/ladder/attenuation" not in result.metrics()
     assert "lnmonitor/sigma/bert.encoder.layer.0.output.LayerNorm" in result.metrics()
+
+
+def test_a_row_mask_that_raises_is_said_once_and_training_goes_on():
+    def broken(inputs):
+        raise KeyError("no such field")
+
+    model, batch = gpt2(), padded_batch()
+    result, said = measured(model, batch, row_mask=broken)
+    assert result is not None and all(s.pad_rows == 0 for s in result.summaries)
+    assert sum("the row mask failed (KeyError" in w for w in said) == 1

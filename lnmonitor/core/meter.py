@@ -197,15 +197,22 @@ class LadderMeter:
             self._tap.row_mask = keep
 
     def _keep(self, batch) -> Tensor | None:
-        if callable(self._row_mask):
-            keep, source = self._row_mask(batch), "row_mask"
-        else:
-            found = padding_mask(batch)
-            keep, source = found if found is not None else (None, None)
-        if keep is None:
+        try:
+            if callable(self._row_mask):
+                keep, source = self._row_mask(batch), "row_mask"
+            else:
+                found = padding_mask(batch)
+                keep, source = found if found is not None else (None, None)
+            if keep is None:
+                return None
+            keep = torch.as_tensor(keep).to(_device(self.model), non_blocking=True).reshape(-1).bool()
+        except Exception as err:  # noqa: BLE001 - the user's row_mask must not stop training
+            self._row_mask = False
+            self._warn("row-mask", f"{self.owner}: the row mask failed ({type(err).__name__}: {err}); every "
+                                   "row is measured from now on (training goes on).")
             return None
         self._mask_source = source
-        return keep.to(_device(self.model), non_blocking=True).reshape(-1).bool()
+        return keep
 
     def stop(self) -> None:
         """Unhook, and leave the step's summary on the device for :meth:`result`."""
