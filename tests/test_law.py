@@ -83,8 +83,17 @@ def test_two_initialisations_fall_on_one_law_and_the_intervals_cover_it():
     lo, hi = fit["knee_interval"]
     assert lo < 10.0 < hi and hi / lo < 10.0  # the knee at eps/var = 10, located within a decade
     assert fit["slope_interval"][0] < 0.02 < fit["slope_interval"][1]
-    assert fit["slope_interval"][0] > 0 and fit["knee_at"] is None
+    assert fit["slope_interval"][0] > 0 and fit["knee_at"] is None and len(fit["doses_carrying_slope"]) == 2
     assert law.sentence(fit).startswith("A large eps costs loss when the first norm's eps/var at step 0")
+
+
+def test_a_slope_carried_by_one_dose_says_so():
+    cost = hinge(1.0, 0.02)
+    grids = {"big-var": grid("default", 1.0, cost, eps_values=(1e-5, 1e-3, 1e-1)),
+             "small-var": grid("gpt2", 1e-3, cost, eps_values=(1e-5, 1e-3, 1e-1))}
+    fit = law.law(grids, resamples=50)["fits"]["init"]
+    assert fit["doses_carrying_slope"] == ["small-var eps=0.1"]
+    assert "One dose carries the slope (small-var eps=0.1" in law.sentence(fit)
 
 
 def test_noise_alone_is_no_resolved_cost():

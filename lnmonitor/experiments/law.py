@@ -163,10 +163,15 @@ def _fit(points: Sequence[LawPoint], key: str, resamples: int, seed: int) -> dic
             curves.append(refit[1] * np.maximum(0.0, grid - refit[0]))
     band = np.percentile(np.asarray(curves), [2.5, 97.5], axis=0) if curves else None
     knee_span = _percentiles(knees)
+    residual_sd = math.sqrt(sse / (len(used) - 2))
+    # the doses the slope rests on: those whose fitted cost stands above the scatter
+    carrying = sorted({(p.grid, p.eps) for p, xi in zip(used, x, strict=True)
+                       if abs(slope) * max(0.0, xi - knee) > residual_sd})
     out.update(
         knee=10**knee, slope_per_decade=slope,
+        doses_carrying_slope=[f"{g} eps={eps_label(e)}" for g, e in carrying],
         knee_at={x.min(): "smallest", x.max() - SPAN: "largest"}.get(knee),
-        residual_sd=math.sqrt(sse / (len(used) - 2)) if len(used) > 2 else None,
+        residual_sd=residual_sd,
         knee_interval=None if knee_span is None else [10**v for v in knee_span],
         slope_interval=_percentiles(slopes), refits=len(slopes),
         curve={"predictor": [10**v for v in grid], "fit": list(slope * np.maximum(0.0, grid - knee)),
@@ -231,8 +236,13 @@ def sentence(fit: dict) -> str:
         return (f"No cost resolved: the fitted slope above the knee is {slope:+.4f} nats/char per decade of "
                 f"eps/var, 95% interval {lo:+.4f} to {hi:+.4f}, which includes 0.")
     verb = "costs" if slope > 0 else "saves"
-    return (f"A large eps {verb} loss {_where(fit)}: about {abs(slope):.4f} nats/char per decade of eps/var "
+    said = (f"A large eps {verb} loss {_where(fit)}: about {abs(slope):.4f} nats/char per decade of eps/var "
             f"above it (95% interval {lo:+.4f} to {hi:+.4f}).")
+    if len(fit["doses_carrying_slope"]) == 1:
+        said += (f" One dose carries the slope ({fit['doses_carrying_slope'][0]}: the only one whose fitted "
+                 "cost exceeds the residual sd), so the slope is that dose's cost spread over its distance "
+                 "from the knee, not a rate measured across doses.")
+    return said
 
 
 def _fit_row(fit: dict) -> str:
