@@ -279,7 +279,7 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         "loss_gap": "The validation-loss gap to the smallest eps over training, paired by seed, 95% interval",
         "dose_response": "Dose-response: validation loss, transmission and the ladder against eps",
         "training_curves": "Transmission and stream rms of the first and final norm over training",
-        "transmission_by_norm": "Transmission of every norm over training, largest eps",
+        "transmission_by_norm": "Transmission of every norm over training, largest eps with a finished run",
         "ladder": "The 1/sigma ladder per eps",
         "invariance": "Scale sweep against eps/var (log-log), each point marked by why it is in the fit or "
                       "not, with the fitted lines; the scale-3 case per run",

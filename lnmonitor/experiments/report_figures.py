@@ -289,9 +289,13 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
 
 
 def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path: Path) -> bool:
-    """For the largest eps: every norm's transmission over training (geometric mean over
-    seeds) as a heatmap, norms in forward order: which norms stop normalising, when."""
-    eps = max(eps_values)
+    """For the largest eps with a finished run: every norm's transmission over training
+    (geometric mean over seeds) as a heatmap, norms in forward order: which norms stop
+    normalising, when."""
+    finished = [e for e in eps_values if any(x == e for x, _ in records)]
+    if not finished:
+        return False
+    eps = max(finished)
     runs = [r for (e, _), r in sorted(records.items()) if e == eps]
     names = next((r.get("norm_order") for r in runs if r.get("norm_order")), None)
     if not names or not any(r.get("curves") for r in runs):
