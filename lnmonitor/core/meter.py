@@ -76,10 +76,6 @@ class LadderResult:
             m.update(self.figures.positions())
         return finite_metrics(m)
 
-    @property
-    def final(self) -> str | None:
-        return self.figures.final
-
 
 def _default_warn(seen: set[str]) -> Callable[[str, str], None]:
     def warn(key: str, message: str) -> None:

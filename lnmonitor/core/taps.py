@@ -193,16 +193,15 @@ class NormTap:
             if not args or not isinstance(args[0], Tensor):
                 return
             x = args[0]
-            if not (torch_internals.saved_tensor_hooks_active() and torch_internals.backward_running()):
-                self._calls[index] = self._calls.get(index, 0) + 1  # not a checkpoint's recomputation
-            if not output.requires_grad:  # frozen inputs and gain: no gradient will come
-                self._forward_rows(index, info, x)
-                return
             packing = torch_internals.saved_tensor_hooks_active()
             if packing and torch_internals.backward_running():
                 # a forward inside a backward under saved-tensor hooks: non-reentrant
-                # checkpointing recomputing its region; the original call is measured and
-                # this output never receives a gradient
+                # checkpointing recomputing its region; the original call is measured (and
+                # counted) and this output never receives a gradient
+                return
+            self._calls[index] = self._calls.get(index, 0) + 1
+            if not output.requires_grad:  # frozen inputs and gain: no gradient will come
+                self._forward_rows(index, info, x)
                 return
             saved = None
             if not packing and info.kind == "layer":
