@@ -5,23 +5,25 @@ Whatever measured the rows -- the live meter's fixed-bin histograms
 (:mod:`lnmonitor.core.heldout`) -- it hands over one :class:`NormStats` per norm (medians over
 rows), and :func:`ladder_figures` turns them into the figures: sigma, 1/sigma, rms,
 eps/var, the transmission, the dead-plane shares against the exact random baseline, and
-the ladder's attenuation and growth over its rungs.  :meth:`LadderFigures.metrics` names
+the ladder's attenuation and growth over its rungs (one ladder per residual stream: an
+encoder-decoder's encoder has its own, :class:`Ladder`).  :meth:`LadderFigures.metrics` names
 them as logged (docs/design.md, :mod:`lnmonitor.core.metric_names`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from lnmonitor.core import geometry
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.metric_names import PREFIX, per_norm
+from lnmonitor.core.metric_names import PREFIX, ladder_metric, per_norm
 
 __all__ = [
-    "LadderFigures", "NormFigures", "NormStats", "baseline_max", "baseline_median", "ladder_figures",
+    "Ladder", "LadderFigures", "NormFigures", "NormStats", "baseline_max", "baseline_median",
+    "ladder_figures",
 ]
 
 
@@ -67,11 +69,26 @@ class NormFigures:
 
 
 @dataclass(frozen=True)
+class Ladder:
+    """The ladder of one stack other than the model's (an encoder-decoder's encoder):
+    ``stack``, the qualified name of the module that holds it, and its rungs, final norm,
+    attenuation and growth as in :class:`LadderFigures`."""
+
+    stack: str
+    rungs: list[str]
+    final: str | None
+    attenuation: float
+    growth: float
+
+
+@dataclass(frozen=True)
 class LadderFigures:
     """Every norm's figures (in the order given), the ladder's rungs (forward order, the
     final norm last when there is one), ``attenuation = inv_sigma(first rung) /
     inv_sigma(last rung)`` and ``growth = rms(last rung) / rms(first rung)`` (nan with fewer
-    than two rungs), and the random-direction baselines of the shares."""
+    than two rungs), and the random-direction baselines of the shares.  The ladder is the
+    model's (the stack of the norm before the logits); ``stacks`` holds the ladders of the
+    other stacks, each its own residual stream (an encoder-decoder's encoder), in forward order."""
 
     norms: list[NormFigures]
     rungs: list[str]
@@ -79,9 +96,15 @@ class LadderFigures:
     attenuation: float
     growth: float
     baselines: dict[str, float]
+    stacks: tuple[Ladder, ...] = ()
 
     def by_name(self) -> dict[str, NormFigures]:
         return {f.name: f for f in self.norms}
+
+    @property
+    def main(self) -> Ladder:
+        """The model's ladder as a :class:`Ladder` (its ``stack`` is ``""``)."""
+        return Ladder("", self.rungs, self.final, self.attenuation, self.growth)
 
     def metrics(self) -> dict[str, float]:
         """The figures under their logged names (nan entries included: the caller drops
@@ -103,15 +126,18 @@ class LadderFigures:
             m[per_norm("share_max", n)] = s.share_max
             m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
         m.update(self.baselines)
-        if len(self.rungs) >= 2:
-            m[f"{PREFIX}/ladder/attenuation"] = self.attenuation
-            m[f"{PREFIX}/ladder/growth"] = self.growth
+        for ladder in (self.main, *self.stacks):
+            if len(ladder.rungs) >= 2:
+                m[ladder_metric("attenuation", ladder.stack)] = ladder.attenuation
+                m[ladder_metric("growth", ladder.stack)] = ladder.growth
         return m
 
     def positions(self) -> dict[str, float]:
         """``lnmonitor/ladder_position/<norm>``: each rung's place in forward order (0 first),
-        -1 for the norms that are not rungs."""
-        place = {name: float(i) for i, name in enumerate(self.rungs)}
+        -1 for the norms that are not rungs; the other stacks' rungs come first (an
+        encoder-decoder's encoder, then its decoder)."""
+        rungs = [name for ladder in (*self.stacks, self) for name in ladder.rungs]
+        place = {name: float(i) for i, name in enumerate(rungs)}
         return {per_norm("ladder_position", f.name): place.get(f.name, -1.0) for f in self.norms}
 
 
@@ -128,14 +154,25 @@ def _figures(s: NormStats) -> NormFigures:
 
 
 def ladder_figures(
-    stats: Sequence[NormStats], rungs: Sequence[str], final: str | None = None
+    stats: Sequence[NormStats], rungs: Sequence[str], final: str | None = None,
+    stacks: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
 ) -> LadderFigures:
     """The figures of ``stats``; ``rungs`` names the norms that read the residual stream in
     forward order (``final``, when given, ends the ladder wherever it stands in ``rungs``).
-    A rung not measured this step has nan figures, and so have the attenuation and growth
-    then: they are never taken between other rungs than the ladder's ends."""
+    ``stacks`` gives the other stacks' ladders the same way, ``{stack: (rungs, final)}`` in
+    forward order (an encoder-decoder's encoder; ``rungs`` and ``final`` are then the
+    decoder's).  A rung not measured this step has nan figures, and so have the attenuation
+    and growth then: they are never taken between other rungs than the ladder's ends."""
     figures = [_figures(s) for s in stats]
     by_name = {f.name: f for f in figures}
+    main = _ladder(by_name, "", rungs, final)
+    others = tuple(_ladder(by_name, stack, r, f) for stack, (r, f) in (stacks or {}).items())
+    return LadderFigures(figures, main.rungs, main.final, main.attenuation, main.growth,
+                         _baselines(stats), others)
+
+
+def _ladder(by_name: Mapping[str, NormFigures], stack: str, rungs: Sequence[str],
+            final: str | None) -> Ladder:
     ladder = [n for n in rungs if n in by_name]
     if final in ladder:
         ladder = [n for n in ladder if n != final] + [final]
@@ -144,8 +181,7 @@ def ladder_figures(
         first, last = by_name[ladder[0]], by_name[ladder[-1]]
         attenuation = first.inv_sigma / last.inv_sigma
         growth = last.rms / first.rms if first.rms > 0 else math.nan
-    return LadderFigures(figures, ladder, final if final in ladder else None, attenuation, growth,
-                         _baselines(stats))
+    return Ladder(stack, ladder, final if final in ladder else None, attenuation, growth)
 
 
 def _baselines(stats: Sequence[NormStats]) -> dict[str, float]:

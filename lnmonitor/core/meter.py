@@ -42,10 +42,10 @@ from torch import Tensor, nn
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.hooks import compiled, eager
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
-from lnmonitor.core.metric_names import finite_metrics
+from lnmonitor.core.metric_names import finite_metrics, ladder_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.padding import padding_mask
-from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles
+from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stacks
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
 
@@ -149,6 +149,9 @@ class LadderMeter:
         self._forward_only: set[int] = set()
         self._ran_forward = False
         self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
+        # each norm's stack (residual stream), and the stack of the model's ladder: known with the roles
+        self.stacks: dict[str, str] = {}
+        self.main_stack = ""
         self._row_mask = row_mask
         self._mask_source: str | None = None
         self._inputs_hook = None
@@ -289,9 +292,18 @@ class LadderMeter:
                 return None
         self._say_conditions(summaries)
         stats = [self._stats(i, s) for i, s in enumerate(summaries)]
-        rungs = self.rungs()
-        final = next((n.name for n in self.norms if n.role == FINAL), None)
-        return LadderResult(self.norms, summaries, ladder_figures(stats, rungs, final), unmeasured)
+        # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
+        finals = {self._stack(n.name): n.name for n in self.norms if n.role == FINAL}
+        ladders: dict[str, list[str]] = {}
+        for name in self.rungs():
+            ladders.setdefault(self._stack(name), []).append(name)
+        rungs = ladders.pop(self.main_stack, [])
+        others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
+        figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
+        return LadderResult(self.norms, summaries, figures, unmeasured)
+
+    def _stack(self, name: str) -> str:
+        return self.stacks.get(name, self.main_stack)
 
     def _say_conditions(self, summaries: list[NormSummary]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
@@ -350,10 +362,22 @@ class LadderMeter:
                 "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
                 "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
                 "depth each. Said once."))
-        final = next((n.name for n in ordered if roles[n.name] == FINAL), None)
-        said = (f"{self.owner}: the ladder has {len(rungs)} rungs, the norms that read the residual "
-                f"stream ({rungs[0].name if rungs else '-'} ... {rungs[-1].name if rungs else '-'}), "
-                f"final norm {repr(final) if final else 'none'}")
+        self.stacks = stacks([n.name for n in ordered])
+        ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
+        self.main_stack = self.stacks[self.final_norm if self.final_norm in self.stacks else ran[-1]]
+        # forward order of the stacks: the model's ladder is the one of the norm before the logits
+        ladders = {stack: [n.name for n in rungs if self.stacks[n.name] == stack]
+                   for stack in dict.fromkeys(self.stacks[n.name] for n in ordered)}
+        finals = {self.stacks[n.name]: n.name for n in ordered if roles[n.name] == FINAL}
+        main, models = self.main_stack, ", the model's ladder (its final norm is the one before the logits),"
+        if len(ladders) == 1:
+            said = f"{self.owner}: the ladder has {_span(ladders[main], finals.get(main))}"
+        else:
+            each = [f"{stack!r}{models if stack == main else ''} has {_span(names, finals.get(stack))}, "
+                    f"logged as {ladder_metric('...', '' if stack == main else stack)}"
+                    for stack, names in ladders.items()]
+            said = (f"{self.owner}: {len(ladders)} stacks, each its own residual stream and ladder: "
+                    + "; ".join(each))
         if others:
             groups = sorted({roles[n.name] for n in others})
             said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
@@ -361,13 +385,17 @@ class LadderMeter:
                      "are measured but are not rungs")
         said += " (as ladder=... says)." if self.ladder else "; ladder=[...] names the rungs instead."
         self._say(said)
-        if len(rungs) < 2:
-            post = [n.name for n in ordered if roles[n.name] == POST]
+        short = {stack: names for stack, names in ladders.items() if len(names) < 2}
+        if short:
+            post = [n.name for n in ordered if roles[n.name] == POST and self.stacks[n.name] in short]
+            count = sum(len(names) for names in short.values())
             why = (f"no pre-norm ladder: {len(post)} norms normalise a sublayer's output (post-LN, as "
-                   "BERT's), and sigma is logged per norm" if post and len(post) >= len(rungs) else
+                   "BERT's), and sigma is logged per norm" if post and len(post) >= count else
                    "only these norms read the residual stream")
+            which = (f"the ladder has {count} rung(s)" if len(ladders) == 1 else ", ".join(
+                f"the ladder of {stack!r} has {len(names)} rung(s)" for stack, names in short.items()))
             self._warn("one-rung", (
-                f"{self.owner}: the ladder has {len(rungs)} rung(s), so no attenuation or growth is "
+                f"{self.owner}: {which}, so no attenuation or growth is "
                 f"logged: {why}. Name the rungs with ladder=[...] if they are others."))
 
     def _warn_unmeasured(self, label: str, missing: list[str]) -> None:
@@ -384,6 +412,13 @@ class LadderMeter:
             "forward does not call these modules (leave them out with exclude=[...]) or it runs "
             "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
             "TorchScript). Said once."))
+
+
+def _span(rungs: Sequence[str], final: str | None) -> str:
+    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``"""
+    ends = f"{rungs[0]} ... {rungs[-1]}" if rungs else "- ... -"
+    return (f"{len(rungs)} rungs, the norms that read the residual stream ({ends}), "
+            f"final norm {repr(final) if final else 'none'}")
 
 
 def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:

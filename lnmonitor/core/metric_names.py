@@ -1,7 +1,9 @@
 """The names lnmonitor logs under (part of the public interface, see docs/design.md).
 
 Per norm: ``lnmonitor/<statistic>/<norm>`` with ``<norm>`` the module's qualified name in
-the model the monitor was given; the invariance monitor under ``lnmonitor/invariance/``,
+the model the monitor was given; the ladder's ``lnmonitor/ladder/<statistic>``, and another
+stack's ladder (an encoder-decoder's encoder) ``lnmonitor/ladder/<stack>/<statistic>``;
+the invariance monitor under ``lnmonitor/invariance/``,
 the structure probe under ``lnmonitor/probe/``.  This module also holds the invariance
 cases and the TensorBoard custom-scalars layouts, which are regexes over these names, so
 every run's layout is the same.
@@ -13,7 +15,7 @@ import math
 
 __all__ = [
     "CATEGORY_ORDER", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES", "INVARIANCE_LAYOUT",
-    "LADDER_LAYOUT", "PREFIX", "PROBE", "finite_metrics", "per_norm",
+    "LADDER_LAYOUT", "PREFIX", "PROBE", "finite_metrics", "ladder_metric", "per_norm",
 ]
 
 PREFIX = "lnmonitor"
@@ -35,6 +37,13 @@ HEADLINE_METRICS = (
 def per_norm(statistic: str, norm: str) -> str:
     """``lnmonitor/<statistic>/<norm>``, e.g. ``lnmonitor/inv_sigma/model.lnf``."""
     return f"{PREFIX}/{statistic}/{norm}"
+
+
+def ladder_metric(statistic: str, stack: str = "") -> str:
+    """``lnmonitor/ladder/<statistic>`` for the model's ladder (the stack of the norm before the
+    logits), ``lnmonitor/ladder/<stack>/<statistic>`` for another stack's, ``<stack>`` the
+    qualified name of the module holding it: ``lnmonitor/ladder/model.encoder/attenuation``."""
+    return f"{PREFIX}/ladder/{stack}/{statistic}" if stack else f"{PREFIX}/ladder/{statistic}"
 
 
 def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:

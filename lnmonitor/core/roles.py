@@ -1,6 +1,7 @@
 """Which norms read the residual stream: the rungs of the 1/sigma ladder, the final norm,
 the norms of a branch (a query/key norm, a sublayer's output norm) and the norm of the
-embeddings."""
+embeddings; and which residual stream (stack) each norm belongs to: an encoder-decoder has
+two, each a ladder with its own final norm."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from collections.abc import Sequence
 
 from lnmonitor.core.norms import NormInfo, glob_patterns
 
-__all__ = ["EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "assign_roles"]
+__all__ = [
+    "EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "STACK_NAMES",
+    "assign_roles", "stacks",
+]
 
 
 RESIDUAL, FINAL, QK, POST, EMBEDDING = "residual", "final", "qk", "post", "embedding"
@@ -20,6 +24,51 @@ RUNGS = (RESIDUAL, FINAL)  # the roles that read the residual stream: the ladder
 RUNG_BYPASS_TOLERANCE = 1e-3
 _QK_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm",
              "query_layernorm", "key_layernorm", "norm_q", "norm_k", "q_ln", "k_ln")
+# a module path component that starts a stack of blocks with its own residual stream
+STACK_NAMES = ("encoder", "decoder")
+
+
+def _stack_path(name: str) -> str | None:
+    """``name`` up to its first ``encoder``/``decoder`` component, or None."""
+    parts = name.split(".")
+    i = next((i for i, part in enumerate(parts) if part.lower() in STACK_NAMES), None)
+    return None if i is None else ".".join(parts[:i + 1])
+
+
+def _shared(a: str, b: str) -> int:
+    """How many leading path components ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a.split("."), b.split("."), strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def stacks(names: Sequence[str]) -> dict[str, str]:
+    """Each norm's stack: the residual stream it belongs to, ``names`` in forward order.
+
+    A stack is the qualified name of a module called ``encoder`` or ``decoder`` (the first
+    such component of a norm's name: T5's ``encoder``, BART's ``model.decoder``); each has its
+    own residual stream.  A model with fewer than two of them has one stream, ``""`` (every
+    decoder-only model, OPT's ``model.decoder`` and BERT's ``bert.encoder`` included).  A norm
+    outside every stack belongs to the stack whose name shares the most of its path, and on
+    a tie to the stack of the norm that ran just before it (or, first to run, just after).
+    """
+    named = {n: _stack_path(n) for n in names}
+    found = list(dict.fromkeys(s for s in named.values() if s is not None))
+    if len(found) < 2:
+        return dict.fromkeys(names, "")
+    out: dict[str, str] = {}
+    for i, name in enumerate(names):
+        if named[name] is not None:
+            out[name] = named[name]
+            continue
+        best = max(_shared(name, s) for s in found)
+        closest = [s for s in found if _shared(name, s) == best]
+        nearby = [named[n] for n in [*reversed(names[:i]), *names[i + 1:]] if named[n] in closest]
+        out[name] = nearby[0] if nearby else closest[0]
+    return out
 
 
 def assign_roles(
@@ -32,10 +81,12 @@ def assign_roles(
     With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
     rung when more than ``tolerance[name]`` (default :data:`RUNG_BYPASS_TOLERANCE`) of the
     loss gradient at its input goes around it (``bypass[name]``, measured on a training
-    step: its input flows on through the residual), or when that was not measured.  The
-    final norm is ``final_norm``, else the last norm to run if its gradient does not go
-    around it (with ``ladder``: the last rung); a model without one has none.  It is the
-    ladder's last rung.  The other norms are, by name, ``"qk"`` (``q_norm``, ``k_norm``,
+    step: its input flows on through the residual), or when that was not measured.  Each
+    stack (:func:`stacks`: an encoder-decoder's encoder and decoder, else the whole model)
+    has its own final norm: ``final_norm`` in its stack, else the stack's last norm to run if
+    its gradient does not go around it (with ``ladder``: the stack's last rung); a stack
+    without one has none.  It is its ladder's last rung.  The other norms are, by name,
+    ``"qk"`` (``q_norm``, ``k_norm``,
     ...) or ``"embedding"`` (``emb`` in its name or its parent's: BERT's ``embeddings.LayerNorm``,
     BLOOM's ``word_embeddings_layernorm``, the stream's start, not a rung), else ``"post"``
     (a sublayer's output before it is added, OLMo2; or, post-LN as in BERT, the sum after it
@@ -50,15 +101,21 @@ def assign_roles(
 
     if patterns is not None:
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
-        if final_norm is None and rungs:
-            final_norm = rungs[-1]
     else:
         rungs = [n.name for n in norms if goes_around(n.name)]
-        if final_norm is None and norms and not goes_around(norms[-1].name):
-            final_norm = norms[-1].name  # the last norm to run, its input read by it alone
+    stack = stacks([n.name for n in norms])
+    finals = set()
+    for s in dict.fromkeys(stack.values()):
+        names = [n.name for n in norms if stack[n.name] == s]
+        if final_norm in names:
+            finals.add(final_norm)
+        elif patterns is not None:
+            finals.update([n for n in names if n in rungs][-1:])
+        elif not goes_around(names[-1]):
+            finals.add(names[-1])  # the stack's last norm to run, its input read by it alone
 
     def role(info: NormInfo) -> str:
-        if info.name == final_norm:
+        if info.name in finals:
             return FINAL
         if info.name in rungs:
             return RESIDUAL

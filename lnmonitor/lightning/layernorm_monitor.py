@@ -117,6 +117,8 @@ class LayerNormMonitor(MonitorCallback):
                                                 were measured (compare with ``share_max``)
     ``lnmonitor/ladder/attenuation``            ``inv_sigma(first rung) / inv_sigma(last rung)``
     ``lnmonitor/ladder/growth``                 ``rms(last rung) / rms(first rung)``
+    ``lnmonitor/ladder/<stack>/attenuation``,   the same over another stack's ladder (an
+    ``lnmonitor/ladder/<stack>/growth``         encoder-decoder's encoder, ``model.encoder``)
     ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward
                                                 order (0 first), -1 for a norm that is not a
                                                 rung; logged once, at the first measured step
