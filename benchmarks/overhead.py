@@ -25,11 +25,27 @@ examples/transformers_causal_lm.py, a transformers model without a ``forward``, 
 that example fits it);
 ``--compile``: the same model with its inner ``nn.Module`` compiled in place
 (``module.model.compile()``), against the compiled model unmonitored (the measured steps
-run eagerly, see LayerNormMonitor); ``--depths``: the extra time of a measured step at
-width 128 and these depths, and the exponents of its growth with width and depth
-(against rows x width x norms read); ``--peers``: Lightning's ``grad_norm`` utility
+run eagerly, see LayerNormMonitor); ``--peers``: Lightning's ``grad_norm`` utility
 logged every step and ``wandb.watch(log="all", log_freq=1)`` offline, every step, next
 to ``LayerNormMonitor(every_n_steps=1)`` (``pip install -e ".[bench]"``).
+
+Fixed costs per fit (main table): the wall time inside the monitors' ``setup`` and
+``on_fit_start`` (fit start: discovery, the float64 self-check, hparams) and
+``on_train_end`` (fit end: the last invariance run, the heatmap picture, the summaries),
+ms per monitor, from the ``every`` and ``defaults`` fits above (the monitors at their
+defaults: pictures and summaries on).
+
+The cost model (``--sweep``): every width of ``--sweep-widths`` x depth of ``--depths``,
+context and batch as above, each cell a TinyGPT stepped in a plain loop without Lightning
+with a ``LadderMeter`` on alternate steps (:func:`loop_cell` says exactly what is timed):
+the measured step's extra time (paired, as ``alternate``), that extra as a fraction of a
+training step, and the defaults' amortised ratio (the formula above, with one invariance
+run timed in the cell and the main table's idle hook time); exponents of the extra time
+fitted against rows x width and the norm count, and a PNG of the extra fraction against
+width (``--figure``).  Cells run the least work first; a cell is skipped, and the table
+says why, when its estimated memory exceeds ``--sweep-memory`` or its time, estimated from
+the largest cell measured before it, exceeds ``--cell-budget`` even at the fewest steps
+(the steps are cut to the budget before that).
 
 Memory: one measured step of ``plain``, ``every`` and ``defaults`` (both monitors firing)
 is recorded with ``torch.profiler`` (``profile_memory=True``) and its allocation timeline
@@ -37,7 +53,8 @@ replayed: the peak is the maximum over the step of the bytes allocated since it 
 not yet freed.  On CUDA, ``torch.cuda.max_memory_allocated`` over the step.
 
     python benchmarks/overhead.py --widths 128 512 1024 --steps 12 --rounds 3 --threads 2 \\
-        --gpt2 --compile --depths 4 8 16 --peers --markdown overhead.md
+        --gpt2 --compile --peers --markdown overhead.md
+    python benchmarks/overhead.py --widths --sweep --threads 2 --markdown cost_model.md
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -60,18 +78,25 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lnmonitor.core.invariance import InvarianceProbe
+from lnmonitor.core.meter import LadderMeter
 from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.tiny.train import fit
 
 LN_CADENCE = 50  # the recipe's and the GPT-2 example's log_every_n_steps
 PROBE_CADENCE = FinalNormInvarianceMonitor().every_n_steps  # its default: every 1000 steps
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCAB = 65  # the corpus's characters: the cost model's vocabulary
 HOOKS = (
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_before_zero_grad",
 )
+FIT_START = ("setup", "on_fit_start")  # discovery, the float64 self-check, hparams
+FIT_END = ("on_train_end",)  # the last invariance run, the heatmap picture, the summary
 
 
 class StepTimer(Callback):
@@ -176,9 +201,11 @@ class StepMemory(Callback):
         self.peak = peak
 
 
-def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
-    """Wrap the callback's per-step hooks; ``sink[step]`` accumulates seconds inside them."""
-    for name in HOOKS:
+def time_hooks(callback: Callback, sink: dict, hooks: tuple[str, ...] = HOOKS, key: str | None = None,
+               ) -> None:
+    """Wrap the callback's ``hooks``; ``sink[key]`` accumulates the seconds spent inside them
+    (``key`` None: the trainer's global step, one entry per step)."""
+    for name in hooks:
         method = getattr(callback, name)
 
         def timed(trainer, *args, _method=method, **kwargs):
@@ -186,8 +213,8 @@ def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
             try:
                 return _method(trainer, *args, **kwargs)
             finally:
-                step = trainer.global_step
-                sink[step] = sink.get(step, 0.0) + time.perf_counter() - t0
+                where = trainer.global_step if key is None else key
+                sink[where] = sink.get(where, 0.0) + time.perf_counter() - t0
 
         setattr(callback, name, timed)
 
@@ -195,14 +222,13 @@ def time_hooks(callback: Callback, sink: dict[int, float]) -> None:
 def callbacks_for(config: str, cadence: int | None = None) -> list[Callback]:
     """The callbacks of a configuration (``cadence`` forces both default monitors to fire)."""
     if config == "every":
-        return [LayerNormMonitor(every_n_steps=1, summary=False)]
+        return [LayerNormMonitor(every_n_steps=1)]
     if config == "alternate":
-        return [LayerNormMonitor(every_n_steps=2, summary=False)]
+        return [LayerNormMonitor(every_n_steps=2)]
     if config == "defaults":
         if cadence is None:
-            return [LayerNormMonitor(summary=False), TimedProbe(summary=False)]
-        return [LayerNormMonitor(every_n_steps=cadence, summary=False),
-                TimedProbe(every_n_steps=cadence, summary=False)]
+            return [LayerNormMonitor(), TimedProbe()]
+        return [LayerNormMonitor(every_n_steps=cadence), TimedProbe(every_n_steps=cadence)]
     if config == "grad_norm":
         return [GradNormEveryStep()]
     if config == "wandb_watch":
@@ -292,11 +318,14 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
         k = rnd % len(configs)
         for config in configs[k:] + configs[:k]:  # rotate who goes first
             timer, cbs, inside = StepTimer(sync), callbacks_for(config), {}
-            if config == "defaults":
-                for cb in cbs:
+            fixed = [{} for _ in cbs]
+            for cb, spent in zip(cbs, fixed, strict=True):
+                if config == "defaults":
                     time_hooks(cb, inside)
+                time_hooks(cb, spent, FIT_START, "start")
+                time_hooks(cb, spent, FIT_END, "end")
             run_fit([*extra, *cbs, timer])
-            runs[config] = (gaps(timer.starts, args.warmup), cbs, inside)
+            runs[config] = (gaps(timer.starts, args.warmup), cbs, inside, fixed)
         plain = statistics.median(runs["plain"][0])
         res.plain_ms.append(1000 * plain)
         line = [f"{'compiled ' if compiled else ''}width {width} depth {depth} round {rnd + 1}: "
@@ -311,7 +340,7 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
             res.add("measured_extra_ms", 1000 * (res.ratios["paired"][-1] - 1) * plain)
             line.append(f"paired x{res.ratios['paired'][-1]:.3f}")
         if "defaults" in runs:
-            steps, cbs, inside = runs["defaults"]
+            steps, cbs, inside, _ = runs["defaults"]
             probe = cbs[1].run_seconds
             t_probe = probe[-1] if probe else 0.0
             # steps whose hooks all lie in the run, excluding step 0 where both monitors run
@@ -325,6 +354,9 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
             res.add("probe_part", probe_part)
             line.append(f"defaults x{res.ratios['defaults'][-1]:.4f} (idle {1e6 * idle:.0f} us, "
                         f"probe {1000 * t_probe:.0f} ms)")
+        for config in ("every", "defaults"):
+            if config in runs:
+                add_fixed(res, config, runs[config][1], runs[config][3])
         print(", ".join(line), file=sys.stderr, flush=True)
     if memory:
         run_short = fitter(model, width, depth, 3, args, text)
@@ -335,28 +367,286 @@ def bench(width: int, depth: int, configs: tuple[str, ...], args, text: str, com
     return res
 
 
-def exponent(xs: list[float], ys: list[float]) -> float:
-    """The slope of log y against log x (least squares); nan with fewer than two points."""
-    ok = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y > 0]
-    if len(ok) < 2:
-        return math.nan
-    lx, ly = np.array(ok).T
-    return float(np.polyfit(lx, ly, 1)[0])
+def add_fixed(res: ModelResult, config: str, callbacks: list[Callback], fixed: list[dict]) -> None:
+    """Record the fit's fixed costs, ms per monitor: ``fit_start:<config>:<monitor>`` (setup
+    and on_fit_start) and ``fit_end:<config>:<monitor>`` (on_train_end), monitor ``ln``
+    (LayerNormMonitor) or ``probe`` (the invariance monitor)."""
+    for cb, spent in zip(callbacks, fixed, strict=True):
+        monitor = "ln" if isinstance(cb, LayerNormMonitor) else "probe"
+        for part in ("start", "end"):
+            res.add(f"fit_{part}:{config}:{monitor}", 1000 * spent.get(part, 0.0))
 
 
-def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[ModelResult],
+def exponents(columns: list[list[float]], ys: list[float]) -> list[float]:
+    """Least-squares exponents ``a_i`` of ``y = c * prod x_i^a_i`` (log y against the logs of
+    the columns, points with every value positive); nan for a column with a single value,
+    and for every column with too few points to fit."""
+    points = [(row, y) for *row, y in zip(*columns, ys, strict=True) if min(*row, y) > 0]
+    if not points:
+        return [math.nan] * len(columns)
+    logs = np.log(np.array([row for row, _ in points], dtype=float))
+    varying = [j for j in range(len(columns)) if np.ptp(logs[:, j]) > 0]
+    out = [math.nan] * len(columns)
+    if len(points) > len(varying) and varying:
+        design = np.column_stack([logs[:, varying], np.ones(len(points))])
+        fitted = np.linalg.lstsq(design, np.log([y for _, y in points]), rcond=None)[0]
+        for j, a in zip(varying, fitted, strict=False):
+            out[j] = float(a)
+    return out
+
+
+# -- the cost model: a grid of widths x depths, each cell a plain training loop --------------
+
+
+@dataclass
+class Cell:
+    """One cell of the cost model (:func:`loop_cell`).  ``plain_ms``: the median unmeasured
+    step (ms); ``paired``: the median over measured steps of measured / mean of its two
+    unmeasured neighbours; ``probe_ms``: one periodic invariance run (ms); ``loop_s``: the
+    loop's wall time (s); ``skipped``: why the cell was not measured (empty when it was)."""
+
+    width: int
+    depth: int
+    steps: int = 0
+    plain_ms: float = math.nan
+    paired: float = math.nan
+    probe_ms: float = math.nan
+    loop_s: float = math.nan
+    skipped: str = ""
+
+    @property
+    def norms(self) -> int:
+        return 2 * self.depth + 1  # ln1 and ln2 of each block, and the final norm
+
+    @property
+    def extra_ms(self) -> float:
+        """What a measured step adds to a training step, ms."""
+        return (self.paired - 1) * self.plain_ms
+
+    def defaults(self, idle_us: float) -> float:
+        """Both monitors at their defaults, amortised as the main table's (module docstring),
+        with ``idle_us`` the Lightning hooks' time on an unmeasured step."""
+        per_step = idle_us / 1000 + self.extra_ms / LN_CADENCE + self.probe_ms / PROBE_CADENCE
+        return 1 + per_step / self.plain_ms
+
+
+def work(width: int, depth: int, context: int) -> float:
+    """Multiply-adds per token of a TinyGPT forward (weights, attention, head): a step's time
+    grows with it, so a cell's time is estimated from a smaller cell's by this ratio."""
+    return depth * (12 * width**2 + 2 * context * width) + VOCAB * width
+
+
+def cell_bytes(width: int, depth: int, args) -> float:
+    """A cell's memory, estimated (bytes): weights, gradients and AdamW's two moments in
+    float32 (16 bytes a parameter), 24 float32 activations per token, block and unit of width
+    kept for the backward, and 20% to spare."""
+    params = 12 * depth * width**2 + (VOCAB + args.context) * width
+    return 1.2 * (16 * params + 4 * 24 * args.batch_size * args.context * width * depth)
+
+
+def first_paired(warmup: int) -> int:
+    """The first measured (even) step whose two neighbours are timed."""
+    return warmup + 1 if warmup % 2 else warmup + 2
+
+
+def loop_cell(width: int, depth: int, steps: int, args) -> Cell:
+    """Measure one cell without Lightning.  A ``TinyGPT`` (4 heads, the main table's context
+    and batch, one fixed batch of random tokens) is stepped in a plain loop as the recipe
+    steps it (forward, backward, gradient clipping, AdamW), and on every even step (the
+    ``alternate`` configuration) a ``LadderMeter`` measures it: ``start()`` before the
+    forward, ``stop()`` after the backward, then ``result().metrics()``: all a measured step
+    computes, without what the Lightning callback adds (writing the metrics to TensorBoard,
+    a picture every 50 steps).  Each step is timed from its start to the end of its optimizer
+    step (synchronised on CUDA).  Then one periodic invariance run is timed: the default
+    monitor's cases and scales on its 64 probe windows, without the once-per-fit check."""
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    recipe = Recipe()
+    model = TinyGPT(GPTConfig(vocab_size=VOCAB, width=width, depth=depth, heads=4,
+                              context=args.context)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    tokens = torch.randint(VOCAB, (args.batch_size, args.context + 1)).to(device)
+    meter = LadderMeter(model, say=lambda text: None, warn=lambda key, text: None)
+    times = []
+    for step in range(steps):
+        measured = step % 2 == 0
+        sync()
+        t0 = time.perf_counter()
+        if measured:
+            meter.start()
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        if measured:
+            meter.stop()
+            result = meter.result()
+            if result is not None:
+                result.metrics()
+        if recipe.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+    if meter.off_reason:
+        return Cell(width, depth, steps, skipped=f"the meter turned off: {meter.off_reason}")
+    monitor = FinalNormInvarianceMonitor()
+    probe = torch.randint(VOCAB, (monitor.probe_size, args.context + 1)).to(device)
+    prober = InvarianceProbe(model, final_norm="lnf", cases=monitor.cases, scales=monitor.scales)
+    prober.checked = True  # the bypass check runs once per fit (a fixed cost), not at every run
+    sync()
+    t0 = time.perf_counter()
+    prober.run((probe[:, :-1], probe[:, 1:]))
+    sync()
+    probe_s = time.perf_counter() - t0
+    unmeasured = [t for i, t in enumerate(times) if i >= args.warmup and i % 2]
+    return Cell(width, depth, steps, plain_ms=1000 * statistics.median(unmeasured),
+                paired=paired(times[args.warmup:], args.warmup), probe_ms=1000 * probe_s,
+                loop_s=sum(times))
+
+
+def plan(width: int, depth: int, done: list[Cell], args) -> tuple[int, str]:
+    """Steps for a cell, or 0 and why it is skipped: its memory estimate over
+    ``--sweep-memory``, or its time, estimated from the largest cell measured so far, over
+    ``--cell-budget`` even at the fewest steps that give two paired ratios."""
+    need = cell_bytes(width, depth, args) / 2**30
+    if need > args.sweep_memory:
+        return 0, f"memory: ~{need:.0f} GiB estimated, over --sweep-memory {args.sweep_memory:g} GiB"
+    if not done:
+        return args.sweep_steps, ""
+    ref = done[-1]
+    scale = work(width, depth, args.context) / work(ref.width, ref.depth, args.context)
+    step_s, probe_s = scale * ref.loop_s / ref.steps, scale * ref.probe_ms / 1000
+    steps = min(args.sweep_steps, int((args.cell_budget - probe_s) / step_s))
+    fewest = min(args.sweep_steps, first_paired(args.warmup) + 4)
+    if steps < fewest:
+        return 0, (f"time: ~{fewest * step_s + probe_s:.0f} s at {fewest} steps (from width {ref.width} "
+                   f"depth {ref.depth}), over --cell-budget {args.cell_budget:g} s")
+    return steps, ""
+
+
+def run_sweep(args) -> list[Cell]:
+    """Every cell of ``--sweep-widths`` x ``--depths``, the least work first (see :func:`plan`)."""
+    grid = sorted(((w, d) for w in args.sweep_widths for d in args.depths),
+                  key=lambda wd: work(*wd, args.context))
+    cells, done = [], []
+    for width, depth in grid:
+        steps, why = plan(width, depth, done, args)
+        if not steps:
+            cell = Cell(width, depth, skipped=why)
+        else:
+            try:
+                cell = loop_cell(width, depth, steps, args)
+            except torch.OutOfMemoryError as err:
+                torch.cuda.empty_cache()
+                cell = Cell(width, depth, steps, skipped=f"out of memory ({str(err).splitlines()[0]})")
+            if not cell.skipped:
+                done.append(cell)
+        cells.append(cell)
+        said = (f"skipped, {cell.skipped}" if cell.skipped else
+                f"{steps} steps, plain {cell.plain_ms:.1f} ms, extra {cell.extra_ms:.2f} ms "
+                f"(x{cell.paired:.4f}), invariance run {cell.probe_ms:.0f} ms, loop {cell.loop_s:.0f} s")
+        print(f"sweep width {width} depth {depth}: {said}", file=sys.stderr, flush=True)
+    return sorted(cells, key=lambda c: (c.depth, c.width))
+
+
+def cost_figure(cells: list[Cell], path: Path, args) -> None:
+    """PNG: a measured step's extra time as a fraction of a training step against width, one
+    line per depth, log axes, with the 1% line (cells skipped or below zero are not drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for depth in sorted({c.depth for c in cells}):
+        points = [(c.width, c.paired - 1) for c in cells if c.depth == depth and c.paired > 1]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=f"depth {depth} ({2 * depth + 1} norms)")
+    ax.axhline(0.01, color="grey", linestyle="--", linewidth=1, label="1% of a step")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    widths = sorted({c.width for c in cells})
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel("width")
+    ax.set_ylabel("measured step's extra time / training step")
+    ax.set_title(f"LayerNormMonitor, one measured step ({args.device}, batch {args.batch_size} x "
+                 f"context {args.context})", fontsize=10)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def sweep_table(cells: list[Cell], idle_us: float, args) -> list[str]:
+    """The cost model's markdown: one row per cell, the fitted exponents, where it falls under 1%."""
+    rows = args.batch_size * args.context
+    said_idle = (f"with the Lightning hooks' {idle_us:.0f} us per unmeasured step from the main table"
+                 if idle_us else "without the Lightning hooks' idle time (no main table in this run)")
+    out = ["", f"Cost model: a measured step against width and depth ({rows} rows a step, {args.warmup} "
+           "warm-up steps; a plain loop with the LadderMeter on alternate steps, see `loop_cell`; "
+           f"defaults amortised {said_idle}):", "",
+           "| width | depth | norms | rows x width | steps | plain ms/step | measured-step extra ms "
+           "| extra / step | defaults (amortised) | invariance run ms |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        head = f"| {c.width} | {c.depth} | {c.norms} | {rows * c.width:,} "
+        if c.skipped:
+            out.append(head + f"| - | skipped: {c.skipped} | | | | |")
+            continue
+        out.append(head + f"| {c.steps} | {c.plain_ms:.1f} | {c.extra_ms:.2f} | {c.paired - 1:.4f} "
+                          f"| {c.defaults(idle_us):.4f}x | {c.probe_ms:.0f} |")
+    ran = [c for c in cells if not c.skipped]
+    size, norms = [rows * c.width for c in ran], [c.norms for c in ran]
+    extra = exponents([size, norms], [c.extra_ms for c in ran])
+    step = exponents([size, norms], [c.plain_ms for c in ran])
+    def a(x: float) -> str:
+        return f"{x:.2f}" if math.isfinite(x) else "?"
+
+    out += ["", f"Fitted exponents (least squares over the {len(ran)} cells measured, cells with a negative "
+            f"extra left out): the extra time grows as (rows x width)^{a(extra[0])} x norms^{a(extra[1])}, "
+            f"the training step as (rows x width)^{a(step[0])} x norms^{a(step[1])} (?: not varied "
+            "over the cells, or too few cells)."]
+    for depth in sorted({c.depth for c in ran}):
+        line = [c for c in ran if c.depth == depth]
+        under = [c.width for i, c in enumerate(line) if all(d.paired - 1 < 0.01 for d in line[i:])]
+        out.append(f"- depth {depth}: the every-step cost is under 1% of a step from width "
+                   f"{under[0]} on (measured up to {line[-1].width})." if under else
+                   f"- depth {depth}: the every-step cost stays at or above 1% up to width {line[-1].width}.")
+    return out
+
+
+def fixed_cells(r: ModelResult) -> str:
+    """The main table's fixed costs per fit (ms, medians over rounds): fit start and fit end at
+    the defaults, each as LayerNormMonitor + invariance monitor; fit end of the every-step
+    fit; and both ends at the defaults in plain steps."""
+    def ms(part: str, config: str, monitor: str) -> float:
+        return r.median(f"fit_{part}:{config}:{monitor}")
+
+    start, end = (ms(part, "defaults", "ln") + ms(part, "defaults", "probe") for part in ("start", "end"))
+    return (f"{ms('start', 'defaults', 'ln'):.0f} + {ms('start', 'defaults', 'probe'):.0f} "
+            f"| {ms('end', 'defaults', 'ln'):.0f} + {ms('end', 'defaults', 'probe'):.0f} "
+            f"| {ms('end', 'every', 'ln'):.0f} | {(start + end) / statistics.median(r.plain_ms):.1f}")
+
+
+def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Cell],
            peers: ModelResult | None, args) -> str:
     """The markdown of every row measured."""
-    out = [f"{args.device}, batch {args.batch_size} x context {args.context}, {args.steps} steps per fit "
-           f"({args.warmup} warm-up), {args.rounds} interleaved rounds, torch threads "
-           f"{torch.get_num_threads()}, torch {torch.__version__}; ratios are medians over rounds.", ""]
-    header = ["| model | width | plain ms/step | every step, paired | every step, direct "
-              "| defaults (amortised) | of which the invariance probe | defaults, unmeasured step, direct "
-              "| idle hooks us/step "
-              "| measured-step extra ms | invariance run ms | peak: every step "
-              "| peak: defaults, both firing |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    out += header
+    out = [f"{args.device}, batch {args.batch_size} x context {args.context}, torch threads "
+           f"{torch.get_num_threads()}, torch {torch.__version__}."]
+    if main or compiled or peers:
+        out += ["", f"Fits of {args.steps} steps ({args.warmup} warm-up), {args.rounds} interleaved rounds; "
+                "ratios are medians over rounds.", ""]
+    if main:
+        out += ["| model | width | plain ms/step | every step, paired | every step, direct "
+                "| defaults (amortised) | of which the invariance probe | defaults, unmeasured step, direct "
+                "| idle hooks us/step | measured-step extra ms | invariance run ms "
+                "| fit start ms, defaults (LN + probe) | fit end ms, defaults (LN + probe) "
+                "| fit end ms, every step | fixed per fit, defaults, in plain steps "
+                "| peak: every step | peak: defaults, both firing |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in main:
         mem = r.memory
         peak = (f"{mem['every'] / mem['plain']:.3f}x | {mem['defaults'] / mem['plain']:.3f}x"
@@ -366,7 +656,13 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Mod
                    f"| {r.median('every'):.3f}x | {r.median('defaults'):.4f}x "
                    f"| +{r.median('probe_part'):.4f} | {r.median('unmeasured'):.3f}x "
                    f"| {r.median('idle_us'):.0f} | {r.median('measured_extra_ms'):.1f} "
-                   f"| {r.median('probe_ms'):.0f} | {peak} |")
+                   f"| {r.median('probe_ms'):.0f} | {fixed_cells(r)} | {peak} |")
+    if main:
+        out += ["", "Fixed costs per fit, paid once whatever its length: fit start = the monitors' `setup` "
+                "and `on_fit_start` (discovery, the float64 self-check, hparams; LN = LayerNormMonitor, "
+                "probe = the invariance monitor), fit end = their `on_train_end` (the last invariance run, "
+                "the heatmap picture, the summaries). A fit of N steps at the defaults costs about "
+                "defaults (amortised) + (fixed per fit, in plain steps) / N times the unmonitored fit."]
     if compiled:
         out += ["", "Compiled (`module.model.compile()`), against the same compiled model unmonitored:", "",
                 "| width | compiled plain ms/step | every step, paired | defaults (amortised) "
@@ -377,23 +673,8 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Mod
                        f"| {r.median('defaults'):.4f}x | {r.median('unmeasured'):.3f}x "
                        f"| {r.median('measured_extra_ms'):.1f} |")
     if sweep:
-        by_width = [r for r in main if r.depth == 4 and r.model == "tiny"]
-        by_depth = sorted([*sweep, *(r for r in by_width if r.width == 128)], key=lambda r: r.depth)
-        out += ["", "Extra time of one measured step (paired) against what it reads:", "",
-                "| width | depth | norms | rows x width x norms | plain ms | measured-step extra ms |",
-                "|---:|---:|---:|---:|---:|---:|"]
-        rows = args.batch_size * args.context
-        for r in sorted({(r.width, r.depth): r for r in by_width + by_depth}.values(),
-                        key=lambda r: (r.depth, r.width)):
-            read = rows * r.width * (2 * r.depth + 1)
-            out.append(f"| {r.width} | {r.depth} | {2 * r.depth + 1} | {read:,} "
-                       f"| {statistics.median(r.plain_ms):.1f} | {r.median('measured_extra_ms'):.2f} |")
-        ew = exponent([r.width for r in by_width], [r.median("measured_extra_ms") for r in by_width])
-        ed = exponent([2 * r.depth + 1 for r in by_depth], [r.median("measured_extra_ms") for r in by_depth])
-        out += ["", f"Fitted exponents of the extra time: width^{ew:.2f} (widths "
-                f"{', '.join(str(r.width) for r in by_width)}, depth 4), norms^{ed:.2f} (depths "
-                f"{', '.join(str(r.depth) for r in by_depth)}, width 128); the data read grows as "
-                "width^1 and norms^1."]
+        idle = [r.median("idle_us") for r in main if r.model == "tiny"]
+        out += sweep_table(sweep, statistics.median(idle) if idle else 0.0, args)
     if peers is not None:
         out += ["", f"Peers, every step, width {peers.width}, direct ratios against the model unmonitored:",
                 "", "| monitor | every step |", "|---|---:|",
@@ -407,9 +688,21 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Mod
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1024])
-    parser.add_argument("--depths", type=int, nargs="*", default=[],
-                        help="also time a measured step at width 128 and these depths (the cost curve)")
+    parser.add_argument("--widths", type=int, nargs="*", default=[128, 512, 1024],
+                        help="the main table's widths, depth 4 (none: no main table)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the cost model: --sweep-widths x --depths in a plain loop (loop_cell)")
+    parser.add_argument("--sweep-widths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 12, 24], help="the cost model's depths")
+    parser.add_argument("--sweep-steps", type=int, default=16,
+                        help="steps per cost-model cell, fewer where --cell-budget demands (default: 16)")
+    parser.add_argument("--cell-budget", type=float, default=900,
+                        help="seconds a cost-model cell may take, estimated (default: 900)")
+    parser.add_argument("--sweep-memory", type=float, default=None,
+                        help="GiB a cost-model cell may use, estimated (default: half the memory on CPU, "
+                             "which is shared; 80%% of the GPU's)")
+    parser.add_argument("--figure", type=Path, default=None,
+                        help="the cost model's PNG (default: benchmarks/results/cost_model_<device>.png)")
     parser.add_argument("--compile", action="store_true", help="also the compiled model, at width 128")
     parser.add_argument("--peers", action="store_true", help="also grad_norm and wandb.watch, width 128")
     parser.add_argument("--gpt2", action="store_true",
@@ -426,12 +719,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < args.warmup + 5:
         parser.error("--steps must be at least --warmup + 5 (the paired estimate needs them)")
+    if args.sweep and args.sweep_steps < first_paired(args.warmup) + 2:
+        parser.error(f"--sweep-steps must be at least {first_paired(args.warmup) + 2} at --warmup "
+                     f"{args.warmup} (one measured step with both neighbours timed)")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (step 0 is where the default monitors run)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sweep_memory is None:
+        args.sweep_memory = (0.8 * torch.cuda.get_device_properties(0).total_memory if args.device == "cuda"
+                             else 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
     text = load_corpus()
     full = ("plain", "every", "alternate", "defaults")
     main_rows = [bench(w, 4, full, args, text, memory=True) for w in args.widths]
@@ -440,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = []
     if args.compile:
         compiled = [bench(128, 4, ("plain", "alternate", "defaults"), args, text, compiled=True)]
-    sweep = [bench(128, d, ("plain", "alternate"), args, text) for d in args.depths if d != 4]
+    sweep = run_sweep(args) if args.sweep else []
     peers = None
     if args.peers:
         configs = ("plain", "every", "grad_norm")
@@ -454,12 +753,17 @@ def main(argv: list[str] | None = None) -> int:
         peers = bench(128, 4, configs, args, text)
     text_out = tables(main_rows, compiled, sweep, peers, args)
     print("\n" + text_out)
+    if sweep:
+        figure = args.figure or RESULTS / f"cost_model_{args.device}.png"
+        cost_figure(sweep, figure, args)
+        print(f"overhead: the cost model's figure is {figure}", file=sys.stderr)
     if args.markdown:
         with open(args.markdown, "w") as handle:
             handle.write(text_out)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "main": [asdict(r) for r in main_rows],
+            settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+            json.dump({"args": settings, "main": [asdict(r) for r in main_rows],
                        "compiled": [asdict(r) for r in compiled], "sweep": [asdict(r) for r in sweep],
                        "peers": asdict(peers) if peers else None}, handle, indent=1)
     return 0
