@@ -1,4 +1,4 @@
-"""Everything lnmonitor claims, checked once on a CUDA GPU, in one command (~8 minutes).
+"""Everything lnmonitor claims, checked once on a CUDA GPU, in one command (~15 minutes).
 
     PYTHONPATH=. python benchmarks/gpu_check.py --out gpu-check
 
@@ -8,12 +8,15 @@
    GPT and a transformers GPT-2 (tests/test_cuda.py);
 2. ``benchmarks/overhead.py --device cuda``: the train-tiny recipe and wider models
    (widths 512, 1024, 2048, context 256), every step and at the defaults, paired ratios
-   with synchronised timing, peak memory from ``torch.cuda.max_memory_allocated``.
+   with synchronised timing, peak memory from ``torch.cuda.max_memory_allocated``;
+3. ``benchmarks/overhead.py --device cuda --sweep``: the cost model, widths 128 to 4096 x
+   depths 4, 12, 24 at context 256 (cells over 80% of the GPU's memory are skipped and
+   named), and its figure ``cost_model_cuda.png``.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` (versions, device, test counts and
-failures, the overhead table) under ``--out``.  Runs with whatever torch, Lightning and
-transformers are installed (nothing is installed).  Without CUDA it says so in one line
-and exits 0.
+failures, the overhead table, the cost model) under ``--out``.  Runs with whatever torch,
+Lightning and transformers are installed (nothing is installed).  Without CUDA it says so
+in one line and exits 0.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OVERHEAD = ["--device", "cuda", "--widths", "128", "512", "1024", "2048", "--context", "256",
             "--batch-size", "32", "--steps", "16", "--rounds", "2"]
+SWEEP = ["--device", "cuda", "--widths", "--sweep", "--context", "256", "--batch-size", "32",
+         "--sweep-steps", "16", "--cell-budget", "120"]
 
 
 def versions() -> dict[str, str]:
@@ -80,13 +85,15 @@ def summary_markdown(result: dict) -> str:
              f"{tests['skipped']} skipped", ""]
     lines += [f"- FAILED {f['test']}: {f['message']}" for f in tests["failures"]]
     lines += ["", "## Overhead", "", result.get("overhead_table") or "(not run: --skip-overhead)", ""]
+    lines += ["## Cost model", "", result.get("cost_model_table") or "(not run: --skip-overhead)", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.md")
-    parser.add_argument("--skip-overhead", action="store_true", help="only the CUDA tests")
+    parser.add_argument("--skip-overhead", action="store_true",
+                        help="only the CUDA tests: no overhead, no cost model")
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for the tests (default 300)")
     args = parser.parse_args(argv)
     import torch
@@ -106,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         table = args.out / "overhead.md"
         ran = within([sys.executable, "benchmarks/overhead.py", *OVERHEAD, "--markdown", str(table)], 420)
         result["overhead_table"] = table.read_text() if table.is_file() else f"(not measured: {ran})"
+        table, figure = args.out / "cost_model.md", args.out / "cost_model_cuda.png"
+        ran = within([sys.executable, "benchmarks/overhead.py", *SWEEP, "--markdown", str(table),
+                      "--figure", str(figure)], 600)
+        result["cost_model_table"] = table.read_text() if table.is_file() else f"(not measured: {ran})"
     result["seconds"] = time.monotonic() - start
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     (args.out / "gpu_check.md").write_text(summary_markdown(result))

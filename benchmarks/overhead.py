@@ -463,8 +463,8 @@ def loop_cell(width: int, depth: int, steps: int, args) -> Cell:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     recipe = Recipe()
-    model = TinyGPT(GPTConfig(vocab_size=VOCAB, width=width, depth=depth, heads=4,
-                              context=args.context)).to(device)
+    with device:  # built where it trains: a 4096-wide model's initialisation on the host takes minutes
+        model = TinyGPT(GPTConfig(vocab_size=VOCAB, width=width, depth=depth, heads=4, context=args.context))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     tokens = torch.randint(VOCAB, (args.batch_size, args.context + 1)).to(device)
     meter = LadderMeter(model, say=lambda text: None, warn=lambda key, text: None)
@@ -511,7 +511,7 @@ def plan(width: int, depth: int, done: list[Cell], args) -> tuple[int, str]:
     ``--cell-budget`` even at the fewest steps that give two paired ratios."""
     need = cell_bytes(width, depth, args) / 2**30
     if need > args.sweep_memory:
-        return 0, f"memory: ~{need:.0f} GiB estimated, over --sweep-memory {args.sweep_memory:g} GiB"
+        return 0, f"memory: ~{need:.0f} GiB estimated, over --sweep-memory {args.sweep_memory:.1f} GiB"
     if not done:
         return args.sweep_steps, ""
     ref = done[-1]
