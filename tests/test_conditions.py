@@ -260,7 +260,8 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = transformers.BertForMaskedLM(config)
     x = torch.randint(1, VOCAB, (4, CONTEXT))
-    meter = LadderMeter(model)
+    told: list[str] = []
+    meter = LadderMeter(model, say=told.append)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with meter.step():
@@ -268,6 +269,11 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
         result = meter.result()
     said = [str(w.message) for w in caught if "rung(s)" in str(w.message)]
     assert len(said) == 1 and "post-LN" in said[0]
+    # the MLM head's norm is the final norm (the last before the logits), the ladder's one rung,
+    # and not said to read a residual stream: no norm's input flows on past it
+    ladder = [t for t in told if "the ladder has" in t]
+    assert len(ladder) == 1 and "read the residual stream" not in ladder[0]
+    assert "1 rung, its final norm 'cls.predictions.transform.LayerNorm' alone" in ladder[0]
     assert "lnmonitor/ladder/attenuation" not in result.metrics()
     assert "lnmonitor/sigma/bert.encoder.layer.0.output.LayerNorm" in result.metrics()
 

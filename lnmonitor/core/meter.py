@@ -373,9 +373,9 @@ class LadderMeter:
         if len(ladders) == 1:
             said = f"{self.owner}: the ladder has {_span(ladders[main], finals.get(main))}"
         else:
-            each = [f"{stack!r}{models if stack == main else ''} has {_span(names, finals.get(stack))}, "
-                    f"logged as {ladder_metric('...', '' if stack == main else stack)}"
-                    for stack, names in ladders.items()]
+            each = [f"{stack!r}{models if stack == main else ''} has {_span(names, finals.get(stack))}"
+                    + (f", logged as {ladder_metric('...', '' if stack == main else stack)}"
+                       if len(names) > 1 else "") for stack, names in ladders.items()]
             said = (f"{self.owner}: {len(ladders)} stacks, each its own residual stream and ladder: "
                     + "; ".join(each))
         if others:
@@ -415,7 +415,10 @@ class LadderMeter:
 
 
 def _span(rungs: Sequence[str], final: str | None) -> str:
-    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``"""
+    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``;
+    a final norm alone (post-LN: BERT's MLM head) reads no stream that flows on past it."""
+    if len(rungs) == 1 and rungs[0] == final:
+        return f"1 rung, its final norm {final!r} alone (no other norm's input flows on past it)"
     ends = f"{rungs[0]} ... {rungs[-1]}" if rungs else "- ... -"
     return (f"{len(rungs)} rungs, the norms that read the residual stream ({ends}), "
             f"final norm {repr(final) if final else 'none'}")
