@@ -18,6 +18,7 @@ from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
 from lnmonitor.core.roles import assign_roles, stacks
 from lnmonitor.core.summaries import SIGMA_RESOLUTION
+from lnmonitor.views.summary import summary_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -202,3 +203,20 @@ def test_roles_per_stack_with_and_without_ladder_patterns():
     # final_norm names the final norm of its stack; the other stack finds its own
     assert [n.role for n in assign_roles(norms, {**bypass, "decoder.1": 0.0}, final_norm="decoder.1")] == [
         "residual", "residual", "final", "residual", "final", "post"]
+
+
+def test_the_summary_gives_each_stacks_ladder():
+    p, word = "lnmonitor", "(1/sigma of the first rung / the last)"
+    curves = {
+        f"{p}/inv_sigma/model.encoder.ln": [(0, 2.0), (5, 2.0)],
+        f"{p}/inv_sigma/model.decoder.ln": [(0, 1.0), (5, 1.0)],
+        f"{p}/ladder/attenuation": [(0, 1.9), (5, 2.0)],
+        f"{p}/ladder/model.encoder/attenuation": [(0, 1.7), (5, 1.6)],
+        f"{p}/ladder/model.encoder/growth": [(0, 1.4), (5, 1.5)],
+    }
+    text = summary_text(curves)
+    assert f"attenuation of the model's ladder {word}: 2x, 1.9x at step 0" in text
+    assert f"attenuation of model.encoder's ladder {word}: 1.6x, 1.7x at step 0" in text
+    assert "growth of model.encoder's ladder (rms of the last rung / the first): 1.5x, 1.4x at step 0" in text
+    one = {k: v for k, v in curves.items() if "model.encoder/" not in k}
+    assert f"  attenuation {word}: 2x, 1.9x at step 0" in summary_text(one)

@@ -183,13 +183,19 @@ def ladder_lines(curves: Curves) -> list[str]:
     if math.isfinite(base_med):
         lines.append(f"  random direction: median share {_f(base_med)}, "
                      f"max of as many rows {_f(base_max)}")
-    for key, word in (("attenuation", "1/sigma of the first rung / the last"),
-                      ("growth", "rms of the last rung / the first")):
-        tag = f"{P}/ladder/{key}"
-        start, now = _first(curves, tag), last(curves, tag)
-        if start is not None:
-            lines.append(f"  {key} ({word}): {_f(now)}x" + (
-                f", {_f(start[1])}x at step {start[0]}" if start[0] != steps[-1] else ""))
+    # an encoder-decoder's other stack (its encoder) has its own ladder: lnmonitor/ladder/<stack>/...
+    others = sorted({t[len(f"{P}/ladder/"):-len("/attenuation")] for t in curves
+                     if t.startswith(f"{P}/ladder/") and t.endswith("/attenuation") and t.count("/") == 3})
+    for stack in ("", *others):
+        for key, word in (("attenuation", "1/sigma of the first rung / the last"),
+                          ("growth", "rms of the last rung / the first")):
+            tag = f"{P}/ladder/{stack}/{key}" if stack else f"{P}/ladder/{key}"
+            start, now = _first(curves, tag), last(curves, tag)
+            label = f"{key} of {stack}'s ladder" if stack else (
+                f"{key} of the model's ladder" if others else key)
+            if start is not None:
+                lines.append(f"  {label} ({word}): {_f(now)}x" + (
+                    f", {_f(start[1])}x at step {start[0]}" if start[0] != steps[-1] else ""))
     return lines
 
 
