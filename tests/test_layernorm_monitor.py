@@ -361,11 +361,28 @@ def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monke
     def broken(*args):
         raise RuntimeError("a model the taps do not understand")
 
-    monkeypatch.setattr(taps, "row_reductions", broken)
-    monkeypatch.setattr(taps, "layernorm_backward_reductions", broken)
+    monkeypatch.setattr(taps, "row_raw", broken)
+    monkeypatch.setattr(taps, "layernorm_backward_raw", broken)
     mon = monitor()
     t, caught = fit(gpt(3), loader(12, 4), [mon], 3)
     assert t.global_step == 3 and mon.history == []
     said = [w for w in caught if "LayerNormMonitor is off" in w]
     assert len(said) == 1 and "a model the taps do not understand" in said[0]
     assert all(not m._forward_hooks for m in mon.norms[0].module.modules())
+
+
+@pytest.mark.parametrize("finish", ["finish_rows", "finish_layernorm_backward"])
+def test_an_error_finishing_the_rows_at_the_step_end_turns_the_monitor_off_and_training_goes_on(
+        monkeypatch, finish):
+    import lnmonitor.core.taps as taps
+
+    def broken(*args):
+        raise RuntimeError("rows the taps cannot finish")
+
+    monkeypatch.setitem(taps._FINISH, "rows" if finish == "finish_rows" else "layernorm", broken)
+    mon = monitor()
+    model = gpt(3, norm="rms" if finish == "finish_rows" else "layer")  # RMSNorm: the input path
+    t, caught = fit(model, loader(12, 4), [mon], 3)
+    assert t.global_step == 3 and mon.history == []
+    said = [w for w in caught if "LayerNormMonitor is off" in w]
+    assert len(said) == 1 and "rows the taps cannot finish" in said[0]

@@ -489,7 +489,7 @@ def test_a_fault_in_one_step_is_counted_and_training_goes_on(kind, fault, rows):
         else:  # every row bad: no share at all rather than a made-up one
             assert "lnmonitor/share_median/norm" not in h and "lnmonitor/share_max/norm" not in h
         assert math.isfinite(h["lnmonitor/sigma/norm"])
-    assert mon.meter._tap._pending == [] and mon.meter._tap._chunks == []
+    assert mon.meter._tap._pending == [] and mon.meter._tap._calls_kept == []
 
 
 class Ragged(Dataset):

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from lnmonitor.core import torch_internals
-from lnmonitor.core.reductions import layernorm_backward_reductions, row_reductions, row_values
+from lnmonitor.core.norms import find_norms
+from lnmonitor.core.reductions import (
+    drop_rounding_rows,
+    finish_layernorm_backward,
+    finish_rows,
+    layernorm_backward_raw,
+    layernorm_backward_reductions,
+    mask_rows,
+    row_raw,
+    row_reductions,
+    row_values,
+)
+from lnmonitor.core.taps import NormTap
 
 
 def test_layernorm_backward_path_matches_the_input_path():
@@ -26,3 +39,51 @@ def test_layernorm_backward_path_matches_the_input_path():
     s_slow = row_values(slow, 64.0, 1.0)[0]
     torch.testing.assert_close(s_fast, s_slow, rtol=0, atol=2e-5)
     assert torch_internals.layernorm_saved_stats(nn.RMSNorm(64)(x), 300) is None
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_finishing_calls_together_equals_finishing_each_to_the_bit(kind):
+    # the taps finish a step's calls side by side, once; each call alone gives the same bits
+    torch.manual_seed(6)
+    calls = [(torch.randn(rows, 48) * scale, torch.randn(rows, 48) * 1e-3, torch.rand(48) + 0.5)
+             for rows, scale in ((40, 1.0), (40, 30.0), (40, 0.01))]
+    alone = torch.cat([drop_rounding_rows(row_reductions(x, g, kind, w)) for x, g, w in calls], dim=1)
+    together = finish_rows(torch.cat([row_raw(x, g, kind, w) for x, g, w in calls], dim=1), kind, 48)
+    drop_rounding_rows(together.view(5, 3, 40))
+    assert torch.equal(alone, together)
+    ln = nn.LayerNorm(48)
+    raws, singles = [], []
+    for x, g, _ in calls:
+        y = ln(x.requires_grad_())
+        mean, rstd = torch_internals.layernorm_saved_stats(y, x.shape[0])
+        (dx,) = torch.autograd.grad(y, x, g)
+        raws.append(layernorm_backward_raw(g, dx, mean, rstd, ln.weight))
+        singles.append(drop_rounding_rows(layernorm_backward_reductions(g, dx, mean, rstd, 1e-5, ln.weight)))
+    together = finish_layernorm_backward(torch.cat(raws, dim=1), 1e-5, 48)
+    drop_rounding_rows(together.view(5, 3, 40))
+    assert torch.equal(torch.cat(singles, dim=1), together)
+
+
+def test_a_tapped_step_finishes_each_call_as_alone_padding_included():
+    # two widths (two groups finished apart) and a padding mask on one call only
+    torch.manual_seed(7)
+    model = nn.ModuleDict({"narrow": nn.RMSNorm(16, eps=1e-6), "wide": nn.RMSNorm(32, eps=1e-6)})
+    tap = NormTap(sorted(find_norms(model), key=lambda n: n.name))
+    a, b = torch.randn(6, 16, requires_grad=True), torch.randn(4, 32, requires_grad=True)
+    keep = torch.tensor([True, True, False, True, False, True])
+    tap.attach()
+    tap.row_mask = keep
+    ya = model["narrow"](a)
+    tap.row_mask = None
+    yb = model["wide"](b)
+    (ya ** 3).sum().add((yb ** 3).sum()).backward()
+    rows = tap.collect()
+    tap.detach()
+    want = [mask_rows(row_reductions(a.detach(), 3 * ya.detach() ** 2, "rms", model["narrow"].weight), keep),
+            row_reductions(b.detach(), 3 * yb.detach() ** 2, "rms", model["wide"].weight)]
+    got = dict(zip([r.norm for r in rows.records], torch.split(rows.data, [r.rows for r in rows.records], 1),
+                   strict=True))
+    for index, expected in enumerate(want):
+        assert torch.equal(got[index].isnan(), drop_rounding_rows(expected).isnan())
+        torch.testing.assert_close(got[index], expected, rtol=1e-6, atol=0, equal_nan=True)
+    assert int(rows.pads[0]) == 2 and 1 not in rows.pads

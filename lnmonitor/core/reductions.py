@@ -1,7 +1,9 @@
-"""The per-row reductions the norm taps compute on the hot path.
+"""The per-row reductions the norm taps compute.
 
 Each reduction turns a norm's rows into five float32 numbers per row (:data:`FIELDS`),
-on the device, with no host synchronisation; :func:`row_values` turns those into the
+on the device, with no host synchronisation, in two halves: a few passes over the
+call's ``(rows, d)`` tensors in the backward hook (``*_raw``), the rest once per step
+for all calls together (``finish_*``); :func:`row_values` turns those into the
 per-row share and statistics.  They must equal the reference maths of
 :mod:`lnmonitor.core.geometry` (``row_stats``, ``dead_plane_share``) to float32 rounding:
 the tests pin them against it and against float64.
@@ -24,8 +26,9 @@ from torch import Tensor
 from lnmonitor.core.kinds import NormKind
 
 __all__ = [
-    "FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "forward_reductions", "layernorm_backward_reductions",
-    "mask_rows", "row_reductions", "row_values",
+    "FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "finish_layernorm_backward", "finish_rows", "forward_raw",
+    "forward_reductions", "layernorm_backward_raw", "layernorm_backward_reductions", "mask_rows", "row_raw",
+    "row_reductions", "row_values",
 ]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
@@ -36,11 +39,12 @@ ROUNDING_ROW = 1e-5
 
 
 def drop_rounding_rows(red: Tensor) -> Tensor:
-    """``red`` (:data:`FIELDS` x rows) with ``ww`` set to 0 on the rows whose gradient is
-    rounding (:data:`ROUNDING_ROW`), so that they are skipped and counted; one reduction."""
+    """``red`` (:data:`FIELDS` x rows, or :data:`FIELDS` x calls x rows: each call on its
+    own) with ``ww`` set to 0 on the rows whose gradient is rounding (:data:`ROUNDING_ROW`
+    of the call's mean), so that they are skipped and counted; in place, one reduction."""
     ww = red[3]
     finite = torch.isfinite(ww)
-    mean = torch.where(finite, ww, 0.0).sum() / finite.sum().clamp_(min=1)  # of the finite rows
+    mean = torch.where(finite, ww, 0.0).sum(-1, keepdim=True) / finite.sum(-1, keepdim=True).clamp_(min=1)
     red[3] = torch.where((ww > (ROUNDING_ROW**2) * mean) | ~finite, ww, 0.0)  # the rest skipped later
     return red
 
@@ -52,15 +56,91 @@ def mask_rows(red: Tensor, keep: Tensor) -> Tensor:
 
 
 def forward_reductions(x: Tensor, kind: NormKind) -> Tensor:
-    """:data:`FIELDS` of rows that get no gradient: :func:`row_reductions` with a zero
-    gradient, so ``var`` and ``ms`` are its own and ``sw = ww = 0`` (no share)."""
-    return row_reductions(x, torch.zeros_like(x), kind)
+    """:data:`FIELDS` of rows that get no gradient: ``var`` and ``ms`` of ``x``, and
+    ``sw = ww = wx2v = 0`` (no share)."""
+    return finish_rows(forward_raw(x, kind), kind, x.shape[-1])
 
 
 def _buffers(workspace, n: int, d: int):
     if workspace is not None and workspace[0].numel() >= n * d:
         return workspace[0][: n * d].view(n, d), workspace[1][: n * d].view(n, d)
     return None, None
+
+
+def _float_rows(t: Tensor, d: int) -> Tensor:
+    t = t.detach().reshape(-1, d)
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _weighted(g: Tensor, weight: Tensor | None, buf: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``w = weight * g`` (into ``buf`` when given) and the gain in float32."""
+    if weight is None:
+        return g, None
+    gamma = weight.detach().reshape(-1).to(torch.float32)
+    return torch.mul(g, gamma, out=buf), gamma
+
+
+# The hot path.  A hook computes only the passes over a call's (rows, d) tensors, as five
+# raw numbers per row written straight into one (5, rows) tensor; everything per row after
+# that (squares, var from rstd, the share's terms, the rounding rows, the padding) runs once
+# per measured step on all calls together (:func:`finish_rows`, :func:`finish_layernorm_backward`,
+# called by the taps' ``collect``), so the backward pays for a few large operators per norm
+# and no chain of small ones.
+
+
+def forward_raw(x: Tensor, kind: NormKind) -> Tensor:
+    """The raw rows of :func:`row_raw` for a call without gradient: zero ``w``."""
+    d = x.shape[-1]
+    x = _float_rows(x, d)
+    raw = torch.zeros((5, x.shape[0]), dtype=torch.float32, device=x.device)
+    if kind == "layer":
+        mu = torch.sum(x, dim=-1, out=raw[0]).div_(d)
+        torch.linalg.vector_norm(x - mu.unsqueeze(-1), dim=-1, out=raw[1])
+    else:
+        torch.linalg.vector_norm(x, dim=-1, out=raw[1])
+    return raw
+
+
+def row_raw(
+    x: Tensor,
+    grad_output: Tensor,
+    kind: NormKind,
+    weight: Tensor | None = None,
+    workspace: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """The hot half of :func:`row_reductions`: ``(5, rows)`` float32 ``mu`` (RMSNorm: 0),
+    ``|x - mu|`` (RMSNorm: ``|x|``), ``sum(w)``, ``|w|`` and ``w . (x - mu)``.  The
+    ``(rows, d)`` temporaries go into ``workspace`` when given; no host synchronisation."""
+    d = x.shape[-1]
+    x, g = _float_rows(x, d), _float_rows(grad_output, d)
+    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
+    raw = torch.empty((5, x.shape[0]), dtype=torch.float32, device=x.device)
+    w, _ = _weighted(g, weight, buf_w)
+    torch.sum(w, dim=-1, out=raw[2])
+    torch.linalg.vector_norm(w, dim=-1, out=raw[3])
+    if kind == "layer":
+        mu = torch.sum(x, dim=-1, out=raw[0]).div_(d)
+        xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
+        torch.linalg.vector_norm(xc, dim=-1, out=raw[1])
+        torch.sum(xc.mul_(w), dim=-1, out=raw[4])
+    else:
+        raw[0].zero_()
+        torch.linalg.vector_norm(x, dim=-1, out=raw[1])
+        torch.sum(torch.mul(x, w, out=buf_x), dim=-1, out=raw[4])
+    return raw
+
+
+def finish_rows(raw: Tensor, kind: NormKind, d: int) -> Tensor:
+    """:data:`FIELDS` from the raw rows of :func:`row_raw` (any number of calls of one kind
+    and width, side by side)."""
+    mu, xn, sw, wn, wx = raw.unbind(0)
+    if kind == "layer":
+        var = xn.square().div_(d)
+        ms = var + mu * mu
+    else:
+        ms = xn.square().div_(d)
+        var = ms
+    return torch.stack((var, ms, sw, wn.square(), wx.square().div_(var)))
 
 
 def row_reductions(
@@ -78,34 +158,53 @@ def row_reductions(
     ``x`` and ``grad_output`` have shape ``(..., d)``; rows are all leading dimensions.
     Low-precision inputs are promoted to float32; no host synchronisation.  The two
     ``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) are written into
-    ``workspace`` (two flat float32 tensors of at least ``rows * d`` elements) when given,
-    which spares an allocation and its page faults per call.
+    ``workspace`` (two flat float32 tensors of at least ``rows * d`` elements) when given.
+    The taps run its two halves apart (:func:`row_raw` in the backward, :func:`finish_rows`
+    once per step); this is their composition, to the bit.
     """
-    d = x.shape[-1]
-    x = x.detach().reshape(-1, d)
-    g = grad_output.detach().reshape(-1, d)
-    if x.dtype != torch.float32:
-        x = x.float()
-    if g.dtype != torch.float32:
-        g = g.float()
-    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
-    if weight is not None:
-        w = torch.mul(g, weight.detach().reshape(-1).to(torch.float32), out=buf_w)
+    return finish_rows(row_raw(x, grad_output, kind, weight, workspace), kind, x.shape[-1])
+
+
+def layernorm_backward_raw(
+    grad_output: Tensor,
+    grad_input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None = None,
+    workspace: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """The hot half of :func:`layernorm_backward_reductions`: ``(5, rows)`` float32 ``rstd``,
+    ``mean``, ``sum(w)``, ``|w|`` and ``|grad_input|``."""
+    d = grad_output.shape[-1]
+    g, dx = _float_rows(grad_output, d), _float_rows(grad_input, d)
+    buf_w, _ = _buffers(workspace, g.shape[0], d)
+    raw = torch.empty((5, g.shape[0]), dtype=torch.float32, device=g.device)
+    raw[0].copy_(rstd.detach().reshape(-1))
+    raw[1].copy_(mean.detach().reshape(-1))
+    w, gamma = _weighted(g, weight, buf_w)
+    if gamma is not None:
+        torch.mv(g, gamma, out=raw[2])
     else:
-        w = g
-    sw = w.sum(dim=-1)
-    ww = torch.linalg.vector_norm(w, dim=-1).square_()
-    if kind == "layer":
-        mu = x.sum(dim=-1).div_(d)
-        xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
-        var = torch.linalg.vector_norm(xc, dim=-1).square_().div_(d)
-        ms = var + mu * mu
-        wx = xc.mul_(w).sum(dim=-1)
-    else:
-        ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(d)
-        var = ms
-        wx = torch.mul(x, w, out=buf_x).sum(dim=-1)
-    return torch.stack((var, ms, sw, ww, wx.square_().div_(var)))
+        torch.sum(g, dim=-1, out=raw[2])
+    torch.linalg.vector_norm(w, dim=-1, out=raw[3])
+    torch.linalg.vector_norm(dx, dim=-1, out=raw[4])
+    return raw
+
+
+def finish_layernorm_backward(raw: Tensor, eps: float, d: int) -> Tensor:
+    """:data:`FIELDS` from the raw rows of :func:`layernorm_backward_raw` (any number of calls
+    with one eps and width, side by side); see :func:`layernorm_backward_reductions`."""
+    rstd, mu, sw, wn, dxn = raw.unbind(0)
+    rs2 = rstd.square()
+    var = rs2.reciprocal().sub_(eps)
+    # below ~1e-5 eps the subtraction is rounding: treat the row as constant (skipped)
+    var = torch.where(var > 1e-5 * eps, var, 0.0)
+    ms = var + mu * mu
+    ww = wn.square()
+    dxx = dxn.square().div_(rs2)
+    t = rs2.mul_(eps)  # eps / (var + eps)
+    wx2v = (ww * d).sub_(sw * sw).sub_(dxx.mul_(d)).div_(1.0 - t.square_())
+    return torch.stack((var, ms, sw, ww, wx2v))
 
 
 def layernorm_backward_reductions(
@@ -125,33 +224,11 @@ def layernorm_backward_reductions(
     ``grad_input = rstd (w - sum(w)/d - (w.xhat/d) xhat)`` with ``|xhat|^2 = d (1 - t)``,
     ``t = eps/(var + eps)``:
     ``wx2v = (d |w|^2 - sum(w)^2 - d |grad_input|^2 / rstd^2) / (1 - t^2)``.  The share is
-    then exact to ~1e-7 / share (1e-4 at a share of 1e-3).
+    then exact to ~1e-7 / share (1e-4 at a share of 1e-3).  The composition of
+    :func:`layernorm_backward_raw` and :func:`finish_layernorm_backward`, as the taps run them.
     """
-    d = grad_output.shape[-1]
-    g = grad_output.detach().reshape(-1, d)
-    dx = grad_input.detach().reshape(-1, d)
-    if g.dtype != torch.float32:
-        g = g.float()
-    if dx.dtype != torch.float32:
-        dx = dx.float()
-    buf_w, _ = _buffers(workspace, g.shape[0], d)
-    rs2 = rstd.detach().reshape(-1).to(torch.float32).square()
-    mu = mean.detach().reshape(-1).to(torch.float32)
-    var = rs2.reciprocal().sub_(eps)
-    # below ~1e-5 eps the subtraction is rounding: treat the row as constant (skipped)
-    var = torch.where(var > 1e-5 * eps, var, 0.0)
-    ms = var + mu * mu
-    if weight is not None:
-        gamma = weight.detach().reshape(-1).to(torch.float32)
-        sw = torch.mv(g, gamma)
-        ww = torch.linalg.vector_norm(torch.mul(g, gamma, out=buf_w), dim=-1).square_()
-    else:
-        sw = g.sum(dim=-1)
-        ww = torch.linalg.vector_norm(g, dim=-1).square_()
-    dxx = torch.linalg.vector_norm(dx, dim=-1).square_().div_(rs2)
-    t = rs2.mul_(eps)  # eps / (var + eps)
-    wx2v = (ww * d).sub_(sw * sw).sub_(dxx.mul_(d)).div_(1.0 - t.square_())
-    return torch.stack((var, ms, sw, ww, wx2v))
+    raw = layernorm_backward_raw(grad_output, grad_input, mean, rstd, weight, workspace)
+    return finish_layernorm_backward(raw, eps, grad_output.shape[-1])
 
 
 def row_values(

@@ -58,10 +58,12 @@ from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.reductions import (
     drop_rounding_rows,
-    forward_reductions,
-    layernorm_backward_reductions,
+    finish_layernorm_backward,
+    finish_rows,
+    forward_raw,
+    layernorm_backward_raw,
     mask_rows,
-    row_reductions,
+    row_raw,
 )
 
 __all__ = ["CallRecord", "NormTap", "StepRows"]
@@ -76,6 +78,19 @@ class CallRecord(NamedTuple):
     width: int
     eps: float
     dead_dim: int
+
+
+class _Call(NamedTuple):
+    """One measured call as its hook left it: the raw rows (``reductions.*_raw``), how they
+    are finished (``("rows", kind, width)`` or ``("layernorm", eps, width)``) and the
+    rows that are not padding (or None)."""
+
+    raw: Tensor
+    finish: tuple
+    keep: Tensor | None
+
+
+_FINISH = {"rows": finish_rows, "layernorm": finish_layernorm_backward}
 
 
 @dataclass(eq=False)
@@ -138,7 +153,7 @@ class NormTap:
         self.row_mask: Tensor | None = None
         self._hooks = Hooks()
         self._bypass_step = False
-        self._chunks: list[Tensor] = []
+        self._calls_kept: list[_Call] = []
         self._records: list[CallRecord] = []
         self._order: list[int] = []
         self._seen: set[int] = set()
@@ -234,8 +249,8 @@ class NormTap:
         eps = info.eps(x.dtype)
         self._eps[index] = eps
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            red = forward_reductions(x.reshape(-1, d), info.kind)
-            self._keep_rows(red, self._keep(x, info), index, d, eps, info)
+            raw = forward_raw(x.reshape(-1, d), info.kind)
+        self._keep_raw(raw, ("rows", info.kind, d), self._keep(x, info), index, d, eps, info)
 
     def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
         x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
@@ -262,7 +277,7 @@ class NormTap:
             self._eps[index] = eps
             rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
             args = (rows, grads, info.kind, gain, self._scratch(x.numel(), x.device))
-            self._run(row_reductions, args, keep, index, d, eps, info)
+            self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
             if self._bypass_step:
                 with torch.no_grad():
                     box.through = _through(rows, grads, info.kind, eps, gain)
@@ -285,10 +300,10 @@ class NormTap:
             dx = grad_inputs[0] if grad_inputs else None
             if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
                 args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
-                self._run(row_reductions, args, keep, index, d, eps, info)
+                self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
                 return
-            args = (g, dx, mean, rstd, eps, gain, self._scratch(x.numel(), x.device))
-            self._run(layernorm_backward_reductions, args, keep, index, d, eps, info)
+            args = (g, dx, mean, rstd, gain, self._scratch(x.numel(), x.device))
+            self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
             if self._bypass_step:
                 box.through = dx.detach().reshape(-1, d)
 
@@ -311,24 +326,21 @@ class NormTap:
 
         return hook
 
-    def _run(self, fn, args, keep: Tensor | None, index: int, d: int, eps: float, info: NormInfo) -> None:
+    def _run(self, fn, args, finish: tuple, keep: Tensor | None, index: int, d: int, eps: float,
+             info: NormInfo) -> None:
         device = args[0].device.type
         if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
             with torch.no_grad(), torch.autocast(device, enabled=False):
-                self._keep_rows(fn(*args), keep, index, d, eps, info)
+                raw = fn(*args)
         else:  # the usual backward: no graph, no autocast, no context to enter
-            self._keep_rows(fn(*args), keep, index, d, eps, info)
+            raw = fn(*args)
+        self._keep_raw(raw, finish, keep, index, d, eps, info)
 
-    def _keep_rows(
-        self, red: Tensor, keep: Tensor | None, index: int, d: int, eps: float, info: NormInfo
-    ) -> None:
-        """Keep one call's reductions: padding rows masked out (and counted), rounding rows marked."""
-        if keep is not None:
-            red = mask_rows(red, keep)
-            pads = keep.numel() - keep.sum()
-            self._pads[index] = pads if index not in self._pads else self._pads[index] + pads
-        self._chunks.append(drop_rounding_rows(red))
-        self._records.append(CallRecord(index, red.shape[1], d, eps, info.dead_dim))
+    def _keep_raw(self, raw: Tensor, finish: tuple, keep: Tensor | None, index: int, d: int, eps: float,
+                  info: NormInfo) -> None:
+        """Keep one call's raw rows until :meth:`collect` finishes them with the others."""
+        self._calls_kept.append(_Call(raw, finish, keep))
+        self._records.append(CallRecord(index, raw.shape[1], d, eps, info.dead_dim))
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Two flat float32 buffers reused by every norm of the step (freed by collect)."""
@@ -339,17 +351,56 @@ class NormTap:
         return ws
 
     def collect(self) -> StepRows:
-        data = None
-        if self._chunks:
-            data = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks, dim=1)
-        rows = StepRows(data, self._records, self._order, dict(self._eps), self._bypass, self._resolution,
+        """The rows measured since :meth:`attach`, finished, and forgotten here.  An error while
+        finishing them is kept in :attr:`error` (no rows), as a hook's would be."""
+        data, records = None, []
+        if self.error is None:
+            try:
+                data, records = self._finish()
+            except Exception as err:  # noqa: BLE001 - never stop the user's training
+                self.error = err
+        rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
                         self._pads, self._forward_only, self._calls)
-        self._chunks, self._records, self._order = [], [], []
+        self._calls_kept, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
         self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
         self._workspace = None
         self._bypass_step = False
         return rows
+
+    def _finish(self) -> tuple[Tensor | None, list[CallRecord]]:
+        """The step's :data:`~lnmonitor.core.reductions.FIELDS` of every call: the calls that
+        finish alike finished together, then padding rows made nan (and counted per norm) and
+        rounding rows marked, each call against its own mean.  Returns the rows and the
+        records in their order."""
+        calls, records = self._calls_kept, self._records
+        if not calls:
+            return None, records
+        groups: dict[tuple, list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault(call.finish, []).append(i)
+        parts = []
+        for (how, *key), members in groups.items():
+            parts.append(_FINISH[how](torch.cat([calls[i].raw for i in members], dim=1), *key))
+        order = [i for members in groups.values() for i in members]
+        calls, records = [calls[i] for i in order], [records[i] for i in order]
+        data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if any(call.keep is not None for call in calls):
+            keep = torch.cat([call.keep if call.keep is not None
+                              else torch.ones(call.raw.shape[1], dtype=torch.bool, device=data.device)
+                              for call in calls])
+            data = mask_rows(data, keep)
+            for call, record in zip(calls, records, strict=True):
+                if call.keep is not None:
+                    pads = call.keep.numel() - call.keep.sum()
+                    self._pads[record.norm] = pads + self._pads.get(record.norm, 0)
+        counts = [record.rows for record in records]
+        if len(set(counts)) == 1:  # the usual step: every call has the same rows
+            drop_rounding_rows(data.view(data.shape[0], len(counts), counts[0]))
+        else:
+            for chunk in torch.split(data, counts, dim=1):
+                drop_rounding_rows(chunk)
+        return data, records
 
 
 def _through(x: Tensor, g: Tensor, kind: NormKind, eps: float, gain: Tensor | None) -> Tensor:
