@@ -220,3 +220,55 @@ def test_the_summary_gives_each_stacks_ladder():
     assert "growth of model.encoder's ladder (rms of the last rung / the first): 1.5x, 1.4x at step 0" in text
     one = {k: v for k, v in curves.items() if "model.encoder/" not in k}
     assert f"  attenuation {word}: 2x, 1.9x at step 0" in summary_text(one)
+
+
+def t5_padded(decoder_mask: bool) -> tuple[nn.Module, dict]:
+    """T5 with source and target of the same length (the rows of both stacks fit either mask),
+    the last half of every source padded, and, with ``decoder_mask``, the last 4 of every target."""
+    torch.manual_seed(0)
+    model = t5()
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(3, VOCAB, (4, 10), generator=g), torch.randint(3, VOCAB, (4, 10), generator=g)
+    source = torch.ones(4, 10, dtype=torch.long)
+    source[:, 5:] = 0
+    batch = {"input_ids": ids.masked_fill(source == 0, 0), "attention_mask": source}
+    if decoder_mask:
+        target = torch.ones(4, 10, dtype=torch.long)
+        target[:, 6:] = 0
+        batch["decoder_attention_mask"] = target
+        labels = labels.masked_fill(target == 0, -100)
+    return model, {**batch, "labels": labels}
+
+
+@pytest.mark.parametrize("decoder_mask", [True, False], ids=["decoder_attention_mask", "encoder mask only"])
+def test_each_stack_takes_its_own_padding(decoder_mask):
+    # the encoder's attention_mask once masked the decoder's rows too (same row count): 20 of
+    # the decoder's 40 real rows were left out of every statistic
+    model, batch = t5_padded(decoder_mask)
+    meter = LadderMeter(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with meter.step():
+            model(**batch).loss.backward()
+        result = meter.result()
+    said = [str(w.message) for w in caught]
+    pads = {n.name: s.pad_rows for n, s in zip(result.norms, result.summaries, strict=True)}
+    assert all(p == 20 for n, p in pads.items() if n.startswith("encoder."))
+    assert all(p == (16 if decoder_mask else 0) for n, p in pads.items() if n.startswith("decoder."))
+    unknown = [s for s in said if "not the decoder's (no decoder_attention_mask)" in s]
+    assert len(unknown) == (0 if decoder_mask else 1)
+    # sigma of every norm against float64 on its own stack's real rows
+    ref = copy.deepcopy(model).double()
+    seen: dict[str, torch.Tensor] = {}
+    for n in pads:
+        ref.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, a[0].detach()))
+    with torch.no_grad():
+        ref(**batch)
+    keep = {"encoder": batch["attention_mask"].reshape(-1) != 0,
+            "decoder": batch.get("decoder_attention_mask", torch.ones(4, 10)).reshape(-1) != 0}
+    m = result.metrics()
+    for n in pads:
+        x = seen[n].reshape(-1, 32)[keep[n.split(".")[0]]]
+        eps = ref.get_submodule(n).variance_epsilon
+        want = math.sqrt(np.median(x.square().mean(1).numpy()) + eps)
+        assert m[f"lnmonitor/sigma/{n}"] == pytest.approx(want, rel=SIGMA_RESOLUTION), n

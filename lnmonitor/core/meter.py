@@ -97,8 +97,9 @@ class LadderMeter:
             input flows on past it reads the residual stream).
         row_mask: ``row_mask(batch)`` -> a bool tensor, True on the rows (tokens) to measure,
             or None; ``batch`` is what :meth:`use_batch` was given, or the model's keyword
-            inputs.  None (default): :func:`~lnmonitor.core.padding.padding_mask`; False:
-            every row counts.
+            inputs.  None (default): :func:`~lnmonitor.core.padding.padding_mask` (an
+            encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
+            counts.
         owner: the name messages start with (the callback's class name).
         say: where information goes (default: the ``lnmonitor`` logger, INFO).
         warn: ``warn(key, message)``, called once per key (default: ``warnings.warn``).
@@ -154,6 +155,10 @@ class LadderMeter:
         self.main_stack = ""
         self._row_mask = row_mask
         self._mask_source: str | None = None
+        # an encoder-decoder's decoder norms: their padding is the batch's decoder_attention_mask
+        named = stacks([n.name for n in self.norms])
+        self._decoder_norms = {i for i, n in enumerate(self.norms)
+                               if named[n.name].rsplit(".", 1)[-1] == "decoder"}
         self._inputs_hook = None
         said = measured_eps_message(owner, self.norms)
         if said:
@@ -195,23 +200,35 @@ class LadderMeter:
         if keep is not None:
             self._tap.row_mask = keep
 
-    def _keep(self, batch) -> Tensor | None:
+    def _keep(self, batch) -> Tensor | dict[int, Tensor | None] | None:
+        """The rows to measure: one mask for every norm, or (an encoder-decoder, the padding
+        taken from the batch) one per norm: the decoder's norms read the decoder's tokens."""
         try:
             if callable(self._row_mask):
-                keep, source = self._row_mask(batch), "row_mask"
-            else:
-                found = padding_mask(batch)
-                keep, source = found if found is not None else (None, None)
-            if keep is None:
+                return self._as_rows(self._row_mask(batch), "row_mask")
+            keep = self._as_rows(*(padding_mask(batch) or (None, None)))
+            if not self._decoder_norms:
+                return keep
+            decoder = self._as_rows(*(padding_mask(batch, "decoder_attention_mask") or (None, None)))
+            if keep is None and decoder is None:
                 return None
-            keep = torch.as_tensor(keep).to(_device(self.model), non_blocking=True).reshape(-1).bool()
+            if decoder is None:
+                self._warn("decoder-padding", (
+                    f"{self.owner}: the batch marks the encoder's padding (attention_mask) but not the "
+                    "decoder's (no decoder_attention_mask): the decoder's norms count every row, padding "
+                    "included. Pass decoder_attention_mask, or row_mask=. Said once."))
+            return {i: decoder if i in self._decoder_norms else keep for i in range(len(self.norms))}
         except Exception as err:  # noqa: BLE001 - the user's row_mask must not stop training
             self._row_mask = False
             self._warn("row-mask", f"{self.owner}: the row mask failed ({type(err).__name__}: {err}); every "
                                    "row is measured from now on (training goes on).")
             return None
+
+    def _as_rows(self, keep, source: str | None) -> Tensor | None:
+        if keep is None:
+            return None
         self._mask_source = source
-        return keep
+        return torch.as_tensor(keep).to(_device(self.model), non_blocking=True).reshape(-1).bool()
 
     def stop(self) -> None:
         """Unhook, and leave the step's summary on the device for :meth:`result`."""

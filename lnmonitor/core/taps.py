@@ -149,8 +149,8 @@ class NormTap:
         self.norms = list(norms)
         self.error: BaseException | None = None
         # the rows of the current micro-batch that are not padding (flat bool on the device),
-        # set by the meter; applied to every call whose rows it fits
-        self.row_mask: Tensor | None = None
+        # set by the meter; applied to every call whose rows it fits; or one per norm index
+        self.row_mask: Tensor | dict[int, Tensor | None] | None = None
         self._hooks = Hooks()
         self._bypass_step = False
         self._calls_kept: list[_Call] = []
@@ -222,7 +222,7 @@ class NormTap:
             if not packing and info.kind == "layer":
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
             # the only references we hold, cleared by the backward hooks or detach()
-            box = _Pending(x, saved, info.gain(), self._keep(x, info))
+            box = _Pending(x, saved, info.gain(), self._keep(x, index, info))
             self._pending.append(box)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
                 output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
@@ -234,9 +234,9 @@ class NormTap:
 
         return self._guarded(hook)
 
-    def _keep(self, x: Tensor, info: NormInfo) -> Tensor | None:
-        """The current row mask, when it has one entry per row of this call."""
-        mask = self.row_mask
+    def _keep(self, x: Tensor, index: int, info: NormInfo) -> Tensor | None:
+        """The current row mask of norm ``index``, when it has one entry per row of this call."""
+        mask = self.row_mask.get(index) if isinstance(self.row_mask, dict) else self.row_mask
         d = x.shape[-1] if info.width is None else info.width
         return mask if mask is not None and mask.numel() * d == x.numel() else None
 
@@ -250,7 +250,7 @@ class NormTap:
         self._eps[index] = eps
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             raw = forward_raw(x.reshape(-1, d), info.kind)
-        self._keep_raw(raw, ("rows", info.kind, d), self._keep(x, info), index, d, eps, info)
+        self._keep_raw(raw, ("rows", info.kind, d), self._keep(x, index, info), index, d, eps, info)
 
     def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
         x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
