@@ -59,7 +59,8 @@ def test_invariance_monitor_in_a_trainer(tmp_path):
         assert abs(logged["lnmonitor/invariance/axis_5/dloss"][step]) > 1e-4
         assert logged["lnmonitor/invariance/axis_5/out_residual"][step] > 0.1
         assert 0 < logged["lnmonitor/invariance/scale_3/out_residual"][step] < 0.1
-    assert "lnmonitor/invariance/scale_slope" in logged
+    # the sweep's curves: after each validation (3 and 6), not at the cadence's points 0, 2, 4
+    assert sorted(logged["lnmonitor/invariance/scale_rounding_points"]) == [3, 6]
     assert all(spy.modes)  # the model went back to train mode
     res = inv.last_result
     assert res.rows == 4 * CONTEXT and res.final_norm == "model.lnf"
@@ -203,3 +204,44 @@ def test_the_monitor_probes_the_rows_analyze_and_eps_compare_probe():
     x, y = probe_rows(data.val_batches())
     assert inv._probe[0].shape[0] == PROBE_WINDOWS == x.shape[0]
     assert torch.equal(inv._probe[0], x) and torch.equal(inv._probe[1], y)
+
+
+class ProbePasses(Callback):
+    """Forward passes of the model outside training (the probe's), per optimizer step."""
+
+    def __init__(self):
+        self.passes: dict[int, int] = {}
+
+    def setup(self, trainer, pl_module, stage):
+        def count(module, args):
+            if not torch.is_grad_enabled():
+                step = trainer.global_step
+                self.passes[step] = self.passes.get(step, 0) + 1
+        pl_module.model.register_forward_pre_hook(count)
+
+
+@pytest.mark.parametrize("sweep_every", [None, 2])
+def test_the_sweep_runs_at_the_end_and_the_cadence_runs_the_cases(sweep_every, tmp_path):
+    # a periodic run is the base pass and the five cases (6 passes); the 8-scale sweep (7 more,
+    # a = 1 reuses the base) runs at the end of the fit, added to the last point, or at its
+    # own cadence
+    data, module = char_data(4)
+    inv = FinalNormInvarianceMonitor(every_n_steps=2, sweep_every_n_steps=sweep_every, probe_size=4,
+                                     keep_history=True)
+    passes = ProbePasses()
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer(4, [inv, passes], logger=tb, limit_val_batches=0).fit(module, datamodule=data)
+    logged = scalars(events(tb.log_dir))
+    assert sorted(logged["lnmonitor/invariance/axis_5/dloss"]) == [0, 2, 4]
+    swept = [0, 2, 4] if sweep_every else [4]
+    assert sorted(logged["lnmonitor/invariance/scale_rounding_points"]) == swept
+    assert [h["step"] for h in inv.history] == [0, 2, 4]
+    assert [("lnmonitor/invariance/scale_rounding_points" in h) for h in inv.history] == [
+        h["step"] in swept for h in inv.history]
+    assert len(inv.last_result.sweep) == 8 and len(inv.last_result.cases) == 5
+    # the first point's set-up aside (finding the probe's loss and the final norm: 2 passes), 6
+    # passes, 13 with the sweep; the end's sweep alone is the base and 7 scales
+    extra = {0: 2}
+    want = {s: 13 + extra.get(s, 0) if sweep_every else 6 + extra.get(s, 0) for s in (0, 2)}
+    want[4] = 13 if sweep_every else 6 + 8
+    assert {s: passes.passes.get(s, 0) for s in (0, 2, 4)} == want

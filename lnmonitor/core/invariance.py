@@ -57,7 +57,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from lnmonitor.core.geometry import row_stats
 from lnmonitor.core.hooks import Hooks, eager, eval_mode, unmeasured
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES
+from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES, finite_metrics
 from lnmonitor.core.norms import NormInfo, find_norms
 from lnmonitor.core.sweep import FIT_RANGE, ROUNDING_BELOW
 
@@ -538,8 +538,32 @@ class InvarianceProbe:
         self.cases, self.scales, self.autocast = tuple(cases), tuple(scales), autocast
         self.norms = find_norms(model) if norms is None else list(norms)
         self.checked = False
+        self.last: InvarianceResult | None = None  # the last point (see point())
+        self.last_step = -1
 
-    def run(self, batch) -> InvarianceResult:
+    def sweep_missing(self, step: int) -> bool:
+        """Whether the point of ``step`` was probed last, without its sweep (see :meth:`point`)."""
+        return step == self.last_step and self.last is not None and not self.last.sweep and bool(self.scales)
+
+    def point(self, batch, step: int, *, sweep: bool) -> tuple[InvarianceResult, dict[str, float]]:
+        """The point of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
+        the cases; the sweep is 7 passes more).  A point probed last without its sweep gets the
+        sweep alone, added to it.  Returns the point's result and its finite metrics that are new."""
+        if sweep and self.sweep_missing(step):
+            last, swept = self.last, self.run(batch, cases=False)
+            result = replace(last, sweep=swept.sweep, slope=swept.slope, constant=swept.constant,
+                             fit_note=swept.fit_note)
+            before = last.metrics()
+            metrics = {k: v for k, v in finite_metrics(result.metrics()).items() if k not in before}
+        else:
+            result = self.run(batch, sweep=sweep)
+            metrics = finite_metrics(result.metrics())
+        self.last, self.last_step = result, step
+        return result, metrics
+
+    def run(self, batch, *, cases: bool = True, sweep: bool = True) -> InvarianceResult:
+        """One run on ``batch``: the cases and/or the scale sweep (``cases``/``sweep`` False
+        leave them out: a run's cost is one forward pass per case and per scale)."""
         if self.final_norm is None:
             self.final_norm = find_final_norm(self.model, batch, self.loss_fn, self.norms)
         if not self.checked:
@@ -557,8 +581,8 @@ class InvarianceProbe:
                 )
             self.checked = True
         result = final_norm_invariance(
-            self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases,
-            scales=self.scales, autocast=self.autocast, norms=self.norms,
+            self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases if cases else (),
+            scales=self.scales if sweep else (), autocast=self.autocast, norms=self.norms,
         )
         if not math.isfinite(result.base_loss):
             raise NonFiniteLoss(f"the loss on the probe rows is {result.base_loss}: there is no change of it "

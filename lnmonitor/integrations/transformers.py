@@ -26,7 +26,6 @@ from lnmonitor.core.discovery import choose_norms
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
-from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
 
 __all__ = ["LNMonitorCallback"]
@@ -42,10 +41,10 @@ class LNMonitorCallback(TrainerCallback):
     the norms are measured over every micro-batch of the step on every process
     (:class:`~lnmonitor.core.meter.LadderMeter`, merged over ``torch.distributed`` under
     ``accelerate``/``torchrun``); every ``invariance_every_n_steps`` steps and at the end of
-    training the final-norm invariance probe runs on ``probe_size`` held-out rows (the
-    first of the eval dataset, else of the first training batch, said once) with the
-    model's own ``labels`` loss (``model(**batch).loss``).  The metrics -- the names of
-    :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
+    training the final-norm invariance probe runs (its scale sweep at the end only) on
+    ``probe_size`` held-out rows (the first of the eval dataset, else of the first training
+    batch, said once) with the model's own ``labels`` loss (``model(**batch).loss``).  The
+    metrics -- the names of :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
     :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor`, with
     ``<norm>`` qualified from the Trainer's model -- go from the main process to every
     ``report_to`` integration (TensorBoard, W&B, MLflow, ...) at the Trainer's
@@ -180,14 +179,14 @@ class LNMonitorCallback(TrainerCallback):
                 self._logged = step
         every = self.invariance_every_n_steps
         if every is not None and state.global_step % every == 0:
-            self._run_probe(args, state, control)
+            self._run_probe(args, state, control, sweep=False)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.meter is not None:
             self.meter.abort()
         self._measuring = None
-        if self.invariance_every_n_steps is not None:
-            self._run_probe(args, state, control)
+        if self.invariance_every_n_steps is not None:  # the last point, with the scale sweep
+            self._run_probe(args, state, control, sweep=True)
 
     # -- the invariance probe ----------------------------------------------------------
 
@@ -213,12 +212,14 @@ class LNMonitorCallback(TrainerCallback):
         self._prober = InvarianceProbe(model, default_loss, final_norm=self.final_norm, norms=norms,
                                        autocast=self.trainer.autocast_smart_context_manager)
 
-    def _run_probe(self, args, state, control) -> None:
-        if self._prober is None or state.global_step <= self._probed:
+    def _run_probe(self, args, state, control, *, sweep: bool) -> None:
+        step = state.global_step
+        add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
+        if self._prober is None or (step <= self._probed and not add_sweep):
             return
-        self._probed = state.global_step
+        self._probed = step
         try:
-            result = self._prober.run(self._probe)
+            _, metrics = self._prober.point(self._probe, step, sweep=sweep)
         except NonFiniteLoss as err:  # this point only
             self._warn("nan-loss", f"LNMonitorCallback: no invariance at step {state.global_step}: {err}.")
             return
@@ -228,7 +229,7 @@ class LNMonitorCallback(TrainerCallback):
                 f"{type(err).__name__}: {err}. If the model needs another final norm, pass final_norm='...'; "
                 "the probe's loss is model(**batch).loss, so the probe rows need labels")
             return
-        self._report(finite_metrics(result.metrics()), args, state, control)
+        self._report(metrics, args, state, control)
 
     def _invariance_off(self, reason: str) -> None:
         self.invariance_off = reason

@@ -47,7 +47,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     last update) and, with ``on_validation=True``, after each validation (not the sanity
     check; a validation at a step already probed reuses that point), run
     :func:`lnmonitor.core.invariance.final_norm_invariance`: the five cases of docs/design.md
-    and the scale sweep.  The input is transformed in float64 inside a forward hook and the
+    (6 forward passes of the probe rows).  The scale sweep (8 scales, 7 more passes) runs at
+    the end of the fit (the last point), after each validation with ``on_validation=True``,
+    and every ``sweep_every_n_steps``: the curves need the cases, the sweep's slope is read
+    at the end.  The input is transformed in float64 inside a forward hook and the
     final norm evaluated in float64 there (only the final norm sees the transformed
     input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
     mode and the RNG state are restored; only rank zero computes (no collectives, the
@@ -67,17 +70,21 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     Args:
         every_n_steps: cadence in optimizer steps; ``None``: only after validation.
-        on_validation: also run after each validation (a run is 13 forward passes of the
-            probe rows, about 10 training steps of the train-tiny recipe: after a validation
-            every 250 steps that is 4% of the training time, against 1% at the default
-            1000-step cadence alone).
+        on_validation: also run after each validation, the sweep included (13 forward passes
+            of the probe rows, about 10 training steps of the train-tiny recipe: after a
+            validation every 250 steps that is 4% of the training time, against 0.5% at the
+            default 1000-step cadence alone, whose runs skip the sweep).
+        sweep_every_n_steps: also run the scale sweep at the points that are multiples of
+            this (a multiple of ``every_n_steps``, or it never coincides); ``None`` (default):
+            the sweep runs at the end of the fit (and after validations with
+            ``on_validation``).
         probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
             first ``probe_size`` samples of the validation data the Trainer uses (a
             datamodule's, the module's or the loaders given to ``fit``; as many batches
             as it takes), else the first training batch (with a warning: it is not held out).
         probe_size: the probe's rows: the first ``probe_size`` samples (default 64, the
-            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is 13 forward
-            passes of them); ``None`` keeps one whole batch.
+            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is 6 forward
+            passes of them, 13 with the sweep); ``None`` keeps one whole batch.
         loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
             ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
             ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
@@ -127,13 +134,15 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                                                       loss moved: float32 rounding, not eps
     ================================================  ========================================
 
-    The full result of the latest run (per-scale points included) is ``last_result``.
+    The three ``scale_*`` metrics come at the points with the sweep (the end of the fit, see
+    above).  The full result of the latest run (per-scale points included) is ``last_result``.
     """
 
     def __init__(
         self,
         every_n_steps: int | None = 1000,
         on_validation: bool = False,
+        sweep_every_n_steps: int | None = None,
         probe_batch: Any = None,
         probe_size: int | None = PROBE_WINDOWS,
         loss_fn: Callable[[LightningModule, Any], Any] | None = None,
@@ -151,6 +160,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                     "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
                     "integer or on_validation=True"
                 )
+            self.sweep_every_n_steps = arguments.positive_int(sweep_every_n_steps, "sweep_every_n_steps")
             self.probe_batch = probe_batch
             self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
             self.loss_fn = arguments.function(
@@ -216,8 +226,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.every_n_steps is not None:  # the point after the last update, unless taken
-            self._run(trainer, pl_module, trainer.global_step)
+        if self.every_n_steps is not None:  # the point after the last update (its sweep), unless taken
+            self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
             step = self._sink.last_step
             point = {tag: [(step, v)] for tag, v in finite_metrics(self.last_result.metrics()).items()}
@@ -251,7 +261,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             return  # a later micro-batch of the same optimizer step
         self._last_started_step = step
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
-            self._run(trainer, pl_module, step)
+            self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
     def on_train_batch_end(
@@ -264,17 +274,23 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # neither repeats nor misses it (this includes the point after the last update).
         step = trainer.global_step
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
-            self._run(trainer, pl_module, step)
+            self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.on_validation and not trainer.sanity_checking:
-            self._run(trainer, pl_module, trainer.global_step)
+            self._run(trainer, pl_module, trainer.global_step, sweep=True)
 
     # -- one run -----------------------------------------------------------------------
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if not self._enabled or step <= self._sink.last_step:
+    def _sweep_due(self, step: int) -> bool:
+        return self.sweep_every_n_steps is not None and step % self.sweep_every_n_steps == 0
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
+        """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its
+        sweep, when asked)."""
+        add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
+        if not self._enabled or (step <= self._sink.last_step and not add_sweep):
             return
         if not trainer.is_global_zero and not self._sharded:
             self._sink.last_step = step
@@ -283,7 +299,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             probe = self._get_probe(trainer, pl_module)
             if probe is None:
                 return
-            result = self._measure(trainer, pl_module, probe)
+            result, metrics = self._prober_for(trainer, pl_module, probe).point(probe, step, sweep=sweep)
         except (NoLoss, NotAFinalNorm) as err:
             self._disable(str(err))
             return
@@ -297,21 +313,20 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                 "loss_fn=lambda module, batch: ... and final_norm='...'"
             )
             return
+        self._final_name = self._prober.final_norm
         self.last_result = result
         if self._sink.last_step < 0:
             self._sink.add_layout(INVARIANCE_LAYOUT)
-        self._sink.log(trainer, step, finite_metrics(result.metrics()))
+        self._sink.log(trainer, step, metrics, extend=add_sweep)
 
-    def _measure(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceResult:
+    def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:
         if self._prober is None:
             self._prober = InvarianceProbe(
                 pl_module, self.loss_fn or probe_loss(pl_module, probe), final_norm=self.final_norm,
                 cases=self.cases, scales=self.scales, autocast=trainer.precision_plugin.forward_context,
                 norms=self._norms,
             )
-        result = self._prober.run(probe)
-        self._final_name = self._prober.final_norm
-        return result
+        return self._prober
 
     def _get_probe(self, trainer: Trainer, pl_module: LightningModule):
         if self._probe is not None:

@@ -112,15 +112,19 @@ class MetricSink:
 
     def log(
         self, trainer, step: int, metrics: dict[str, float],
-        tensorboard_extra: Callable[[Any, int], None] | None = None,
+        tensorboard_extra: Callable[[Any, int], None] | None = None, *, extend: bool = False,
     ) -> bool:
         """Log ``metrics`` at ``step`` unless that step was logged already (False then); only
         global rank zero writes.  ``tensorboard_extra(writer, step)`` adds what only
-        TensorBoard shows (histograms); a failure there is said once and never stops training."""
-        if step <= self.last_step:
+        TensorBoard shows (histograms); a failure there is said once and never stops training.
+        ``extend``: metrics measured later for the step logged last are added to it."""
+        again = extend and step == self.last_step
+        if step <= self.last_step and not again:
             return False
         self.last_step = step
-        if self._keep:
+        if self._keep and again and self.history:
+            self.history[-1].update(metrics)
+        elif self._keep:
             self.history.append({"step": step, **metrics})
         if not trainer.is_global_zero:
             return True
