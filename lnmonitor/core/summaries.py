@@ -21,7 +21,8 @@ laid out by :class:`Layout`:
   branch norms, ``|dL/dx|^2`` and ``|dL/dx - J^T dL/dy|^2`` at the norm's input (the part of
   the gradient that goes around the norm, :attr:`NormSummary.bypass`), and the padding rows
   the batch's row mask left out (:attr:`NormSummary.pad_rows`);
-* per norm, the exact maximum share.
+* per norm, the exact maximum share, and the lowest and highest occupied bin of the
+  ``var`` and ``ms`` histograms (so that reading them touches only the occupied span).
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
 adding the histogram and sum part and taking the maximum of the max part
@@ -68,7 +69,7 @@ VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
 N_SUMS = 4  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows
-N_MAX = 1  # share max
+N_MAX = 5  # share max; top var bin, -(bottom var bin), top ms bin, -(bottom ms bin): merged by max
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,15 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
     i_share = (share * sb).clamp_(max=sb - 1).long().add_(base)
     flat.index_add_(0, torch.where(share_ok, i_share, dump), ones)
     one = torch.ones((), dtype=torch.float32, device=device)
-    for values, offset in ((var, sb), (ms, sb + vb)):
+    maxes = flat[layout.sum_end : layout.size].view(N_MAX, n)
+    maxes.fill_(-math.inf)
+    for k, (values, offset) in enumerate(((var, sb), (ms, sb + vb))):
         # the bin of a non-negative float32 is its top 15 bits: exponent and 7 mantissa bits
         bits = torch.where(stat_ok, values, one).contiguous().view(torch.int32)
         bins = bits.bitwise_right_shift(VALUE_SHIFT)
+        at = torch.where(stat_ok, bins.float(), -math.inf)
+        maxes[1 + 2 * k].scatter_reduce_(0, nid, at, "amax")
+        maxes[2 + 2 * k].scatter_reduce_(0, nid, torch.where(stat_ok, -at, -math.inf), "amax")
         flat.index_add_(0, torch.where(stat_ok, bins.long().add_(base + offset), dump), ones)
 
     per_norm_rows = [0.0] * n
@@ -166,9 +172,7 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
         sums[index, 3] = pads
-    maxes = flat[layout.sum_end : layout.size]
-    maxes.fill_(-math.inf)
-    maxes.scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
+    maxes[0].scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
     return flat[: layout.size]
 
 
@@ -335,15 +339,21 @@ class NormSummary:
         )
 
 
-def _occupied(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lower edge of the first and upper edge of the last occupied bin of each row (linear
-    units); nan for empty rows."""
-    occupied = counts > 0
-    first = occupied.argmax(1)
-    last = counts.shape[1] - 1 - occupied[:, ::-1].argmax(1)
-    empty = ~occupied.any(1)
-    lo = np.where(empty, np.nan, edges[first])
-    hi = np.where(empty, np.nan, edges[last + 1])
+def _span(bottom: np.ndarray, top: np.ndarray) -> tuple[int, int]:
+    """The bins ``[lo, hi)`` occupied in some norm (``bottom``/``top``: each norm's lowest and
+    highest occupied bin, -inf/inf when it has none); ``(0, 0)`` when none is."""
+    full = np.isfinite(top)
+    if not full.any():
+        return 0, 0
+    return int(bottom[full].min()), int(top[full].max()) + 1
+
+
+def _bounds(bottom: np.ndarray, top: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower edge of each norm's lowest occupied bin and upper edge of its highest (linear
+    units); nan for a norm without one."""
+    full = np.isfinite(top)
+    lo = np.where(full, edges[np.where(full, bottom, 0).astype(np.int64)], np.nan)
+    hi = np.where(full, edges[np.where(full, top, 0).astype(np.int64) + 1], np.nan)
     return lo, hi
 
 
@@ -351,8 +361,9 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     """One :class:`NormSummary` per norm from a merged vector (see :func:`merge`).
 
     The vector comes to the host in one transfer (the step's only synchronisation) and
-    the quantiles of all norms are read from it at once, vectorised.  ``counts`` keeps
-    the histograms in the summaries (for TensorBoard histograms or other quantiles).
+    the quantiles of all norms are read from it at once, vectorised, over the occupied
+    span of the value histograms only.  ``counts`` keeps the histograms in the summaries
+    (for TensorBoard histograms or other quantiles), as float32 views of the vector.
     """
     if isinstance(merged, Tensor):
         merged = merged.detach().cpu().numpy()
@@ -360,21 +371,22 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     n, sb, lb = layout.n_norms, layout.share_bins, layout.value_bins
     hist = merged[: layout.hist_size].reshape(n, layout.per_norm)
     sums = merged[layout.hist_size : layout.sum_end].reshape(n, N_SUMS).astype(np.float64)
-    maxes = merged[layout.sum_end : layout.size].reshape(n, N_MAX).astype(np.float64)
-    share_c, var_c, ms_c = hist[:, :sb], hist[:, sb : sb + lb], hist[:, sb + lb :]
+    maxes = merged[layout.sum_end : layout.size].reshape(N_MAX, n).astype(np.float64)
+    share_c = hist[:, :sb]
     value_edges = _edges(layout, "value")
-    var_lo, var_hi = _occupied(var_c, value_edges)
-    ms_lo, ms_hi = _occupied(ms_c, value_edges)
+    var_lo, var_hi = _bounds(-maxes[2], maxes[1], value_edges)
+    ms_lo, ms_hi = _bounds(-maxes[4], maxes[3], value_edges)
+    (v0, v1), (m0, m1) = _span(-maxes[2], maxes[1]), _span(-maxes[4], maxes[3])
+    var_c, ms_c = hist[:, sb + v0 : sb + v1], hist[:, sb + lb + m0 : sb + lb + m1]
     with np.errstate(invalid="ignore", over="ignore"):
-        q_share = hist_quantiles(share_c, _edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[:, 0])
-        q_both = hist_quantiles(np.concatenate((var_c, ms_c)), value_edges, (0.5,),
-                                np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)))
-        q_var, q_ms = q_both[:n], q_both[n:]
+        q_share = hist_quantiles(share_c, _edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[0])
+        q_var = hist_quantiles(var_c, value_edges[v0 : v1 + 1], (0.5,), var_lo, var_hi)
+        q_ms = hist_quantiles(ms_c, value_edges[m0 : m1 + 1], (0.5,), ms_lo, ms_hi)
     share_rows = share_c.sum(1, dtype=np.float64)
     var_rows = var_c.sum(1, dtype=np.float64)
     out = []
     for i in range(n):
-        share_max = float(maxes[i, 0])
+        share_max = float(maxes[0, i])
         out.append(
             NormSummary(
                 rows=int(round(sums[i, 0])),
@@ -392,9 +404,9 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 layout=layout,
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
-                share_counts=share_c[i].astype(np.float64) if counts else None,
-                var_counts=var_c[i].astype(np.float64) if counts else None,
-                ms_counts=ms_c[i].astype(np.float64) if counts else None,
+                share_counts=share_c[i] if counts else None,
+                var_counts=hist[i, sb : sb + lb] if counts else None,
+                ms_counts=hist[i, sb + lb :] if counts else None,
             )
         )
     return out
