@@ -14,8 +14,11 @@ not from lnmonitor's detection.  Dropout is off, so that the float64 recomputati
 training step's forward.
 
 A cell the condition does not apply to (no attention projections, no
-``gradient_checkpointing_enable``) is skipped with its reason; a cell that shows a fault of
-lnmonitor is an ``xfail(strict=True)`` naming it (:data:`KNOWN`).
+``gradient_checkpointing_enable``) is skipped with its reason.  The grid found five faults of
+lnmonitor when it was built (the probe's forward taking over step 0's padding mask, per-head
+QK-norm rows without the mask, LayerNorm shares from a bf16 gradient, Mamba2's cast copy of
+the stream read as a branch under bf16, a frozen embedding norm taken for a rung); each cell
+they failed now passes.
 
 ``python tests/test_compatibility.py`` prints the README's two compatibility tables (the
 families at float32, and the grid) from the same rows and columns.
@@ -137,6 +140,7 @@ class Family:
     attention: tuple[str, ...] = ()  # module names (last component) of the attention projections
     says: str = ""  # what the meter says once about this family (besides the conditions)
     ladder: bool = True  # check that a ladder of two rungs or more logs its attenuation
+    decoder: bool = False  # an encoder-decoder: a padded batch marks the decoder's padding too
 
 
 def _hf(config_cls, **kw):
@@ -238,14 +242,14 @@ FAMILIES = [
     # piece of work): these rows assert what holds regardless -- every norm found, sigma and
     # shares against float64 on the real tokens -- and the roles their ``roles`` say, which
     # that work updates (today: each stack's last norm is a 'final' norm); their ladders are
-    # that work's too (ladder=False).  The monitor takes
-    # one attention_mask for both stacks: here the source and the target have the same length
-    # and the same padding, so it marks both.
+    # that work's too (ladder=False).  A padded batch gives the decoder's padding as
+    # decoder_attention_mask (the encoder's is attention_mask); the source and the target have
+    # the same length, so that a mask applied to the wrong stack would fit its rows.
     Family("t5", "T5 (encoder-decoder, RMS)", _auto(
         "AutoModelForSeq2SeqLM", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
         num_heads=4, dropout_rate=0.0, pad_token_id=PAD, eos_token_id=1, decoder_start_token_id=PAD),
         ("T5LayerNorm",), "rms", roles={"*.encoder.final_layer_norm": "final"},
-        final="model.decoder.final_layer_norm", attention=("q", "k", "v"), ladder=False),
+        final="model.decoder.final_layer_norm", attention=("q", "k", "v"), ladder=False, decoder=True),
     Family("bart", "BART (encoder-decoder, post-LN)", _auto(
         "AutoModelForSeq2SeqLM", "BartConfig", vocab_size=VOCAB, d_model=32, encoder_layers=2,
         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
@@ -254,7 +258,7 @@ FAMILIES = [
         ("LayerNorm",), "layer", roles={"*.layernorm_embedding": "embedding",
                                          "*.encoder.layers.1.final_layer_norm": "final",
                                          "*.layers.*": "post"},
-        final="model.model.decoder.layers.1.final_layer_norm", attention=QKV, ladder=False),
+        final="model.model.decoder.layers.1.final_layer_norm", attention=QKV, ladder=False, decoder=True),
     # ----- end of the encoder-decoder stacks ----------------------------------------------------
 ]
 
@@ -314,8 +318,10 @@ FLOAT32 = Bounds(median=0.01, max=1e-4, sigma=0.01)
 # and gradient differ from float64 by a few units of its roundoff u (bf16 2^-7, fp16 2^-10),
 # growing through the layers.  A median share and a median sigma are averages over rows, so
 # their gaps stay a few u; the max share is one row's extreme, so its gap is that row's own
-# rounding.  Bounds in units of u, a little above the worst cell measured on the grid.
-LOW_PRECISION_U = Bounds(median=3.5, max=1.6, sigma=0.5)
+# rounding (BLOOM under bf16-true: 3.7u).  Bounds in units of u, a little above the worst cell
+# measured on the grid.  What is the monitor's own is checked apart, against float64 statistics
+# of the very tensors the step ran (``Cell.own``): within the float32 bounds.
+LOW_PRECISION_U = Bounds(median=3.5, max=4.0, sigma=0.5)
 
 
 def bounds(cond: Condition) -> Bounds:
@@ -342,35 +348,6 @@ def not_applicable(family: Family, cond: Condition) -> str | None:
     return None
 
 
-# Cells that show a fault of lnmonitor (reported, not fixed here): the fault in one line, and
-# the cells it fails.  Each is an xfail(strict=True): a fix makes its cells pass, and the
-# strict xfail then fails until the cell leaves this list.
-PROBE_MASK = ("FinalNormInvarianceMonitor's probe runs forward(**probe_batch) inside the measured step 0: "
-              "the meter takes the probe's 8-row attention_mask, which fits no norm of the 4-row step, "
-              "so the pads are measured")
-QK_MASK = "per-head QK-norm rows (batch, position, head) get no attention_mask, so their pads are measured"
-BF16_LAYERNORM = ("a LayerNorm's share from a bf16 dL/dy is up to 0.05 off float64 on the same bf16 "
-                  "tensors (RMSNorm's is not)")
-BF16_ROLE = "under bf16-true Mamba2's second block norm is taken for a post norm (float32: a rung)"
-NO_GRADIENT_ROLE = ("a norm no gradient reaches is taken for a rung: the embedding norm's float32 role "
-                    "'embedding' becomes 'residual'")
-FAULTS = {
-    PROBE_MASK: [f"{f}-pad-{side}" for f in ("gpt2", "neox", "qwen3", "gemma3", "falcon", "opt",
-                                             "litgpt-ln", "litgpt-rms", "litgpt-offset", "nanogpt", "bert",
-                                             "bloom", "mamba2", "looped", "t5", "bart")
-                 for side in ("right", "left")]
-    + [f"{f}-pad-right" for f in ("llama", "mistral", "phi3", "gemma", "gemma2", "olmo2")],
-    QK_MASK: ["qwen3-pad-right", "gemma3-pad-right"],
-    BF16_LAYERNORM: [f"{f}-bf16-true" for f in ("gpt2", "neox", "falcon", "opt", "litgpt-ln", "nanogpt",
-                                                "bert", "bloom", "looped", "bart")] + ["bert-bf16-mixed"],
-    BF16_ROLE: ["mamba2-bf16-true"],
-    NO_GRADIENT_ROLE: [f"{f}-{c}" for f in ("bert", "bloom", "bart") for c in ("attention-only", "lora")],
-}
-KNOWN: dict[str, list[str]] = {}  # cell id -> its faults
-for _fault, _cells in FAULTS.items():
-    for _cell in _cells:
-        KNOWN.setdefault(_cell, []).append(_fault)
-TAGS = {fault: "abcdefgh"[i] for i, fault in enumerate(FAULTS)}  # the grid's footnotes
 
 
 # ---------------------------------------------------------------------------
@@ -409,9 +386,10 @@ class Capture(Callback):
             self.batch = {k: v.clone() for k, v in batch.items()}
 
 
-def data(seed: int, pad: str | None) -> DataLoader:
+def data(seed: int, pad: str | None, decoder: bool = False) -> DataLoader:
     """Two batches of 4 rows; with ``pad``, each row keeps LENGTHS real tokens (right- or
-    left-aligned), the rest pad id 0, attention_mask 0, label -100."""
+    left-aligned), the rest pad id 0, attention_mask 0, label -100 (and, for an encoder-decoder,
+    decoder_attention_mask 0: the targets are padded alike)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -420,6 +398,8 @@ def data(seed: int, pad: str | None) -> DataLoader:
         keep = keep.flip(1) if pad == "left" else keep
         ids = torch.where(keep, ids, PAD)
         batch = {"input_ids": ids, "attention_mask": keep.long(), "labels": torch.where(keep, ids, -100)}
+        if decoder:
+            batch["decoder_attention_mask"] = keep.long()
     return DataLoader([{k: v[i] for k, v in batch.items()} for i in range(ROWS)], batch_size=BATCH)
 
 
@@ -482,7 +462,8 @@ def reference(family: Family, module: Wrapped, state, batch: dict, checkpointing
     ref = ref.double() if precision is None else precision.convert_module(ref)
     if checkpointing:  # the same maths without recomputation
         ref.model.gradient_checkpointing_disable()
-    keep = batch["attention_mask"].bool() if "attention_mask" in batch else None
+    keys = {"encoder": "attention_mask", "decoder": "decoder_attention_mask"}
+    masks = {stack: batch[key].bool() for stack, key in keys.items() if key in batch}
     calls: dict[str, list[dict]] = {}
     norms = {n: m for n, m in ref.named_modules() if type(m).__name__ in family.norm_classes}
     for name, m in norms.items():
@@ -506,6 +487,7 @@ def reference(family: Family, module: Wrapped, state, batch: dict, checkpointing
         xs, shares = [], []
         for call in calls[name]:
             d = call["x"].shape[-1]
+            keep = masks.get("decoder" if family.decoder and ".decoder." in name else "encoder")
             rows = kept_rows(call["x"], keep)
             x = call["x"].reshape(-1, d).numpy()
             x = x if rows is None else x[rows]
@@ -527,6 +509,7 @@ def reference(family: Family, module: Wrapped, state, batch: dict, checkpointing
         share = np.concatenate(shares) if shares else None
         out[name] = dict(share=share if share is not None and share.size else None, calls=len(calls[name]),
                          gradient=all(c["g"] is not None for c in calls[name]),
+                         finite=all(c["g"] is None or bool(c["g"].isfinite().all()) for c in calls[name]),
                          sigma=math.sqrt(np.median(var) + eps))
     return out
 
@@ -574,10 +557,15 @@ def run(family: Family, cond: Condition) -> Cell:
                         precision=cond.precision)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, data(0, cond.pad), data(1, cond.pad))
+        trainer.fit(module, data(0, cond.pad, family.decoder), data(1, cond.pad, family.decoder))
     args = (family, module, capture.state, capture.batch, cond.checkpointing)
     own = None if cond.low is None else reference(*args, precision=trainer.precision_plugin)
     said, ref = [str(w.message) for w in caught], reference(*args)
+    if not all(r["finite"] for r in ref.values()):
+        # the model's own float64 forward is not finite (T5 and BLOOM, left padding: every
+        # gradient nan) while its float32 step is: the statistics of the step's own tensors in
+        # float64 are the reference then
+        ref = reference(*args, precision=trainer.precision_plugin)
     return Cell(family, cond, module, ln, inv, trainer, said, ref, own, time.perf_counter() - start)
 
 
@@ -636,9 +624,6 @@ def cells(default_only: bool = False):
             why, marks = not_applicable(family, cond), []
             if why:
                 marks.append(pytest.mark.skip(reason=why))
-            elif f"{family.key}-{cond.key}" in KNOWN:
-                reason = "; ".join(KNOWN[f"{family.key}-{cond.key}"])
-                marks.append(pytest.mark.xfail(strict=True, reason=reason))
             if not cond.default:
                 marks.append(pytest.mark.slow)
             yield pytest.param(family, cond, id=f"{family.key}-{cond.key}", marks=marks)
@@ -713,9 +698,6 @@ def main(argv: list[str]) -> None:
                 text = grid_cell(cell)
             except Exception as err:  # noqa: BLE001 - the grid says what failed
                 text = f"FAILS: {grid_cell(cell)} {' '.join(str(err).split())[:200]}"
-            if f"{family.key}-{cond.key}" in KNOWN:
-                tags = ",".join(TAGS[f] for f in KNOWN[f"{family.key}-{cond.key}"])
-                text = f"xfail {tags}: {grid_cell(cell)}"
             grid.setdefault(family.key, []).append(text)
             g, w = cell.gaps(), worst[cond.key]
             worst[cond.key] = Bounds(max(w.median, g.median), max(w.max, g.max), max(w.sigma, g.sigma))
@@ -730,9 +712,6 @@ def main(argv: list[str]) -> None:
     print("|---|" + "---|" * len(conditions))
     for family in families:
         print(f"| {family.label} | " + " | ".join(grid[family.key]) + " |")
-    print()
-    for fault, tag in TAGS.items():
-        print(f"{tag}. {fault}")
     print()
     print("| condition | worst median share | worst max share | worst sigma | bound (median / max / sigma) | "
           "seconds |")

@@ -278,6 +278,29 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
     assert "lnmonitor/sigma/bert.encoder.layer.0.output.LayerNorm" in result.metrics()
 
 
+def test_a_frozen_embedding_norm_keeps_its_role():
+    """No gradient reaches BERT's embedding LayerNorm when the embeddings are frozen: what goes
+    around it cannot be measured, and it was then taken for a residual-stream rung."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=CONTEXT,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(config)
+    model.bert.embeddings.requires_grad_(False)
+    x = torch.randint(1, VOCAB, (4, CONTEXT))
+    meter = LadderMeter(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with meter.step():
+            model(input_ids=x, labels=x).loss.backward()
+        result = meter.result()
+    roles = {n.name: n.role for n in result.norms}
+    assert roles["bert.embeddings.LayerNorm"] == "embedding"
+    assert "lnmonitor/share_median/bert.embeddings.LayerNorm" not in result.metrics()  # no gradient
+    assert "lnmonitor/sigma/bert.embeddings.LayerNorm" in result.metrics()  # its forward
+
+
 def test_a_row_mask_that_raises_is_said_once_and_training_goes_on():
     def broken(inputs):
         raise KeyError("no such field")

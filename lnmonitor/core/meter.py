@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
-from lnmonitor.core.hooks import compiled, eager
+from lnmonitor.core.hooks import compiled, eager, measuring
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics, ladder_metric
 from lnmonitor.core.norms import NormInfo
@@ -148,6 +148,7 @@ class LadderMeter:
         self._eps: dict[int, float] = {}
         self._resolution: dict[int, float] = {}
         self._forward_only: set[int] = set()
+        self._unmasked: set[int] = set()  # norms whose rows the step's padding mask did not fit
         self._ran_forward = False
         self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
         # each norm's stack (residual stream), and the stack of the model's ladder: known with the roles
@@ -195,8 +196,12 @@ class LadderMeter:
             self._tap.row_mask = self._keep(batch)
 
     def _on_inputs(self, module, args, kwargs) -> None:
-        """The model's keyword inputs (``model(**batch)``): a padding mask there is used."""
-        keep = self._keep(kwargs) if kwargs else None
+        """The model's keyword inputs (``model(**batch)``): a padding mask there is used; a
+        probe's forward inside the step (without gradient, or :func:`unmeasured`) is not the
+        step's and leaves the mask alone."""
+        if not (kwargs and measuring() and torch.is_grad_enabled()):
+            return
+        keep = self._keep(kwargs)
         if keep is not None:
             self._tap.row_mask = keep
 
@@ -228,7 +233,8 @@ class LadderMeter:
         if keep is None:
             return None
         self._mask_source = source
-        return torch.as_tensor(keep).to(_device(self.model), non_blocking=True).reshape(-1).bool()
+        keep = torch.as_tensor(keep).to(_device(self.model), non_blocking=True).bool()
+        return keep if keep.ndim == 2 else keep.reshape(-1)  # (batch, tokens) lines up with per-head rows
 
     def stop(self) -> None:
         """Unhook, and leave the step's summary on the device for :meth:`result`."""
@@ -247,6 +253,7 @@ class LadderMeter:
         if rows.order:
             self.order = [self.norms[i].name for i in rows.order]
         self._eps, self._resolution, self._forward_only = rows.eps, rows.resolution, rows.forward_only
+        self._unmasked = rows.unmasked
         self._ran_forward = bool(rows.order)
         if rows.calls and not self.roles_known:
             fewest = min(rows.calls.values())
@@ -328,6 +335,13 @@ class LadderMeter:
             self._warn("padding", (
                 f"{self.owner}: {self._mask_source} marks padding; its rows are left out of every "
                 "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
+                "Said once."))
+        if self._unmasked:
+            names = [self.norms[i].name for i in sorted(self._unmasked)]
+            self._warn("unmasked", (
+                f"{self.owner}: {self._mask_source} does not line up with the rows of "
+                f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}: their statistics count "
+                "every row, padding included. Pass row_mask= for them, or leave them out with exclude=. "
                 "Said once."))
         if self._forward_only:
             names = [self.norms[i].name for i in sorted(self._forward_only)]

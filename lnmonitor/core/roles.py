@@ -81,7 +81,8 @@ def assign_roles(
     With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
     rung when more than ``tolerance[name]`` (default :data:`RUNG_BYPASS_TOLERANCE`) of the
     loss gradient at its input goes around it (``bypass[name]``, measured on a training
-    step: its input flows on through the residual), or when that was not measured.  Each
+    step: its input flows on through the residual), or when that was not measured (no
+    gradient reached it: frozen inputs) and its name does not say it is an embedding norm.  Each
     stack (:func:`stacks`: an encoder-decoder's encoder and decoder, else the whole model)
     has its own final norm: ``final_norm`` in its stack, else the stack's last norm to run if
     its gradient does not go around it (with ``ladder``: the stack's last rung); a stack
@@ -99,10 +100,20 @@ def assign_roles(
     def goes_around(name: str) -> bool:  # unmeasured (nan): yes
         return not bypass.get(name, math.nan) <= tolerance.get(name, RUNG_BYPASS_TOLERANCE)
 
+    def by_name(name: str) -> str:
+        parts = name.lower().split(".")
+        if parts[-1] in _QK_NAMES:
+            return QK
+        return EMBEDDING if any("emb" in part for part in parts[-2:]) else POST  # the norm or its parent
+
+    def rung(name: str) -> bool:  # an embedding norm no gradient reached (frozen embeddings) is none
+        unmeasured = math.isnan(bypass.get(name, math.nan))
+        return goes_around(name) and not (unmeasured and by_name(name) == EMBEDDING)
+
     if patterns is not None:
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
     else:
-        rungs = [n.name for n in norms if goes_around(n.name)]
+        rungs = [n.name for n in norms if rung(n.name)]
     stack = stacks([n.name for n in norms])
     finals = set()
     for s in dict.fromkeys(stack.values()):
@@ -119,9 +130,6 @@ def assign_roles(
             return FINAL
         if info.name in rungs:
             return RESIDUAL
-        parts = info.name.lower().split(".")
-        if parts[-1] in _QK_NAMES:
-            return QK
-        return EMBEDDING if any("emb" in part for part in parts[-2:]) else POST  # the norm or its parent
+        return by_name(info.name)
 
     return [info.with_role(role(info)) for info in norms]

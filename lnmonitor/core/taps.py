@@ -122,8 +122,10 @@ class StepRows:
     rows, when it was measured, and ``resolution`` to the relative resolution of the
     gradient's dtype there.  ``pads`` maps a norm index to the number of its padding rows
     (a device tensor), ``forward_only`` holds the norms whose output got no gradient
-    (their rows carry the forward statistics alone), and ``calls`` counts each norm's
-    measured calls (a module the forward calls more than once is reused).
+    (their rows carry the forward statistics alone), ``calls`` counts each norm's
+    measured calls (a module the forward calls more than once is reused), and ``unmasked``
+    holds the norms with a row mask that none of their calls' rows lined up with (every row
+    measured).
     """
 
     data: Tensor | None
@@ -135,6 +137,7 @@ class StepRows:
     pads: dict[int, Tensor] = field(default_factory=dict)
     forward_only: set[int] = field(default_factory=set)
     calls: dict[int, int] = field(default_factory=dict)
+    unmasked: set[int] = field(default_factory=set)
 
 
 class NormTap:
@@ -162,6 +165,7 @@ class NormTap:
         self._resolution: dict[int, float] = {}
         self._pads: dict[int, Tensor] = {}
         self._forward_only: set[int] = set()
+        self._unmasked: set[int] = set()
         self._calls: dict[int, int] = {}
         self._pending: list[_Pending] = []
         self._workspace: tuple[Tensor, Tensor] | None = None
@@ -230,15 +234,29 @@ class NormTap:
                 output.register_hook(self._guarded(self._grad_hook(index, info, box)))
             if self._bypass_step and x.requires_grad:
                 box.awaits_input = True
-                x.register_hook(self._guarded(self._input_hook(index, box)))
+                _on_stream_gradient(x, self._guarded(self._input_hook(index, box, x.dtype)))
 
         return self._guarded(hook)
 
     def _keep(self, x: Tensor, index: int, info: NormInfo) -> Tensor | None:
-        """The current row mask of norm ``index``, when it has one entry per row of this call."""
+        """The current row mask of norm ``index`` as one entry per row of this call: the mask
+        itself, or a ``(batch, tokens)`` mask spread over the heads of per-head rows
+        (``(batch, tokens, heads, d)``, as a QK-norm reads them, or ``(batch, heads, tokens,
+        d)``).  None without a mask, or when it lines up with no layout (noted in ``unmasked``)."""
         mask = self.row_mask.get(index) if isinstance(self.row_mask, dict) else self.row_mask
+        if mask is None:
+            return None
         d = x.shape[-1] if info.width is None else info.width
-        return mask if mask is not None and mask.numel() * d == x.numel() else None
+        if mask.numel() * d == x.numel():
+            return mask.reshape(-1)
+        if mask.ndim == 2 and x.ndim == 4 and x.shape[-1] == d and x.shape[0] == mask.shape[0]:
+            batch, tokens = mask.shape
+            if x.shape[1] == tokens:
+                return mask[:, :, None].expand(batch, tokens, x.shape[2]).reshape(-1)
+            if x.shape[2] == tokens:
+                return mask[:, None, :].expand(batch, x.shape[1], tokens).reshape(-1)
+        self._unmasked.add(index)
+        return None
 
     def _forward_rows(self, index: int, info: NormInfo, x: Tensor) -> None:
         """The forward statistics of a call whose output needs no gradient (frozen)."""
@@ -298,19 +316,22 @@ class NormTap:
             eps = info.eps(x.dtype)
             self._eps[index] = eps
             dx = grad_inputs[0] if grad_inputs else None
-            if dx is None or dx.shape != x.shape:  # the input needs no gradient: use x
+            # the input needs no gradient, or a low-precision one (bf16, fp16: the identity below
+            # subtracts nearly equal terms of |grad_input|^2, and its rounding swamps them): use x
+            if dx is None or dx.shape != x.shape or dx.dtype not in (torch.float32, torch.float64):
                 args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
                 self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
-                return
-            args = (g, dx, mean, rstd, gain, self._scratch(x.numel(), x.device))
-            self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
-            if self._bypass_step:
-                box.through = dx.detach().reshape(-1, d)
+            else:
+                args = (g, dx, mean, rstd, gain, self._scratch(x.numel(), x.device))
+                self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
+            if self._bypass_step and dx is not None and dx.shape == x.shape:
+                box.through = dx.detach().reshape(-1, d)  # what came through the norm, as autograd has it
 
         return hook
 
-    def _input_hook(self, index: int, box: _Pending):
-        """The whole gradient at the norm's input against the part through the norm."""
+    def _input_hook(self, index: int, box: _Pending, dtype: torch.dtype):
+        """The whole gradient at the norm's input (the stream it was cast from) against the
+        part through the norm; the resolution is the coarser of the two dtypes'."""
 
         def hook(total: Tensor) -> None:
             through = box.through
@@ -322,7 +343,8 @@ class NormTap:
                 g = total.detach().reshape(through.shape).float()
                 parts = torch.stack((g.square().sum(), (g - through.float()).square().sum()))
             self._bypass[index] = parts if index not in self._bypass else self._bypass[index] + parts
-            self._resolution[index] = max(torch.finfo(total.dtype).eps, self._resolution.get(index, 0.0))
+            resolution = max(torch.finfo(total.dtype).eps, torch.finfo(dtype).eps)
+            self._resolution[index] = max(resolution, self._resolution.get(index, 0.0))
 
         return hook
 
@@ -360,10 +382,12 @@ class NormTap:
             except Exception as err:  # noqa: BLE001 - never stop the user's training
                 self.error = err
         rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
-                        self._pads, self._forward_only, self._calls)
+                        self._pads, self._forward_only, self._calls,
+                        {i for i in self._unmasked if i not in self._pads})
         self._calls_kept, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
         self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
+        self._unmasked = set()
         self._workspace = None
         self._bypass_step = False
         return rows
@@ -401,6 +425,24 @@ class NormTap:
             for chunk in torch.split(data, counts, dim=1):
                 drop_rounding_rows(chunk)
         return data, records
+
+
+def _on_stream_gradient(x: Tensor, fn) -> None:
+    """``fn(total)`` with the whole gradient at the stream a norm reads: ``x`` itself, or, when
+    ``x`` is a dtype cast of it (``h.to(weight.dtype)``: Mamba's ``residual_in_fp32`` keeps the
+    float32 stream for the residual and casts a copy for the norm, which nothing else reads),
+    the tensor it was cast from, whose gradient sums the norm's (cast back) and the residual's."""
+    node = x.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+        x.register_hook(fn)
+        return
+    source, output = node.next_functions[0]
+    if source is None:
+        x.register_hook(fn)
+    elif hasattr(source, "variable"):  # a leaf: its AccumulateGrad node
+        source.variable.register_hook(fn)
+    else:
+        source.register_prehook(lambda grads: None if grads[output] is None else fn(grads[output]))
 
 
 def _through(x: Tensor, g: Tensor, kind: NormKind, eps: float, gain: Tensor | None) -> Tensor:
