@@ -11,7 +11,9 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import gpt
+from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.meter import LadderMeter
@@ -299,6 +301,40 @@ def test_a_frozen_embedding_norm_keeps_its_role():
     assert roles["bert.embeddings.LayerNorm"] == "embedding"
     assert "lnmonitor/share_median/bert.embeddings.LayerNorm" not in result.metrics()  # no gradient
     assert "lnmonitor/sigma/bert.embeddings.LayerNorm" in result.metrics()  # its forward
+
+
+class PooledHead(nn.Module):
+    """A token norm, then a norm of the mean-pooled sequence: one row per sequence, which a
+    (batch, tokens) padding mask does not line up with."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.tokens, self.pooled = nn.Embedding(VOCAB, 16), nn.LayerNorm(16), nn.LayerNorm(16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.tokens(self.emb(input_ids))
+        logits = self.out(self.pooled(h.mean(1)))
+        return F.cross_entropy(logits, labels)
+
+
+def test_a_norm_the_padding_mask_does_not_fit_is_said_and_counts_every_row():
+    torch.manual_seed(0)
+    model = PooledHead()
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[:, 5:] = 0
+    batch = {"input_ids": torch.randint(0, VOCAB, (4, 8)), "attention_mask": mask,
+             "labels": torch.tensor([0, 1, 2, 0])}
+    meter = LadderMeter(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with meter.step():
+            model(**batch).backward()
+        result = meter.result()
+    pads = {n.name: (s.rows, s.pad_rows) for n, s in zip(result.norms, result.summaries, strict=True)}
+    assert pads == {"tokens": (32, 12), "pooled": (4, 0)}
+    said = [str(w.message) for w in caught if "does not line up with the rows of pooled" in str(w.message)]
+    assert len(said) == 1 and "count every row, padding included" in said[0]
 
 
 def test_a_row_mask_that_raises_is_said_once_and_training_goes_on():
