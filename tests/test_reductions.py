@@ -87,3 +87,24 @@ def test_a_tapped_step_finishes_each_call_as_alone_padding_included():
         assert torch.equal(got[index].isnan(), drop_rounding_rows(expected).isnan())
         torch.testing.assert_close(got[index], expected, rtol=1e-6, atol=0, equal_nan=True)
     assert int(rows.pads[0]) == 2 and 1 not in rows.pads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_reduced_in_chunks_equal_rows_reduced_at_once(monkeypatch, dtype):
+    # wide norms and long batches are reduced a chunk of rows at a time (bounded temporaries)
+    import lnmonitor.core.reductions as R
+
+    torch.manual_seed(8)
+    x, g, gain = torch.randn(300, 48).to(dtype), torch.randn(300, 48).to(dtype), torch.rand(48) + 0.5
+    y = nn.LayerNorm(48).to(dtype)(x.clone().requires_grad_())
+    mean, rstd = torch_internals.layernorm_saved_stats(y, 300)
+    dx = torch.randn(300, 48).to(dtype)  # the raw numbers of each row are what is compared
+    whole = [R.row_raw(x, g, kind, gain) for kind in ("layer", "rms")]
+    whole.append(R.layernorm_backward_raw(g, dx, mean, rstd, gain))
+    monkeypatch.setattr(R, "CHUNK_ELEMENTS", 7 * 48 + 5)  # chunks of 7 rows, the last one short
+    assert R.chunk_rows(48) == 7
+    workspace = (torch.empty(7 * 48), torch.empty(7 * 48))
+    chunked = [R.row_raw(x, g, kind, gain, workspace) for kind in ("layer", "rms")]
+    chunked.append(R.layernorm_backward_raw(g, dx, mean, rstd, gain, (torch.empty(7 * 48),)))
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # a sum of 48 terms may round apart

@@ -61,23 +61,31 @@ def forward_reductions(x: Tensor, kind: NormKind) -> Tensor:
     return finish_rows(forward_raw(x, kind), kind, x.shape[-1])
 
 
+# rows are reduced in chunks of at most this many elements, so that a call's float32
+# temporaries (``w``, the centred input, a low-precision input's float32 copy) stay a few MB
+# however wide the norm and long the batch
+CHUNK_ELEMENTS = 1 << 20
+
+
+def chunk_rows(d: int) -> int:
+    """The rows of a width-``d`` norm reduced together (see :data:`CHUNK_ELEMENTS`)."""
+    return max(1, CHUNK_ELEMENTS // d)
+
+
+def _chunks(rows: int, d: int):
+    step = chunk_rows(d)
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
 def _buffers(workspace, n: int, d: int):
-    if workspace is not None and workspace[0].numel() >= n * d:
-        return workspace[0][: n * d].view(n, d), workspace[1][: n * d].view(n, d)
-    return None, None
+    """Views ``(n, d)`` of the workspace's flat buffers (None where it has none, or too small)."""
+    ws = workspace or ()
+    return tuple(b[: n * d].view(n, d) if b.numel() >= n * d else None for b in ws) + (None,) * (2 - len(ws))
 
 
 def _float_rows(t: Tensor, d: int) -> Tensor:
     t = t.detach().reshape(-1, d)
     return t if t.dtype == torch.float32 else t.float()
-
-
-def _weighted(g: Tensor, weight: Tensor | None, buf: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``w = weight * g`` (into ``buf`` when given) and the gain in float32."""
-    if weight is None:
-        return g, None
-    gamma = weight.detach().reshape(-1).to(torch.float32)
-    return torch.mul(g, gamma, out=buf), gamma
 
 
 # The hot path.  A hook computes only the passes over a call's (rows, d) tensors, as five
@@ -112,10 +120,19 @@ def row_raw(
     ``|x - mu|`` (RMSNorm: ``|x|``), ``sum(w)``, ``|w|`` and ``w . (x - mu)``.  The
     ``(rows, d)`` temporaries go into ``workspace`` when given; no host synchronisation."""
     d = x.shape[-1]
-    x, g = _float_rows(x, d), _float_rows(grad_output, d)
-    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
+    x, g = x.detach().reshape(-1, d), grad_output.detach().reshape(-1, d)
+    gamma = None if weight is None else weight.detach().reshape(-1).to(torch.float32)
     raw = torch.empty((5, x.shape[0]), dtype=torch.float32, device=x.device)
-    w, _ = _weighted(g, weight, buf_w)
+    for rows in _chunks(x.shape[0], d):
+        _row_raw_chunk(_float_rows(x[rows], d), _float_rows(g[rows], d), kind, gamma, raw[:, rows], workspace)
+    return raw
+
+
+def _row_raw_chunk(x: Tensor, g: Tensor, kind: NormKind, gamma: Tensor | None, raw: Tensor,
+                   workspace) -> None:
+    d = x.shape[-1]
+    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
+    w = g if gamma is None else torch.mul(g, gamma, out=buf_w)
     torch.sum(w, dim=-1, out=raw[2])
     torch.linalg.vector_norm(w, dim=-1, out=raw[3])
     if kind == "layer":
@@ -127,7 +144,6 @@ def row_raw(
         raw[0].zero_()
         torch.linalg.vector_norm(x, dim=-1, out=raw[1])
         torch.sum(torch.mul(x, w, out=buf_x), dim=-1, out=raw[4])
-    return raw
 
 
 def finish_rows(raw: Tensor, kind: NormKind, d: int) -> Tensor:
@@ -176,18 +192,21 @@ def layernorm_backward_raw(
     """The hot half of :func:`layernorm_backward_reductions`: ``(5, rows)`` float32 ``rstd``,
     ``mean``, ``sum(w)``, ``|w|`` and ``|grad_input|``."""
     d = grad_output.shape[-1]
-    g, dx = _float_rows(grad_output, d), _float_rows(grad_input, d)
-    buf_w, _ = _buffers(workspace, g.shape[0], d)
+    g, dx = grad_output.detach().reshape(-1, d), grad_input.detach().reshape(-1, d)
+    gamma = None if weight is None else weight.detach().reshape(-1).to(torch.float32)
     raw = torch.empty((5, g.shape[0]), dtype=torch.float32, device=g.device)
     raw[0].copy_(rstd.detach().reshape(-1))
     raw[1].copy_(mean.detach().reshape(-1))
-    w, gamma = _weighted(g, weight, buf_w)
-    if gamma is not None:
-        torch.mv(g, gamma, out=raw[2])
-    else:
-        torch.sum(g, dim=-1, out=raw[2])
-    torch.linalg.vector_norm(w, dim=-1, out=raw[3])
-    torch.linalg.vector_norm(dx, dim=-1, out=raw[4])
+    for rows in _chunks(g.shape[0], d):
+        gc, out = _float_rows(g[rows], d), raw[:, rows]
+        if gamma is None:
+            torch.sum(gc, dim=-1, out=out[2])
+            w = gc
+        else:
+            torch.mv(gc, gamma, out=out[2])
+            w = torch.mul(gc, gamma, out=_buffers(workspace, gc.shape[0], d)[0])
+        torch.linalg.vector_norm(w, dim=-1, out=out[3])
+        torch.linalg.vector_norm(_float_rows(dx[rows], d), dim=-1, out=out[4])
     return raw
 
 

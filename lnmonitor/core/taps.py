@@ -57,6 +57,7 @@ from lnmonitor.core.hooks import Hooks, measuring
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.reductions import (
+    chunk_rows,
     drop_rounding_rows,
     finish_layernorm_backward,
     finish_rows,
@@ -168,7 +169,7 @@ class NormTap:
         self._unmasked: set[int] = set()
         self._calls: dict[int, int] = {}
         self._pending: list[_Pending] = []
-        self._workspace: tuple[Tensor, Tensor] | None = None
+        self._workspace: list[Tensor] = []
 
     def attach(self, bypass: bool = False) -> None:
         if self._hooks:
@@ -294,7 +295,7 @@ class NormTap:
             eps = info.eps(x.dtype)
             self._eps[index] = eps
             rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
-            args = (rows, grads, info.kind, gain, self._scratch(x.numel(), x.device))
+            args = (rows, grads, info.kind, gain, self._scratch(2, rows.shape[0], d, x.device))
             self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
             if self._bypass_step:
                 with torch.no_grad():
@@ -319,10 +320,10 @@ class NormTap:
             # the input needs no gradient, or a low-precision one (bf16, fp16: the identity below
             # subtracts nearly equal terms of |grad_input|^2, and its rounding swamps them): use x
             if dx is None or dx.shape != x.shape or dx.dtype not in (torch.float32, torch.float64):
-                args = (x, g, info.kind, gain, self._scratch(x.numel(), x.device))
+                args = (x, g, info.kind, gain, self._scratch(2, x.numel() // d, d, x.device))
                 self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
             else:
-                args = (g, dx, mean, rstd, gain, self._scratch(x.numel(), x.device))
+                args = (g, dx, mean, rstd, gain, self._scratch(1, x.numel() // d, d, x.device))
                 self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
             if self._bypass_step and dx is not None and dx.shape == x.shape:
                 box.through = dx.detach().reshape(-1, d)  # what came through the norm, as autograd has it
@@ -364,13 +365,16 @@ class NormTap:
         self._calls_kept.append(_Call(raw, finish, keep))
         self._records.append(CallRecord(index, raw.shape[1], d, eps, info.dead_dim))
 
-    def _scratch(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Two flat float32 buffers reused by every norm of the step (freed by collect)."""
-        ws = self._workspace
-        if ws is None or ws[0].numel() < numel or ws[0].device != device:
-            ws = tuple(torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2))
-            self._workspace = ws
-        return ws
+    def _scratch(self, count: int, rows: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
+        """``count`` flat float32 buffers for one chunk of rows (at most
+        :data:`~lnmonitor.core.reductions.CHUNK_ELEMENTS` elements), reused by every norm of the
+        step and freed by collect."""
+        numel = min(rows, chunk_rows(d)) * d
+        ws = [b for b in self._workspace if b.device == device and b.numel() >= numel]
+        while len(ws) < count:
+            ws.append(torch.empty(numel, dtype=torch.float32, device=device))
+        self._workspace = ws
+        return tuple(ws[:count])
 
     def collect(self) -> StepRows:
         """The rows measured since :meth:`attach`, finished, and forgotten here.  An error while
@@ -388,7 +392,7 @@ class NormTap:
         self._seen, self._eps, self._bypass = set(), {}, {}
         self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
         self._unmasked = set()
-        self._workspace = None
+        self._workspace = []
         self._bypass_step = False
         return rows
 
