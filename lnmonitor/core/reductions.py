@@ -26,9 +26,9 @@ from torch import Tensor
 from lnmonitor.core.kinds import NormKind
 
 __all__ = [
-    "FIELDS", "ROUNDING_ROW", "drop_rounding_rows", "finish_layernorm_backward", "finish_rows", "forward_raw",
-    "forward_reductions", "layernorm_backward_raw", "layernorm_backward_reductions", "mask_rows", "row_raw",
-    "row_reductions", "row_values",
+    "CHUNK_ELEMENTS", "FIELDS", "ROUNDING_ROW", "chunk_rows", "drop_rounding_rows",
+    "finish_layernorm_backward", "finish_rows", "forward_raw", "layernorm_backward_raw",
+    "layernorm_backward_reductions", "mask_rows", "row_raw", "row_reductions", "row_values",
 ]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
@@ -53,12 +53,6 @@ def mask_rows(red: Tensor, keep: Tensor) -> Tensor:
     """``red`` with every statistic of the rows where ``keep`` is False made nan (padding: no
     histogram counts them, and :func:`drop_rounding_rows` leaves them out of its mean)."""
     return torch.where(keep, red, math.nan)
-
-
-def forward_reductions(x: Tensor, kind: NormKind) -> Tensor:
-    """:data:`FIELDS` of rows that get no gradient: ``var`` and ``ms`` of ``x``, and
-    ``sw = ww = wx2v = 0`` (no share)."""
-    return finish_rows(forward_raw(x, kind), kind, x.shape[-1])
 
 
 # rows are reduced in chunks of at most this many elements, so that a call's float32
