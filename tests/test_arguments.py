@@ -84,6 +84,7 @@ VALID = {
     # None alone would leave it nothing to run on (on_validation is False by default)
     (FinalNormInvarianceMonitor, "every_n_steps"): lambda v: _int(v, 1),
     (FinalNormInvarianceMonitor, "on_validation"): lambda v: isinstance(v, bool),
+    (FinalNormInvarianceMonitor, "sweep_every_n_steps"): _pos_int_or_none,
     (FinalNormInvarianceMonitor, "probe_batch"): lambda v: True,  # anything loss_fn accepts
     (FinalNormInvarianceMonitor, "probe_size"): _pos_int_or_none,
     (FinalNormInvarianceMonitor, "loss_fn"): lambda v: v is None or callable(v),
@@ -166,7 +167,7 @@ def test_layernorm_monitor_bad_arguments(kwargs):
         dict(every_n_steps=0), dict(every_n_steps=None, on_validation=False),
         dict(cases=[]), dict(cases=["shift_7"]), dict(cases=["axis_5", "axis_5"]),
         dict(scales=[0.0]), dict(scales=[float("inf")]), dict(scales="abc"),
-        dict(probe_size=0), dict(loss_fn=3), dict(on_validation=None),
+        dict(probe_size=0), dict(loss_fn=3), dict(on_validation=None), dict(sweep_every_n_steps=0),
     ],
 )
 def test_invariance_monitor_bad_arguments(kwargs):
