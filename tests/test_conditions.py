@@ -252,15 +252,20 @@ def test_a_norm_called_more_often_than_the_others_is_kept_out_of_the_ladder():
     assert "lnmonitor/ladder/attenuation" not in result.metrics()  # one rung left: no ladder
 
 
-def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
-    """BERT normalises each sublayer's output after the residual add: no norm reads a stream
-    that flows on past it, so there is no 1/sigma ladder to log, and the message says why."""
+def bert() -> nn.Module:
+    """A tiny BERT masked LM (post-LN), seeded random weights, no dropout."""
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64,
                                      max_position_embeddings=CONTEXT,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = transformers.BertForMaskedLM(config)
+    return transformers.BertForMaskedLM(config)
+
+
+def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
+    """BERT normalises each sublayer's output after the residual add: no norm reads a stream
+    that flows on past it, so there is no 1/sigma ladder to log, and the message says why."""
+    model = bert()
     x = torch.randint(1, VOCAB, (4, CONTEXT))
     told: list[str] = []
     meter = LadderMeter(model, say=told.append)
@@ -283,12 +288,7 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
 def test_a_frozen_embedding_norm_keeps_its_role():
     """No gradient reaches BERT's embedding LayerNorm when the embeddings are frozen: what goes
     around it cannot be measured, and it was then taken for a residual-stream rung."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=CONTEXT,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = transformers.BertForMaskedLM(config)
+    model = bert()
     model.bert.embeddings.requires_grad_(False)
     x = torch.randint(1, VOCAB, (4, CONTEXT))
     meter = LadderMeter(model)
