@@ -4,20 +4,21 @@
 being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
 exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
 (autograd saves that tensor for the backward anyway, so nothing is copied) and hooks
-the backward; when it fires, the five per-row float32 numbers of
-:data:`lnmonitor.core.reductions.FIELDS` are computed on the device and the reference is
-dropped.
+the backward; when it fires, a few passes over the call's rows leave five raw float32
+numbers per row on the device and the reference is dropped.
 
-For ``nn.LayerNorm`` the hook sits on its backward node and reads what that backward
-has anyway -- the mean and ``1/sqrt(var + eps)`` saved in the forward, ``dL/dy`` and the
-gradient it passes to its input -- so the input activation is not read again
-(:func:`~lnmonitor.core.reductions.layernorm_backward_reductions`); other norms get a gradient
-hook on their output and reduce the input (:func:`~lnmonitor.core.reductions.row_reductions`).
-The one ``(rows, d)`` float32 temporary (``w``, and the centred input on the second
-path) lives in scratch buffers shared by every norm of the step and freed by
-:meth:`NormTap.collect`; no ``.item()``/``.cpu()`` is called.  Forward passes without
-gradient (validation, probes) are ignored.  Rows are kept as these five numbers per row
-until :meth:`NormTap.collect` at the end of the step: nothing survives the step.
+For ``nn.LayerNorm`` (with a float32 or float64 gradient) the hook sits on its backward
+node and reads what that backward has anyway -- the mean and ``1/sqrt(var + eps)`` saved
+in the forward, ``dL/dy`` and the gradient it passes to its input -- so the input
+activation is not read again (:func:`~lnmonitor.core.reductions.layernorm_backward_raw`);
+other norms, and a LayerNorm with a bf16/fp16 gradient (whose rounding that identity
+cannot stand), reduce the input (:func:`~lnmonitor.core.reductions.row_raw`).  The rows
+are reduced a chunk at a time, the float32 temporaries in scratch buffers shared by every
+norm of the step and freed by :meth:`NormTap.collect`, which also finishes every call's
+raw rows together into :data:`lnmonitor.core.reductions.FIELDS` (one chain of small
+operators per step, none per norm in the backward); no ``.item()``/``.cpu()`` is called.
+Forward passes without gradient (validation, probes) are ignored.  Nothing survives the
+step.
 
 Activation checkpointing (``torch.utils.checkpoint``) re-runs the forward of a
 checkpointed region during the backward; each norm call is still measured once.  With
