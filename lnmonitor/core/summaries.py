@@ -116,17 +116,21 @@ def _to_device(values: list, device: torch.device) -> Tensor:
 
 
 def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Tensor:
-    """The flat float32 summary vector of one process's rows, on ``device``, no host sync."""
-    device = torch.device(device)
+    """The flat float32 summary vector of one process's rows, on ``device`` (the rows' own
+    device when there are rows), no host sync.
+
+    Few, cheap operators (this runs every measured step): the three histograms take one
+    ``index_add_`` whose weight is 1 for a row with a value and 0 for one without (whose index
+    still falls inside its norm's histograms), and the five maxima one ``scatter_reduce_``,
+    a row without a value giving ``-inf`` there; masks are 0/1 floats, not ``where``.
+    """
     n = layout.n_norms
-    flat = torch.zeros(layout.size + 1, dtype=torch.float32, device=device)
     if rows.data is None or rows.data.shape[1] == 0:
+        flat = torch.zeros(layout.size, dtype=torch.float32, device=device)
         flat[layout.sum_end :] = -math.inf
-        return flat[: layout.size]
+        return flat
     data = rows.data
-    device = data.device
-    flat = flat.to(device)
-    m = data.shape[1]
+    device, m = data.device, data.shape[1]
     recs = rows.records
     counts = [r.rows for r in recs]
     if len({(r.width, r.dead_dim) for r in recs}) == 1:  # one width and kind: python scalars
@@ -143,25 +147,34 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         if device.type == "cuda":
             ids, reps = ids.pin_memory().to(device, True), reps.pin_memory().to(device, True)
         nid = torch.repeat_interleave(ids.to(device), reps.to(device), output_size=m)
-    share, share_ok, var, ms, stat_ok = row_values(data, d, layer)
+    share, share_ok, _, _, stat_ok = row_values(data, d, layer)
 
-    sb, vb, per_norm = layout.share_bins, layout.value_bins, layout.per_norm
-    dump = layout.size  # one spare slot past the end collects the rows without a value
-    base = nid * per_norm
-    ones = torch.ones((), dtype=torch.float32, device=device).expand(m)
-    i_share = (share * sb).clamp_(max=sb - 1).long().add_(base)
-    flat.index_add_(0, torch.where(share_ok, i_share, dump), ones)
-    one = torch.ones((), dtype=torch.float32, device=device)
-    maxes = flat[layout.sum_end : layout.size].view(N_MAX, n)
+    sb, vb = layout.share_bins, layout.value_bins
+    # per row, its share, var and ms bins and whether each counts (1.0) or not (0.0)
+    bins = data[:2].view(torch.int32).bitwise_right_shift(VALUE_SHIFT)  # top 15 bits of var, ms
+    weight = torch.empty((3, m), dtype=torch.float32, device=device)
+    weight[0].copy_(share_ok.view(torch.uint8))
+    weight[1:].copy_(stat_ok.view(torch.uint8).expand(2, m))
+    index = torch.empty((3, m), dtype=torch.long, device=device)
+    index[0].copy_(torch.mul(share, sb).clamp_(max=sb - 1))  # share: 0 where it has none
+    index[1:].copy_(bins)
+    index[1].clamp_(min=-sb)  # a negative or nan var's bin (weight 0) stays inside its norm
+    index[1].add_(sb)
+    index[2].add_(sb + vb)
+    index.add_(nid, alpha=layout.per_norm)
+    flat = torch.zeros(layout.size, dtype=torch.float32, device=device)
+    flat.index_add_(0, index.view(-1), weight.view(-1))
+
+    # the maxima: share, top var bin, -(bottom var bin), top ms bin, -(bottom ms bin); a row
+    # without a value is capped at -inf (min with -inf, where the others get min with +inf)
+    bins_f = bins.float()
+    values = torch.stack((share, bins_f[0], bins_f[0].neg(), bins_f[1], bins_f[1].neg()))
+    cap = weight[:2].sub(0.5).mul_(math.inf)
+    torch.minimum(values[0], cap[0], out=values[0])
+    torch.minimum(values[1:], cap[1], out=values[1:])
+    maxes = flat[layout.sum_end :].view(N_MAX, n)
     maxes.fill_(-math.inf)
-    for k, (values, offset) in enumerate(((var, sb), (ms, sb + vb))):
-        # the bin of a non-negative float32 is its top 15 bits: exponent and 7 mantissa bits
-        bits = torch.where(stat_ok, values, one).contiguous().view(torch.int32)
-        bins = bits.bitwise_right_shift(VALUE_SHIFT)
-        at = torch.where(stat_ok, bins.float(), -math.inf)
-        maxes[1 + 2 * k].scatter_reduce_(0, nid, at, "amax")
-        maxes[2 + 2 * k].scatter_reduce_(0, nid, torch.where(stat_ok, -at, -math.inf), "amax")
-        flat.index_add_(0, torch.where(stat_ok, bins.long().add_(base + offset), dump), ones)
+    maxes.scatter_reduce_(1, nid.expand(N_MAX, m), values, "amax")
 
     per_norm_rows = [0.0] * n
     for r in recs:
@@ -172,8 +185,7 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
         sums[index, 3] = pads
-    maxes[0].scatter_reduce_(0, nid, torch.where(share_ok, share, -math.inf), "amax")
-    return flat[: layout.size]
+    return flat
 
 
 def merge(gathered: Tensor | np.ndarray, layout: Layout) -> Tensor:
@@ -226,8 +238,10 @@ def hist_quantiles(
     r1 = np.minimum(r0 + 1, last)
     lo, hi = np.asarray(lo, dtype=np.float64)[:, None], np.asarray(hi, dtype=np.float64)[:, None]
 
-    def order_stat(r: np.ndarray) -> np.ndarray:
-        i = _batched_searchsorted(cum, r + 0.5)
+    # both order statistics' bins in one search
+    i0, i1 = np.split(_batched_searchsorted(cum, np.concatenate((r0, r1), 1) + 0.5), 2, axis=1)
+
+    def order_stat(r: np.ndarray, i: np.ndarray) -> np.ndarray:
         ci = np.take_along_axis(counts, i, 1)
         before = np.take_along_axis(cum, i, 1) - ci
         frac = np.clip((r - before + 0.5) / np.maximum(ci, 1.0), 0.0, 1.0)
@@ -235,9 +249,9 @@ def hist_quantiles(
         v = edges[i] + frac * np.where(np.isfinite(width), width, 0.0)
         return np.minimum(np.maximum(v, lo), hi)
 
-    v0 = order_stat(r0)
+    v0 = order_stat(r0, i0)
     with np.errstate(invalid="ignore"):
-        out = np.where(t > 0, (1 - t) * v0 + t * order_stat(r1), v0)
+        out = np.where(t > 0, (1 - t) * v0 + t * order_stat(r1, i1), v0)
     return np.where(total > 0, out, np.nan)
 
 
