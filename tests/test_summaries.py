@@ -102,3 +102,44 @@ def test_vectorised_quantiles_equal_the_reference():
                 assert math.isnan(got[i, j]) and math.isnan(ref)
             else:
                 assert got[i, j] == pytest.approx(ref, rel=1e-12, abs=1e-15)
+
+
+def test_summarise_equals_a_per_norm_reference():
+    """Histograms, sums and maxima of mixed widths and kinds, with rows that have no share (zero or
+    nan gradient) or no statistic at all (nan, inf or zero var, padding) and a norm without rows,
+    against a naive loop."""
+    from lnmonitor.core.taps import CallRecord
+
+    g = torch.Generator().manual_seed(5)
+    recs = [CallRecord(1, 50, 16, 1e-5, 2), CallRecord(0, 40, 8, 1e-5, 1), CallRecord(1, 30, 16, 1e-5, 2)]
+    data = torch.rand(5, 120, generator=g) * torch.exp(torch.randn(5, 120, generator=g) * 4)
+    data[2] -= 0.5
+    data[3, ::7] = 0.0
+    data[3, 1::9] = math.nan
+    data[0, 2::11], data[0, 3::13], data[1, 4::17] = math.nan, 0.0, math.inf
+    data[:, -5:] = math.nan
+    layout = S.Layout(3)
+    flat = S.summarise(StepRows(data, recs, [], {}), layout, "cpu").numpy()
+    hist = flat[: layout.hist_size].reshape(3, layout.per_norm)
+    sums = flat[layout.hist_size : layout.sum_end].reshape(3, S.N_SUMS)
+    maxes = flat[layout.sum_end :].reshape(S.N_MAX, 3)
+    norm = np.repeat([r.norm for r in recs], [r.rows for r in recs])
+    d = np.repeat([r.width for r in recs], [r.rows for r in recs]).astype(np.float32)
+    layer = np.repeat([r.dead_dim == 2 for r in recs], [r.rows for r in recs]).astype(np.float32)
+    var, ms, sw, ww, wx2v = data.numpy()  # float32 arithmetic, as on the device
+    with np.errstate(all="ignore"):
+        stat = (var > 0) & (var < np.inf) & (ms < np.inf)
+        share2 = (layer * sw * sw + wx2v) / (d * ww)
+        ok = stat & (ww > 0) & (ww < np.inf) & (share2 < np.inf)
+    share = np.sqrt(np.clip(np.where(ok, share2, 0), 0, 1))
+    bins = (data[:2].numpy().view(np.int32) >> S.VALUE_SHIFT).astype(np.float64)
+    for i in range(3):
+        mine, sb, vb = norm == i, layout.share_bins, layout.value_bins
+        assert sums[i, 0] == mine.sum() and sums[i, 1:].tolist() == [0, 0, 0]
+        share_bin = np.minimum((share[mine & ok] * sb).astype(int), sb - 1)
+        assert np.array_equal(hist[i, :sb], np.bincount(share_bin, minlength=sb))
+        for k, (lo, hi) in enumerate(((sb, sb + vb), (sb + vb, sb + 2 * vb))):
+            assert np.array_equal(hist[i, lo:hi], np.bincount(bins[k][mine & stat].astype(int), minlength=vb))
+            assert maxes[1 + 2 * k, i] == np.max(bins[k][mine & stat], initial=-np.inf)
+            assert maxes[2 + 2 * k, i] == np.max(-bins[k][mine & stat], initial=-np.inf)
+        assert maxes[0, i] == np.max(share[mine & ok], initial=-np.inf)
