@@ -207,17 +207,21 @@ def test_the_monitor_probes_the_rows_analyze_and_eps_compare_probe():
 
 
 class ProbePasses(Callback):
-    """Forward passes of the model outside training (the probe's), per optimizer step."""
+    """Forward passes of the model outside training (the probe's), per optimizer step; and of
+    those, the passes that ran the first block's insides (``whole``: not replayed)."""
 
     def __init__(self):
         self.passes: dict[int, int] = {}
+        self.whole: dict[int, int] = {}
 
     def setup(self, trainer, pl_module, stage):
-        def count(module, args):
-            if not torch.is_grad_enabled():
-                step = trainer.global_step
-                self.passes[step] = self.passes.get(step, 0) + 1
-        pl_module.model.register_forward_pre_hook(count)
+        def counter(into):
+            def count(module, args):
+                if not torch.is_grad_enabled():
+                    into[trainer.global_step] = into.get(trainer.global_step, 0) + 1
+            return count
+        pl_module.model.register_forward_pre_hook(counter(self.passes))
+        pl_module.model.blocks[0].attn.register_forward_pre_hook(counter(self.whole))
 
 
 @pytest.mark.parametrize("sweep_every", [None, 2])
@@ -240,8 +244,10 @@ def test_the_sweep_runs_at_the_end_and_the_cadence_runs_the_cases(sweep_every, t
         h["step"] in swept for h in inv.history]
     assert len(inv.last_result.sweep) == 8 and len(inv.last_result.cases) == 5
     # the first point's set-up aside (finding the probe's loss and the final norm: 2 passes), 6
-    # passes, 13 with the sweep; the end's sweep alone is the base and 7 scales
+    # passes, 13 with the sweep; the end's sweep alone is the base and 7 scales.  Each run passes
+    # once more, to check its replay; and only its first pass runs the blocks, the others replay them
     extra = {0: 2}
-    want = {s: 13 + extra.get(s, 0) if sweep_every else 6 + extra.get(s, 0) for s in (0, 2)}
-    want[4] = 13 if sweep_every else 6 + 8
+    want = {s: 14 + extra.get(s, 0) if sweep_every else 7 + extra.get(s, 0) for s in (0, 2)}
+    want[4] = 14 if sweep_every else 7 + 9
     assert {s: passes.passes.get(s, 0) for s in (0, 2, 4)} == want
+    assert {s: passes.whole.get(s, 0) for s in (0, 2, 4)} == {0: 3, 2: 1, 4: 1 if sweep_every else 2}

@@ -31,6 +31,13 @@ sees the transformed input (the hook replaces its output): a path that reads ``h
 the final norm is not transformed.  No copy of the module is made, so a sharded model
 (FSDP2) is probed the same way.
 
+Only the first pass runs the model whole: the others replay what finished before the
+final norm was called (the embeddings, the blocks, an encoder), the same in every pass,
+and run from the final norm on (:class:`lnmonitor.core.replay.PrefixReplay`), after one
+replayed pass has given the first pass's loss and logits to the bit (else they run whole;
+a sharded model's passes always do).  A run costs about one forward pass and, per case
+and scale, the head and the loss.
+
 The norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is computed per row in
 float64 on ``xhat`` (before the gain and bias), so for ``T h = a h + c 1`` it equals
 ``|a sigma / sigma_a - 1|`` with ``sigma_a = sqrt(a^2 v + eps)`` exactly (RMSNorm: ``v``
@@ -64,10 +71,11 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.geometry import row_stats
-from lnmonitor.core.hooks import Hooks, eager, eval_mode, unmeasured
+from lnmonitor.core.hooks import Hooks, eager, eval_mode, sharded, unmeasured
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES, finite_metrics
 from lnmonitor.core.norms import NormInfo, find_norms
+from lnmonitor.core.replay import PrefixReplay
 from lnmonitor.core.sweep import FIT_RANGE, ROUNDING_BELOW
 
 __all__ = [
@@ -401,17 +409,28 @@ def final_norm_invariance(
             loss, logits = split_output(loss_fn(module, batch))
         return loss.detach().float(), None if logits is None else logits.detach()
 
+    # the passes after the first replay what ran before the final norm (a sharded model's
+    # forward is a collective, which every rank must run alike: it runs whole)
+    replay = PrefixReplay(module, norm) if (cases or scales) and not sharded(module) else None
     with Hooks() as hooks, restored(module, batch), torch.no_grad():
         hooks.forward(norm, hook)
-        base_loss, base_logits = run(None)
+        with replay.recording() if replay else nullcontext():
+            base_loss, base_logits = run(None)
         if state["h"] is None:
             raise ValueError(f"the final norm {name!r} did not run in the forward")
+        fast = replay is not None and replay.faithful(lambda: run(None), (base_loss, base_logits))
+        passes = replay.replaying if fast else nullcontext
         results: dict[str, tuple] = {}
         for c in cases:
-            results[c] = run(_CASE_TRANSFORMS[c])
+            with passes():
+                results[c] = run(_CASE_TRANSFORMS[c])
         sweep_losses = {}
         for a in scales:
-            sweep_losses[a] = base_loss if a == 1.0 else run((a, 0.0, False))[0]
+            if a == 1.0:
+                sweep_losses[a] = base_loss
+                continue
+            with passes():
+                sweep_losses[a] = run((a, 0.0, False))[0]
 
     eps = float(state["eps"])
     h = state["h"]
@@ -547,7 +566,7 @@ class InvarianceProbe:
 
     def point(self, batch, step: int, *, sweep: bool) -> tuple[InvarianceResult, dict[str, float]]:
         """The point of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
-        the cases; the sweep is 7 passes more).  A point probed last without its sweep gets the
+        the cases; the sweep is 7 replayed passes more).  A point probed last without its sweep gets the
         sweep alone, added to it.  Returns the point's result and its finite metrics that are new."""
         if sweep and self.sweep_missing(step):
             last, swept = self.last, self.run(batch, cases=False)
@@ -563,7 +582,8 @@ class InvarianceProbe:
 
     def run(self, batch, *, cases: bool = True, sweep: bool = True) -> InvarianceResult:
         """One run on ``batch``: the cases and/or the scale sweep (``cases``/``sweep`` False
-        leave them out: a run's cost is one forward pass per case and per scale)."""
+        leave them out: a run costs one forward pass, and per case and scale the part of a pass
+        from the final norm on; see :func:`final_norm_invariance`)."""
         if self.final_norm is None:
             self.final_norm = find_final_norm(self.model, batch, self.loss_fn, self.norms)
         if not self.checked:

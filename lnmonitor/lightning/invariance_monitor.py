@@ -47,7 +47,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     last update) and, with ``on_validation=True``, after each validation (not the sanity
     check; a validation at a step already probed reuses that point), run
     :func:`lnmonitor.core.invariance.final_norm_invariance`: the five cases of docs/design.md
-    (6 forward passes of the probe rows).  The scale sweep (8 scales, 7 more passes) runs at
+    (one forward pass of the probe rows; the five more replay what ran before the final norm
+    and run only the rest).  The scale sweep (8 scales, 7 more passes) runs at
     the end of the fit (the last point), after each validation with ``on_validation=True``,
     and every ``sweep_every_n_steps``: the curves need the cases, the sweep's slope is read
     at the end.  The input is transformed in float64 inside a forward hook and the
@@ -70,10 +71,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     Args:
         every_n_steps: cadence in optimizer steps; ``None``: only after validation.
-        on_validation: also run after each validation, the sweep included (13 forward passes
-            of the probe rows, about 10 training steps of the train-tiny recipe: after a
-            validation every 250 steps that is 4% of the training time, against 0.5% at the
-            default 1000-step cadence alone, whose runs skip the sweep).
+        on_validation: also run after each validation, the sweep included (one forward pass
+            of the probe rows and 12 replayed ones; docs/performance.md has its cost).
         sweep_every_n_steps: also run the scale sweep at the points that are multiples of
             this (a multiple of ``every_n_steps``, or it never coincides); ``None`` (default):
             the sweep runs at the end of the fit (and after validations with
@@ -83,8 +82,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             datamodule's, the module's or the loaders given to ``fit``; as many batches
             as it takes), else the first training batch (with a warning: it is not held out).
         probe_size: the probe's rows: the first ``probe_size`` samples (default 64, the
-            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is 6 forward
-            passes of them, 13 with the sweep); ``None`` keeps one whole batch.
+            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is one forward
+            pass of them and 5 replayed ones, 12 with the sweep); ``None`` keeps one whole batch.
         loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
             ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
             ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss

@@ -1,0 +1,181 @@
+"""Replay the part of a forward that runs before one module, so that later passes skip it.
+
+The invariance probe runs the same batch through a model several times, changing only
+what its final norm outputs; everything that finished before that norm was first called
+is the same in every pass.  :class:`PrefixReplay` records, during one pass, the outputs
+of the module calls that finish before ``stop`` starts, and in later passes returns them
+instead of running those calls (a pass then costs about what runs from ``stop`` on: for a
+language model the head and the loss).
+
+Which calls: those made directly by the model's code around ``stop`` -- the calls whose
+innermost enclosing call is one of ``stop``'s ancestors (or that have none: an encoder
+called by the loss function) -- that finish before ``stop`` starts: a transformer's
+embeddings and blocks, an encoder-decoder's whole encoder.  Their outputs are cloned when
+they return (a later in-place update of the stream does not reach the copy) and cloned
+again each time they are replayed, within a memory ``budget`` (calls past it run as
+usual).  A replayed call's inputs are never looked at: the passes must run the same
+batch, deterministically (eval mode, no dropout), and a call's result must not depend on
+how often it ran before (a model whose forward counts its calls gives each whole pass its
+own state; replayed, every pass sees the first pass's).
+
+It proves itself each time: :meth:`PrefixReplay.faithful` runs the recorded pass again
+with the replay and compares the loss (and logits) with the recorded pass bit for bit,
+and the probe uses the replay only when they are equal (a call with a side effect that
+the rest of the pass reads, code that fails replayed, or a kernel that is not
+deterministic, makes it fall back to whole passes).  Nothing is kept once the probe ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["REPLAY_BUDGET", "PrefixReplay"]
+
+# bytes of recorded outputs at most (on a GPU also at most a quarter of its free memory)
+REPLAY_BUDGET = 1 << 30
+
+
+def _clone(out):
+    """``out`` with every tensor cloned: tensors, tuples (named too), lists and mappings
+    (``transformers``' ``ModelOutput`` too) are rebuilt, other objects shared."""
+    if isinstance(out, Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        items = [_clone(v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return [_clone(v) for v in out]
+    if isinstance(out, Mapping):
+        twin = copy.copy(out)
+        for key, value in out.items():
+            twin[key] = _clone(value)
+        return twin
+    return out
+
+
+def _bytes(out) -> int:
+    if isinstance(out, Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(_bytes(v) for v in out)
+    if isinstance(out, Mapping):
+        return sum(_bytes(v) for v in out.values())
+    return 0
+
+
+class PrefixReplay:
+    """Record the calls of ``model`` that finish before ``stop`` first starts (see the module
+    docstring); replay them in later passes.
+
+    ``with replay.recording(): run()`` records (hooks on every submodule for the pass);
+    ``with replay.replaying(): run()`` replays; :meth:`faithful` says whether a replayed
+    pass gives what the recorded one gave, to the bit.
+    """
+
+    def __init__(self, model: nn.Module, stop: nn.Module, budget: int = REPLAY_BUDGET) -> None:
+        self.model, self.stop = model, stop
+        self.budget = budget
+        self.outputs: dict[tuple[nn.Module, int], object] = {}  # (module, call) -> cloned output
+        names = {m: n for n, m in model.named_modules()}
+        stop_name = names.get(stop, None)
+        self._around = set() if stop_name is None else {
+            m for m, n in names.items() if n == "" or stop_name.startswith(n + ".")}
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record during the block: every submodule's calls are followed (two hooks each)."""
+        self.outputs = {}
+        open_calls: list[tuple[nn.Module, int]] = []
+        counts: dict[nn.Module, int] = {}
+        direct: set[tuple[nn.Module, int]] = set()  # calls made by the code around ``stop``
+        state = {"started": False, "left": self._budget()}
+
+        def before(module, args) -> None:
+            if module is self.stop:
+                state["started"] = True
+            call = (module, counts.get(module, 0))
+            counts[module] = call[1] + 1
+            if not (state["started"] or open_calls):  # ancestors are not followed: none is open
+                direct.add(call)
+            open_calls.append(call)
+
+        def after(module, args, output) -> None:
+            call = open_calls.pop() if open_calls else None
+            if call not in direct or state["started"]:
+                return
+            size = _bytes(output)
+            if size <= state["left"]:
+                state["left"] -= size
+                self.outputs[call] = _clone(output)
+
+        handles = []
+        try:
+            for module in self.model.modules():
+                if module not in self._around:  # an ancestor of ``stop`` is never finished before it
+                    handles.append(module.register_forward_pre_hook(before))
+                    handles.append(module.register_forward_hook(after))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """During the block (one pass), the recorded calls return (clones of) their recorded outputs."""
+        patched: list[tuple[nn.Module, bool, object]] = []
+        try:
+            for module in {m for m, _ in self.outputs}:
+                had = "forward" in module.__dict__
+                patched.append((module, had, module.__dict__.get("forward")))
+                module.forward = self._replayed(module, module.forward)
+            yield
+        finally:
+            for module, had, forward in patched:
+                if had:
+                    module.forward = forward
+                else:
+                    del module.forward
+
+    def _replayed(self, module: nn.Module, forward: Callable) -> Callable:
+        calls = [0]
+
+        def replayed(*args, **kwargs):
+            call = (module, calls[0])
+            calls[0] += 1
+            if call in self.outputs:
+                return _clone(self.outputs[call])
+            return forward(*args, **kwargs)
+
+        return replayed
+
+    def faithful(self, run: Callable[[], tuple[Tensor, Tensor | None]],
+                 recorded: tuple[Tensor, Tensor | None]) -> bool:
+        """Whether ``run()`` (the recorded pass's ``(loss, logits)``) replayed gives ``recorded``
+        to the bit (and raises nothing); when not, the recorded outputs are dropped
+        (:attr:`outputs` empty)."""
+        if not self.outputs:
+            return False
+        try:
+            with self.replaying():
+                loss, logits = run()
+            same = torch.equal(loss, recorded[0]) and (
+                (logits is None and recorded[1] is None)
+                or (logits is not None and recorded[1] is not None and logits.shape == recorded[1].shape
+                    and torch.equal(logits, recorded[1])))
+        except Exception:  # noqa: BLE001 - code that cannot run replayed runs whole
+            same = False
+        if not same:
+            self.outputs = {}
+        return same
+
+    def _budget(self) -> int:
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return min(self.budget, free // 4)
+        return self.budget
