@@ -352,10 +352,6 @@ def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:
     return out
 
 
-def _xhat(h: Tensor, eps: float, kind: NormKind) -> Tensor:
-    return row_stats(h, eps, kind).xhat
-
-
 def final_norm_invariance(
     module: nn.Module,
     batch,
@@ -390,7 +386,9 @@ def final_norm_invariance(
     norm, name = info.module, info.name
     ctx = autocast or nullcontext
 
-    state: dict = {"t": None, "h": None, "eps": None}
+    # the transform of the current pass, the first pass's input and eps, and the row statistics
+    # of the transformed input at the current pass's first call of the norm
+    state: dict = {"t": None, "h": None, "eps": None, "stats": None}
 
     def hook(mod, args, output):
         h = args[0].detach()
@@ -400,14 +398,18 @@ def final_norm_invariance(
         if state["t"] is not None:
             h64 = _transform(h64, *state["t"])
         with torch.autocast(h.device.type, enabled=False):
-            out = info.reference(h64, h.dtype)
+            stats = row_stats(h64, info.eps(h.dtype), info.kind)
+            out = info.affine(stats.xhat)
+        if state["stats"] is None:
+            state["stats"] = stats
         return out.to(output.dtype)
 
     def run(t):
-        state["t"] = t
+        """One pass: its loss, logits and the final norm's row statistics."""
+        state["t"], state["stats"] = t, None
         with ctx():
             loss, logits = split_output(loss_fn(module, batch))
-        return loss.detach().float(), None if logits is None else logits.detach()
+        return loss.detach().float(), None if logits is None else logits.detach(), state["stats"]
 
     # the passes after the first replay what ran before the final norm (a sharded model's
     # forward is a collective, which every rank must run alike: it runs whole)
@@ -415,15 +417,24 @@ def final_norm_invariance(
     with Hooks() as hooks, restored(module, batch), torch.no_grad():
         hooks.forward(norm, hook)
         with replay.recording() if replay else nullcontext():
-            base_loss, base_logits = run(None)
+            base_loss, base_logits, base = run(None)
         if state["h"] is None:
             raise ValueError(f"the final norm {name!r} did not run in the forward")
-        fast = replay is not None and replay.faithful(lambda: run(None), (base_loss, base_logits))
+        fast = replay is not None and replay.faithful(lambda: run(None)[:2], (base_loss, base_logits))
         passes = replay.replaying if fast else nullcontext
+        d = base.xhat.shape[-1]
+        xhat = base.xhat.reshape(-1, d)
+        xnorm = torch.linalg.vector_norm(xhat, dim=-1)
+        # per case: the loss, max |logits - base logits| and the norm-output residual per row
         results: dict[str, tuple] = {}
         for c in cases:
             with passes():
-                results[c] = run(_CASE_TRANSFORMS[c])
+                loss, logits, stats = run(_CASE_TRANSFORMS[c])
+            dlogit = None
+            if logits is not None and base_logits is not None and logits.shape == base_logits.shape:
+                dlogit = float((logits.float() - base_logits.float()).abs().max())
+            resid = torch.linalg.vector_norm(stats.xhat.reshape(-1, d) - xhat, dim=-1) / xnorm
+            results[c] = (loss, dlogit, resid[torch.isfinite(resid)])
         sweep_losses = {}
         for a in scales:
             if a == 1.0:
@@ -433,32 +444,20 @@ def final_norm_invariance(
                 sweep_losses[a] = run((a, 0.0, False))[0]
 
     eps = float(state["eps"])
-    h = state["h"]
-    d = h.shape[-1]
-    h64 = h.reshape(-1, d).to(torch.float64)
-    st = row_stats(h64, eps, info.kind)
-    v = st.var
-    xhat = st.xhat
-    xnorm = torch.linalg.vector_norm(xhat, dim=-1)
-    base = float(base_loss)
+    v = base.var.reshape(-1)
+    base_value = float(base_loss)
 
-    res = InvarianceResult(name, info.kind, eps, int(h64.shape[0]), base)
+    res = InvarianceResult(name, info.kind, eps, int(xhat.shape[0]), base_value)
     for c in cases:
         scale, shift, axis = _CASE_TRANSFORMS[c]
-        loss, logits = results[c]
-        xt = _xhat(_transform(h64, scale, shift, axis), eps, info.kind)
-        resid = torch.linalg.vector_norm(xt - xhat, dim=-1) / xnorm
-        resid = resid[torch.isfinite(resid)]
+        loss, dlogit, resid = results[c]
         expected = None
         if not axis and (shift == 0.0 or info.kind == "layer"):
             sigma = torch.sqrt(v + eps)
             sigma_a = torch.sqrt(scale * scale * v + eps)
             expected = float(torch.nanmedian((scale * sigma / sigma_a - 1.0).abs()))
-        dlogit = None
-        if logits is not None and base_logits is not None and logits.shape == base_logits.shape:
-            dlogit = float((logits.float() - base_logits.float()).abs().max())
         res.cases[c] = CaseResult(
-            case=c, scale=scale, shift=shift, dloss=float(loss) - base, max_dlogit=dlogit,
+            case=c, scale=scale, shift=shift, dloss=float(loss) - base_value, max_dlogit=dlogit,
             out_residual=float(resid.median()) if resid.numel() else math.nan,
             out_residual_max=float(resid.max()) if resid.numel() else math.nan,
             expected_residual=expected,
@@ -466,7 +465,7 @@ def final_norm_invariance(
 
     v_med = float(torch.nanmedian(v[v > 0])) if bool((v > 0).any()) else math.nan
     for a in scales:
-        dl = float(sweep_losses[a]) - base
+        dl = float(sweep_losses[a]) - base_value
         ratio = eps / (a * a * v_med) if v_med > 0 else math.nan
         moved = dl != 0.0 and math.isfinite(dl)
         in_window = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]

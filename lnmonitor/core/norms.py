@@ -334,14 +334,16 @@ class NormInfo:
         """The norm's output for ``x`` in float64 from its checked form: ``gain * xhat + bias``
         with the eps it applies to ``dtype`` input (what the module computes, without its
         rounding).  The gain is read now: inside the model's forward for a sharded model."""
-        x = x.to(torch.float64)
-        out = row_stats(x, self.eps(dtype), self.kind).xhat
+        return self.affine(row_stats(x.to(torch.float64), self.eps(dtype), self.kind).xhat)
+
+    def affine(self, xhat: Tensor) -> Tensor:
+        """``gain * xhat + bias`` in float64 for a float64 ``xhat`` (the gain and bias read now)."""
         gain, bias = self.spec.gain_of(self.module, torch.float64), getattr(self.module, "bias", None)
         if gain is not None:
-            out = out * gain.to(x.device)
+            xhat = xhat * gain.to(xhat.device)
         if isinstance(bias, Tensor):
-            out = out + _gathered(bias).to(x.device)
-        return out
+            xhat = xhat + _gathered(bias).to(xhat.device)
+        return xhat
 
     def with_role(self, role: str) -> NormInfo:
         return replace(self, role=role)
