@@ -28,7 +28,7 @@ from lnmonitor.core.kinds import NormKind
 __all__ = [
     "CHUNK_ELEMENTS", "FIELDS", "ROUNDING_ROW", "chunk_rows", "drop_rounding_rows",
     "finish_layernorm_backward", "finish_rows", "forward_raw", "layernorm_backward_raw",
-    "layernorm_backward_reductions", "mask_rows", "row_raw", "row_reductions", "row_values",
+    "layernorm_backward_reductions", "mask_rows", "row_raw", "row_reductions", "row_values", "stack_raw",
 ]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
@@ -40,19 +40,21 @@ ROUNDING_ROW = 1e-5
 
 def drop_rounding_rows(red: Tensor) -> Tensor:
     """``red`` (:data:`FIELDS` x rows, or :data:`FIELDS` x calls x rows: each call on its
-    own) with ``ww`` set to 0 on the rows whose gradient is rounding (:data:`ROUNDING_ROW`
-    of the call's mean), so that they are skipped and counted; in place, one reduction."""
+    own) with ``ww`` (``|w|^2``: not negative, or nan) set to 0 on the finite rows at or
+    below :data:`ROUNDING_ROW` of the call's mean over its finite rows, so that they are
+    skipped and counted; in place, one reduction, no ``where`` (slow on small CPU tensors)."""
     ww = red[3]
-    finite = torch.isfinite(ww)
-    mean = torch.where(finite, ww, 0.0).sum(-1, keepdim=True) / finite.sum(-1, keepdim=True).clamp_(min=1)
-    red[3] = torch.where((ww > (ROUNDING_ROW**2) * mean) | ~finite, ww, 0.0)  # the rest skipped later
+    kept = ww.nan_to_num(0.0, 0.0, 0.0)  # the finite rows' ww, 0 on the others
+    finite = kept == ww  # (isfinite is several operators on a CPU)
+    mean = kept.sum(-1, keepdim=True) / finite.sum(-1, keepdim=True).clamp_(min=1)
+    ww.sub_(kept * (kept <= (ROUNDING_ROW**2) * mean))  # ww - ww = 0 there; the rest as they were
     return red
 
 
 def mask_rows(red: Tensor, keep: Tensor) -> Tensor:
     """``red`` with every statistic of the rows where ``keep`` is False made nan (padding: no
     histogram counts them, and :func:`drop_rounding_rows` leaves them out of its mean)."""
-    return torch.where(keep, red, math.nan)
+    return red * torch.where(keep, red.new_ones(()), math.nan)  # one row's where: (5, rows) is slow on a CPU
 
 
 # rows are reduced in chunks of at most this many elements, so that a call's float32
@@ -66,41 +68,54 @@ def chunk_rows(d: int) -> int:
     return max(1, CHUNK_ELEMENTS // d)
 
 
-def _chunks(rows: int, d: int):
-    step = chunk_rows(d)
-    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
 def _buffers(workspace, n: int, d: int):
     """Views ``(n, d)`` of the workspace's flat buffers (None where it has none, or too small)."""
     ws = workspace or ()
     return tuple(b[: n * d].view(n, d) if b.numel() >= n * d else None for b in ws) + (None,) * (2 - len(ws))
 
 
-def _float_rows(t: Tensor, d: int) -> Tensor:
-    t = t.detach().reshape(-1, d)
+def _float(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _gain(weight: Tensor | None) -> Tensor | None:
+    return None if weight is None else _float(weight.detach().reshape(-1))
+
+
+def _by_chunks(fn, d: int, *rows: Tensor) -> tuple[Tensor, ...]:
+    """``fn``'s per-row tensors for the ``(n, d)`` tensors ``rows``, which it gets in float32 a
+    chunk of :func:`chunk_rows` rows at a time (all at once when they fit one), joined."""
+    step = chunk_rows(d)
+    if rows[0].shape[0] <= step:  # the usual call: one chunk
+        return fn(*map(_float, rows))
+    parts = [fn(*(_float(t[a : a + step]) for t in rows)) for a in range(0, rows[0].shape[0], step)]
+    return tuple(torch.cat(field) for field in zip(*parts, strict=True))
+
+
+def stack_raw(raws) -> Tensor:
+    """The raw rows of calls (each a tuple of :data:`FIELDS`-many per-row float32 tensors, as
+    the ``*_raw`` functions return them) side by side, as the ``finish_*`` functions take them:
+    ``(5, rows)``, one copy."""
+    rows = sum(raw[0].shape[0] for raw in raws)
+    return torch.cat([t for field in zip(*raws, strict=True) for t in field]).view(len(FIELDS), rows)
+
+
 # The hot path.  A hook computes only the passes over a call's (rows, d) tensors, as five
-# raw numbers per row written straight into one (5, rows) tensor; everything per row after
-# that (squares, var from rstd, the share's terms, the rounding rows, the padding) runs once
-# per measured step on all calls together (:func:`finish_rows`, :func:`finish_layernorm_backward`,
-# called by the taps' ``collect``), so the backward pays for a few large operators per norm
-# and no chain of small ones.
+# raw numbers per row (a tuple of per-row tensors, joined for all calls by one copy,
+# :func:`stack_raw`); everything per row after that (squares, var from rstd, the share's
+# terms, the rounding rows, the padding) runs once per measured step on all calls together
+# (:func:`finish_rows`, :func:`finish_layernorm_backward`, called by the taps' ``collect``), so
+# the backward pays for a few large operators per norm and no chain of small ones.
 
 
-def forward_raw(x: Tensor, kind: NormKind) -> Tensor:
+def forward_raw(x: Tensor, kind: NormKind) -> tuple[Tensor, ...]:
     """The raw rows of :func:`row_raw` for a call without gradient: zero ``w``."""
-    d = x.shape[-1]
-    x = _float_rows(x, d)
-    raw = torch.zeros((5, x.shape[0]), dtype=torch.float32, device=x.device)
+    x = _float(x.detach().reshape(-1, x.shape[-1]))
+    d, zero = x.shape[-1], x.new_zeros(x.shape[0])
     if kind == "layer":
-        mu = torch.sum(x, dim=-1, out=raw[0]).div_(d)
-        torch.linalg.vector_norm(x - mu.unsqueeze(-1), dim=-1, out=raw[1])
-    else:
-        torch.linalg.vector_norm(x, dim=-1, out=raw[1])
-    return raw
+        mu = torch.sum(x, dim=-1).div_(d)
+        return mu, torch.linalg.vector_norm(x - mu.unsqueeze(-1), dim=-1), zero, zero, zero
+    return zero, torch.linalg.vector_norm(x, dim=-1), zero, zero, zero
 
 
 def row_raw(
@@ -109,35 +124,25 @@ def row_raw(
     kind: NormKind,
     weight: Tensor | None = None,
     workspace: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """The hot half of :func:`row_reductions`: ``(5, rows)`` float32 ``mu`` (RMSNorm: 0),
-    ``|x - mu|`` (RMSNorm: ``|x|``), ``sum(w)``, ``|w|`` and ``w . (x - mu)``.  The
-    ``(rows, d)`` temporaries go into ``workspace`` when given; no host synchronisation."""
+) -> tuple[Tensor, ...]:
+    """The hot half of :func:`row_reductions`: five float32 ``(rows,)`` tensors ``mu``
+    (RMSNorm: 0), ``|x - mu|`` (RMSNorm: ``|x|``), ``sum(w)``, ``|w|`` and ``w . (x - mu)``.
+    The ``(rows, d)`` temporaries go into ``workspace`` when given; no host synchronisation."""
     d = x.shape[-1]
-    x, g = x.detach().reshape(-1, d), grad_output.detach().reshape(-1, d)
-    gamma = None if weight is None else weight.detach().reshape(-1).to(torch.float32)
-    raw = torch.empty((5, x.shape[0]), dtype=torch.float32, device=x.device)
-    for rows in _chunks(x.shape[0], d):
-        _row_raw_chunk(_float_rows(x[rows], d), _float_rows(g[rows], d), kind, gamma, raw[:, rows], workspace)
-    return raw
+    gamma = _gain(weight)
 
+    def chunk(x: Tensor, g: Tensor) -> tuple[Tensor, ...]:
+        buf_w, buf_x = _buffers(workspace, x.shape[0], d)
+        w = g if gamma is None else torch.mul(g, gamma, out=buf_w)
+        sw, wn = torch.sum(w, dim=-1), torch.linalg.vector_norm(w, dim=-1)
+        if kind == "layer":
+            mu = torch.sum(x, dim=-1).div_(d)
+            xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
+            return mu, torch.linalg.vector_norm(xc, dim=-1), sw, wn, torch.sum(xc.mul_(w), dim=-1)
+        xw = torch.sum(torch.mul(x, w, out=buf_x), dim=-1)
+        return x.new_zeros(x.shape[0]), torch.linalg.vector_norm(x, dim=-1), sw, wn, xw
 
-def _row_raw_chunk(x: Tensor, g: Tensor, kind: NormKind, gamma: Tensor | None, raw: Tensor,
-                   workspace) -> None:
-    d = x.shape[-1]
-    buf_w, buf_x = _buffers(workspace, x.shape[0], d)
-    w = g if gamma is None else torch.mul(g, gamma, out=buf_w)
-    torch.sum(w, dim=-1, out=raw[2])
-    torch.linalg.vector_norm(w, dim=-1, out=raw[3])
-    if kind == "layer":
-        mu = torch.sum(x, dim=-1, out=raw[0]).div_(d)
-        xc = torch.sub(x, mu.unsqueeze(-1), out=buf_x)
-        torch.linalg.vector_norm(xc, dim=-1, out=raw[1])
-        torch.sum(xc.mul_(w), dim=-1, out=raw[4])
-    else:
-        raw[0].zero_()
-        torch.linalg.vector_norm(x, dim=-1, out=raw[1])
-        torch.sum(torch.mul(x, w, out=buf_x), dim=-1, out=raw[4])
+    return _by_chunks(chunk, d, x.detach().reshape(-1, d), grad_output.detach().reshape(-1, d))
 
 
 def finish_rows(raw: Tensor, kind: NormKind, d: int) -> Tensor:
@@ -172,7 +177,7 @@ def row_reductions(
     The taps run its two halves apart (:func:`row_raw` in the backward, :func:`finish_rows`
     once per step); this is their composition, to the bit.
     """
-    return finish_rows(row_raw(x, grad_output, kind, weight, workspace), kind, x.shape[-1])
+    return finish_rows(stack_raw([row_raw(x, grad_output, kind, weight, workspace)]), kind, x.shape[-1])
 
 
 def layernorm_backward_raw(
@@ -181,27 +186,23 @@ def layernorm_backward_raw(
     mean: Tensor,
     rstd: Tensor,
     weight: Tensor | None = None,
-    workspace: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """The hot half of :func:`layernorm_backward_reductions`: ``(5, rows)`` float32 ``rstd``,
-    ``mean``, ``sum(w)``, ``|w|`` and ``|grad_input|``."""
+    workspace: tuple[Tensor, ...] | None = None,
+) -> tuple[Tensor, ...]:
+    """The hot half of :func:`layernorm_backward_reductions`: five float32 ``(rows,)`` tensors
+    ``rstd``, ``mean`` (views of the saved ones when float32), ``sum(w)``, ``|w|`` and
+    ``|grad_input|``."""
     d = grad_output.shape[-1]
-    g, dx = grad_output.detach().reshape(-1, d), grad_input.detach().reshape(-1, d)
-    gamma = None if weight is None else weight.detach().reshape(-1).to(torch.float32)
-    raw = torch.empty((5, g.shape[0]), dtype=torch.float32, device=g.device)
-    raw[0].copy_(rstd.detach().reshape(-1))
-    raw[1].copy_(mean.detach().reshape(-1))
-    for rows in _chunks(g.shape[0], d):
-        gc, out = _float_rows(g[rows], d), raw[:, rows]
+    gamma = _gain(weight)
+
+    def chunk(g: Tensor, dx: Tensor) -> tuple[Tensor, ...]:
         if gamma is None:
-            torch.sum(gc, dim=-1, out=out[2])
-            w = gc
+            sw, w = torch.sum(g, dim=-1), g
         else:
-            torch.mv(gc, gamma, out=out[2])
-            w = torch.mul(gc, gamma, out=_buffers(workspace, gc.shape[0], d)[0])
-        torch.linalg.vector_norm(w, dim=-1, out=out[3])
-        torch.linalg.vector_norm(_float_rows(dx[rows], d), dim=-1, out=out[4])
-    return raw
+            sw, w = torch.mv(g, gamma), torch.mul(g, gamma, out=_buffers(workspace, g.shape[0], d)[0])
+        return sw, torch.linalg.vector_norm(w, dim=-1), torch.linalg.vector_norm(dx, dim=-1)
+
+    passes = _by_chunks(chunk, d, grad_output.detach().reshape(-1, d), grad_input.detach().reshape(-1, d))
+    return _float(rstd.detach().reshape(-1)), _float(mean.detach().reshape(-1)), *passes
 
 
 def finish_layernorm_backward(raw: Tensor, eps: float, d: int) -> Tensor:
@@ -210,8 +211,8 @@ def finish_layernorm_backward(raw: Tensor, eps: float, d: int) -> Tensor:
     rstd, mu, sw, wn, dxn = raw.unbind(0)
     rs2 = rstd.square()
     var = rs2.reciprocal().sub_(eps)
-    # below ~1e-5 eps the subtraction is rounding: treat the row as constant (skipped)
-    var = torch.where(var > 1e-5 * eps, var, 0.0)
+    # below ~1e-5 eps the subtraction is rounding: treat the row as constant (skipped); nan too
+    var = torch.threshold(var.nan_to_num_(0.0, math.inf), 1e-5 * eps, 0.0)
     ms = var + mu * mu
     ww = wn.square()
     dxx = dxn.square().div_(rs2)
@@ -241,7 +242,7 @@ def layernorm_backward_reductions(
     :func:`layernorm_backward_raw` and :func:`finish_layernorm_backward`, as the taps run them.
     """
     raw = layernorm_backward_raw(grad_output, grad_input, mean, rstd, weight, workspace)
-    return finish_layernorm_backward(raw, eps, grad_output.shape[-1])
+    return finish_layernorm_backward(stack_raw([raw]), eps, grad_output.shape[-1])
 
 
 def row_values(

@@ -66,6 +66,7 @@ from lnmonitor.core.reductions import (
     layernorm_backward_raw,
     mask_rows,
     row_raw,
+    stack_raw,
 )
 
 __all__ = ["CallRecord", "NormTap", "StepRows"]
@@ -83,11 +84,11 @@ class CallRecord(NamedTuple):
 
 
 class _Call(NamedTuple):
-    """One measured call as its hook left it: the raw rows (``reductions.*_raw``), how they
-    are finished (``("rows", kind, width)`` or ``("layernorm", eps, width)``) and the
-    rows that are not padding (or None)."""
+    """One measured call as its hook left it: the raw rows (``reductions.*_raw``: five per-row
+    tensors), how they are finished (``("rows", kind, width)`` or ``("layernorm", eps, width)``)
+    and the rows that are not padding (or None)."""
 
-    raw: Tensor
+    raw: tuple[Tensor, ...]
     finish: tuple
     keep: Tensor | None
 
@@ -360,11 +361,11 @@ class NormTap:
             raw = fn(*args)
         self._keep_raw(raw, finish, keep, index, d, eps, info)
 
-    def _keep_raw(self, raw: Tensor, finish: tuple, keep: Tensor | None, index: int, d: int, eps: float,
-                  info: NormInfo) -> None:
+    def _keep_raw(self, raw: tuple[Tensor, ...], finish: tuple, keep: Tensor | None, index: int, d: int,
+                  eps: float, info: NormInfo) -> None:
         """Keep one call's raw rows until :meth:`collect` finishes them with the others."""
         self._calls_kept.append(_Call(raw, finish, keep))
-        self._records.append(CallRecord(index, raw.shape[1], d, eps, info.dead_dim))
+        self._records.append(CallRecord(index, raw[0].shape[0], d, eps, info.dead_dim))
 
     def _scratch(self, count: int, rows: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
         """``count`` flat float32 buffers for one chunk of rows (at most
@@ -410,14 +411,14 @@ class NormTap:
             groups.setdefault(call.finish, []).append(i)
         parts = []
         for (how, *key), members in groups.items():
-            parts.append(_FINISH[how](torch.cat([calls[i].raw for i in members], dim=1), *key))
+            parts.append(_FINISH[how](stack_raw([calls[i].raw for i in members]), *key))
         order = [i for members in groups.values() for i in members]
         calls, records = [calls[i] for i in order], [records[i] for i in order]
         data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if any(call.keep is not None for call in calls):
             keep = torch.cat([call.keep if call.keep is not None
-                              else torch.ones(call.raw.shape[1], dtype=torch.bool, device=data.device)
-                              for call in calls])
+                              else torch.ones(record.rows, dtype=torch.bool, device=data.device)
+                              for call, record in zip(calls, records, strict=True)])
             data = mask_rows(data, keep)
             for call, record in zip(calls, records, strict=True):
                 if call.keep is not None:
