@@ -340,14 +340,13 @@ class LadderMeter:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
             self._warn("unmasked", (
                 f"{self.owner}: {self._mask_source} does not line up with the rows of "
-                f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}: their statistics count "
+                f"{_some(names)}: their statistics count "
                 "every row, padding included. Pass row_mask= for them, or leave them out with exclude=. "
                 "Said once."))
         if self._forward_only:
             names = [self.norms[i].name for i in sorted(self._forward_only)]
             self._warn("forward-only", (
-                f"{self.owner}: no gradient reaches {', '.join(names[:4])}"
-                f"{', ...' if len(names) > 4 else ''} "
+                f"{self.owner}: no gradient reaches {_some(names)} "
                 "(frozen inputs and gain, e.g. frozen embeddings or LoRA): their sigma, rms, eps/var and "
                 "transmission come from the forward, and they have no share. Said once."))
 
@@ -389,7 +388,7 @@ class LadderMeter:
         if self.reused:
             names = sorted(self.reused)
             self._warn("reused", (
-                f"{self.owner}: the forward calls {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} "
+                f"{self.owner}: the forward calls {_some(names)} "
                 "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
                 "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
                 "depth each. Said once."))
@@ -412,7 +411,7 @@ class LadderMeter:
         if others:
             groups = sorted({roles[n.name] for n in others})
             said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
-                     f"{', '.join(n.name for n in others[:3])}{', ...' if len(others) > 3 else ''}) "
+                     f"{_some([n.name for n in others], 3)}) "
                      "are measured but are not rungs")
         said += " (as ladder=... says)." if self.ladder else "; ladder=[...] names the rungs instead."
         self._say(said)
@@ -438,11 +437,16 @@ class LadderMeter:
         else:
             what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
         self._warn("unmeasured", (
-            f"{self.owner}: {what} during {label} ({', '.join(missing[:8])}"
-            f"{', ...' if len(missing) > 8 else ''}), so nothing is logged for them. Either the "
+            f"{self.owner}: {what} during {label} ({_some(missing, 8)}), so nothing is logged for them. "
+            "Either the "
             "forward does not call these modules (leave them out with exclude=[...]) or it runs "
             "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
             "TorchScript). Said once."))
+
+
+def _some(names: Sequence[str], limit: int = 4) -> str:
+    """The first ``limit`` names, comma-separated, and ``, ...`` when there are more."""
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _span(rungs: Sequence[str], final: str | None) -> str:
