@@ -60,6 +60,21 @@ def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
     assert all(torch.equal(v, state[k]) for k, v in ln.state_dict().items())
 
 
+def test_the_float64_twin_runs_no_hook_of_the_module():
+    # the self-check evaluates every norm once when a monitor is built: the user's own hooks on
+    # the norm, and the global module hooks, must not see that call
+    ln = nn.LayerNorm(8)
+    calls = []
+    ln.register_forward_pre_hook(lambda m, a: calls.append("pre"))
+    ln.register_forward_hook(lambda m, a, o: calls.append("forward"))
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: calls.append("global"))
+    try:
+        y = float64_twin(ln)(torch.randn(2, 8, dtype=torch.float64))
+    finally:
+        handle.remove()
+    assert calls == [] and y.dtype == torch.float64
+
+
 def test_a_forward_hook_sees_the_callers_tensor_where_a_pre_hook_passed_an_alias():
     # FSDP2 replaces a unit's input by an alias that carries only the gradient through the
     # unit; a hook that measures the input's whole gradient needs the caller's tensor. A pre-hook

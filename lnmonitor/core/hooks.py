@@ -11,7 +11,11 @@
 * :func:`sharded`: whether a module's forward is a collective (FSDP), which every rank
   must join.
 * :func:`float64_twin`: a module evaluated in float64 from a float64 copy of its
-  parameters and buffers, without copying or changing the module itself.
+  parameters and buffers, without copying or changing the module itself, and without
+  running any hook.
+* :func:`unwrap`, :func:`user_name` and :func:`unknown_wrapper`: the user's model inside
+  the wrappers of Fabric, DDP, ``torch.compile``, FSDP1 and activation checkpointing, and
+  the norms' names as the user's model qualifies them, whatever wraps it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,18 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring", "sharded",
-    "unmeasured",
+    "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring",
+    "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
 ]
+
+# the attribute a wrapper whose forward is a plain call of the model keeps it in, by class name:
+# Fabric's module (whose own forward adds precision and device moves), (Distributed)DataParallel
+_OUTER_WRAPPERS = {"_FabricModule": "_forward_module", "DistributedDataParallel": "module",
+                   "DataParallel": "module"}
+# what wrappers inside a model add to its qualified names: Fabric's module, torch.compile's
+# OptimizedModule, FSDP1's units, activation checkpointing's wrapper
+WRAPPER_NAMES = frozenset({"_forward_module", "_orig_mod", "_fsdp_wrapped_module",
+                           "_checkpoint_wrapped_module"})
 
 
 class Hooks:
@@ -154,21 +167,50 @@ def float64_twin(module: nn.Module) -> Callable[..., object]:
     """``twin(*args)``: ``module``'s forward evaluated with float64 copies of its parameters
     and buffers (``torch.func.functional_call``), invisible to the taps.  The module is
     neither copied nor changed, so this also works where ``deepcopy`` is refused (FSDP2).
-    A module whose parameters are distributed (``DTensor``: an FSDP2 unit, ``fully_shard(norm)``,
-    or a tensor-parallel one such as a ``SequenceParallel`` norm) is called without its hooks,
-    which lay out tensors across ranks (gather the shards the copies replace, shard the
-    input): its own ``forward`` on the gathered copies.  Gradients flow to the inputs, not to
-    the parameters."""
-    state = float64_state(module)
-    if any(_distributed(p) for p in module.parameters()):
-        module = _Forward(module)
-        state = {f"module.{name}": t for name, t in state.items()}
+
+    The twin calls ``module.forward`` itself, not the module: no hook registered on
+    ``module`` runs (the user's forward hooks, the global module hooks, an FSDP2 unit's or a
+    tensor-parallel norm's hooks that lay out tensors across ranks), so evaluating it has no
+    side effect.  A sharded parameter (``DTensor``) is gathered into its copy first.
+    Gradients flow to the inputs, not to the parameters."""
+    state = {f"module.{name}": t for name, t in float64_state(module).items()}
+    forward = _Forward(module)
 
     def twin(*args):
         with unmeasured():
-            return torch.func.functional_call(module, state, args)
+            return torch.func.functional_call(forward, state, args)
 
     return twin
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside Fabric's ``_FabricModule`` and ``DistributedDataParallel`` (nested
+    too: Fabric's DDP), which the user calls but whose forward only passes the call on.
+    Calling it runs the user's model without the wrapper's collectives (DDP's buffer
+    broadcast) or precision.  ``torch.compile``'s and FSDP's wrappers stay (the model runs
+    through them); :func:`user_name` takes their part out of the names."""
+    while (attr := _OUTER_WRAPPERS.get(type(model).__name__)) and isinstance(getattr(model, attr, None),
+                                                                             nn.Module):
+        model = getattr(model, attr)
+    return model
+
+
+def user_name(name: str) -> str:
+    """A qualified module name without the parts the wrappers of :data:`WRAPPER_NAMES` add
+    (``_orig_mod.h.0._fsdp_wrapped_module.ln_1`` -> ``h.0.ln_1``): the same name on one device,
+    compiled or not, and under FSDP1."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+def unknown_wrapper(model: nn.Module) -> str | None:
+    """``"Class.attribute"`` when ``model`` (unwrapped) looks like a wrapper lnmonitor does not
+    know -- no parameter of its own and one child, kept in a private attribute -- whose name
+    would then start every norm's name; else None."""
+    children = list(model.named_children())
+    if (len(children) == 1 and children[0][0].startswith("_") and children[0][0] not in WRAPPER_NAMES
+            and next(model.parameters(recurse=False), None) is None):
+        return f"{type(model).__name__}.{children[0][0]}"
+    return None
 
 
 def _caller_tensor(seen: object, passed: object) -> object:
@@ -181,7 +223,8 @@ def _caller_tensor(seen: object, passed: object) -> object:
 
 
 class _Forward(nn.Module):
-    """``module.forward`` as a module of its own: called without the hooks on ``module``."""
+    """``module.forward`` as a module of its own, called without any hook: neither those on
+    ``module`` nor the global module hooks (its own ``__call__`` is its ``forward``)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -189,6 +232,9 @@ class _Forward(nn.Module):
 
     def forward(self, *args):
         return self.module.forward(*args)
+
+    def __call__(self, *args):
+        return self.forward(*args)
 
 
 def _distributed(t: Tensor) -> bool:

@@ -586,8 +586,8 @@ class InvarianceProbe:
         if self.final_norm is None:
             self.final_norm = find_final_norm(self.model, batch, self.loss_fn, self.norms)
         if not self.checked:
-            bypass = final_norm_bypass(self.model, batch, self.final_norm, loss_fn=self.loss_fn,
-                                       autocast=self.autocast)
+            bypass = final_norm_bypass(self.model, batch, _named(self.norms, self.final_norm).module,
+                                       loss_fn=self.loss_fn, autocast=self.autocast)
             if bypass > FINAL_BYPASS_TOLERANCE:
                 name = self.final_norm
                 who = f"final_norm={name!r}" if self.named else f"the last norm to run, {name!r},"

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
-from lnmonitor.core.hooks import compiled, eager, measuring
+from lnmonitor.core.hooks import compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics, ladder_metric
 from lnmonitor.core.norms import NormInfo
@@ -90,7 +90,8 @@ class LadderMeter:
     """Measure the norms of ``model`` on the steps you choose (see the module docstring).
 
     Args:
-        model: the module whose norms are measured (names are qualified from it).
+        model: the module whose norms are measured, or the wrapper the user calls (Fabric's,
+            DDP, ``torch.compile``, FSDP1): names are qualified from the user's model inside.
         include, exclude: ``fnmatch`` glob(s) over qualified names selecting the norms.
         final_norm: qualified name of the final norm; ``None`` finds it on the first step.
         ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
@@ -128,8 +129,15 @@ class LadderMeter:
         self.ladder = ladder
         self._say = say or _log.info
         self._warn = warn or _default_warn(set())
-        self.model = model
+        self.model = unwrap(model)  # names and inputs are the user's model's, whatever wraps it
         self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
+        wrapper = unknown_wrapper(self.model)
+        if wrapper:
+            self._warn("wrapper", (
+                f"{owner}: {type(self.model).__name__} looks like a wrapper lnmonitor does not know "
+                f"({wrapper} holds the model): every norm's name starts with it. Pass the model inside it "
+                "to keep the "
+                "names the same whatever wraps the model. Said once."))
         for info in self.norms:
             if info.width is not None and info.width <= info.dead_dim:
                 raise NormSelectionError(

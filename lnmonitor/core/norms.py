@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.geometry import dead_dim, row_stats
-from lnmonitor.core.hooks import float64_twin, unmeasured
+from lnmonitor.core.hooks import float64_twin, unmeasured, unwrap, user_name
 from lnmonitor.core.kinds import KINDS, NormKind
 
 __all__ = [
@@ -458,9 +458,12 @@ def describe_norm(module: nn.Module, name: str = "") -> NormInfo | None:
 
 def discover_norms(module: nn.Module) -> Discovery:
     """Every normalisation layer of ``module`` in ``named_modules()`` order, each checked against
-    its own output, and the candidates refused (with the reason)."""
+    its own output, and the candidates refused (with the reason).  Names are the user's model's
+    own, whatever wraps it (Fabric, DDP, ``torch.compile``, FSDP1: :func:`~lnmonitor.core.hooks.unwrap`,
+    :func:`~lnmonitor.core.hooks.user_name`)."""
     norms, refused = [], []
-    for name, sub in module.named_modules():
+    for name, sub in unwrap(module).named_modules():
+        name = user_name(name)
         spec = _identify(sub)
         if isinstance(spec, _Spec):
             norms.append(NormInfo(name, sub, spec.kind, _width_of(sub, spec), spec))

@@ -23,8 +23,8 @@ from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.summaries import NormSummary
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
-from lnmonitor.views.pictures import heatmap_picture, ladder_picture
-from lnmonitor.views.summary import Trail, ladder_grid, summary_text
+from lnmonitor.views.pictures import over_training_picture, step_picture
+from lnmonitor.views.summary import Trail, summary_text
 
 __all__ = ["LayerNormMonitor"]
 
@@ -246,11 +246,9 @@ class LayerNormMonitor(MonitorCallback):
             return
         try:
             curves = self._trail.curves()
-            rungs, steps, grid = ladder_grid(curves)
-            if self.images and len(steps) > 1:
-                picture = heatmap_picture([n.removeprefix("model.") for n in rungs], steps, grid,
-                                          "1/sigma of each rung over training (forward order, top down)")
-                self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", steps[-1], picture)
+            heatmap = over_training_picture(curves) if self.images else None
+            if heatmap is not None:
+                self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", *heatmap)
             if self.summary:
                 self._say(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
         except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
@@ -302,22 +300,8 @@ class LayerNormMonitor(MonitorCallback):
             self._trail.add(step, metrics)
             spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
             if self.images and spaced:
-                self._log_picture(trainer, step, result)
+                self._sink.log_image(trainer, f"{PREFIX}/ladder", step, step_picture(result.figures, step))
                 self._last_picture = step
-
-    def _log_picture(self, trainer: Trainer, step: int, result: LadderResult) -> None:
-        """The ladder at this step as a picture: 1/sigma and rms of every rung against depth."""
-        figures = result.figures
-        rungs, by_name = figures.rungs, figures.by_name()
-        title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
-                                  if math.isfinite(figures.attenuation) else "")
-        picture = ladder_picture(
-            [n.removeprefix("model.") for n in rungs],
-            [by_name[n].inv_sigma for n in rungs],
-            [by_name[n].rms for n in rungs],
-            figures.final.removeprefix("model.") if figures.final else None, title,
-        )
-        self._sink.log_image(trainer, f"{PREFIX}/ladder", step, picture)
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
         norms = self.norms

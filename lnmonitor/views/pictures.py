@@ -7,6 +7,8 @@
   drawn once at its end with matplotlib.
 
 Both take plain python numbers: nothing here knows Lightning or the hooks.
+:func:`step_picture` and :func:`over_training_picture` are what every door logs: the
+first from a measured step's figures, the second from the curves a door kept.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["heatmap_picture", "ladder_picture"]
+__all__ = ["heatmap_picture", "ladder_picture", "over_training_picture", "step_picture"]
 
 _BLUE, _ORANGE, _RED = (31, 119, 180), (255, 127, 14), (200, 30, 30)
 _GREY, _INK = (200, 200, 200), (40, 40, 40)
@@ -144,3 +146,30 @@ def heatmap_picture(
     fig.tight_layout()
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("model.")  # a LightningModule's model attribute says nothing
+
+
+def step_picture(figures, step: int) -> np.ndarray:
+    """The ladder of one measured step (its :class:`~lnmonitor.core.ladder.LadderFigures`) as
+    :func:`ladder_picture` draws it, titled with the step and the attenuation."""
+    rungs, by_name = figures.rungs, figures.by_name()
+    title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
+                              if math.isfinite(figures.attenuation) else "")
+    return ladder_picture([_short(n) for n in rungs], [by_name[n].inv_sigma for n in rungs],
+                          [by_name[n].rms for n in rungs], _short(figures.final) if figures.final else None,
+                          title)
+
+
+def over_training_picture(curves) -> tuple[int, np.ndarray] | None:
+    """``(last step, picture)``: 1/sigma of every rung of ``curves`` (``{tag: [(step, value),
+    ...]}``) against depth and step (:func:`heatmap_picture`); None with fewer than two steps."""
+    from lnmonitor.views.summary import ladder_grid
+
+    rungs, steps, grid = ladder_grid(curves)
+    if len(steps) < 2:
+        return None
+    return steps[-1], heatmap_picture([_short(n) for n in rungs], steps, grid,
+                                      "1/sigma of each rung over training (forward order, top down)")
