@@ -24,15 +24,14 @@ computes every figure with :func:`lnmonitor.core.ladder.ladder_figures`.
 
 The meter never raises into training: a hook that cannot measure the model turns the
 meter off (:attr:`LadderMeter.off_reason`, said once), and what it needs to say goes to
-``say`` (information) and ``warn`` (once per key); both default to Python's ``logging``
-and ``warnings``.
+``say`` (information) and ``warn`` (once per key); both default to a
+:class:`~lnmonitor.core.door.Voice` (information seen without configuring ``logging``,
+warnings through ``warnings``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
+from lnmonitor.core.door import Voice
 from lnmonitor.core.hooks import compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.metric_names import finite_metrics, ladder_metric
@@ -54,8 +54,6 @@ __all__ = ["Gather", "LadderMeter", "LadderResult", "due"]
 Gather = Callable[[Tensor], Tensor]
 """``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
 ``trainer.strategy.all_gather``); or pass the ``torch.distributed`` module itself."""
-
-_log = logging.getLogger("lnmonitor")
 
 
 @dataclass
@@ -77,15 +75,6 @@ class LadderResult:
         return finite_metrics(m)
 
 
-def _default_warn(seen: set[str]) -> Callable[[str, str], None]:
-    def warn(key: str, message: str) -> None:
-        if key not in seen:
-            seen.add(key)
-            warnings.warn(message, stacklevel=3)
-
-    return warn
-
-
 class LadderMeter:
     """Measure the norms of ``model`` on the steps you choose (see the module docstring).
 
@@ -102,8 +91,9 @@ class LadderMeter:
             encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
             counts.
         owner: the name messages start with (the callback's class name).
-        say: where information goes (default: the ``lnmonitor`` logger, INFO).
-        warn: ``warn(key, message)``, called once per key (default: ``warnings.warn``).
+        say: where information goes (default: :class:`~lnmonitor.core.door.Voice`'s: the
+            ``lnmonitor`` logger when logging is configured, else standard error).
+        warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
 
     Raises:
         NormSelectionError: the model has no normalisation layer, the patterns select none,
@@ -127,8 +117,9 @@ class LadderMeter:
         self.owner = owner
         self.final_norm = final_norm
         self.ladder = ladder
-        self._say = say or _log.info
-        self._warn = warn or _default_warn(set())
+        voice = Voice()
+        self._say = say or voice.say
+        self._warn = warn or voice.warn
         self.model = unwrap(model)  # names and inputs are the user's model's, whatever wraps it
         self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
         wrapper = unknown_wrapper(self.model)

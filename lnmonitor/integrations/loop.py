@@ -11,13 +11,14 @@ callback logs.  No Lightning is imported.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 from torch import nn
 
 from lnmonitor.core import arguments
+from lnmonitor.core.discovery import NormSelectionError
+from lnmonitor.core.door import History, Voice, guarded
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.metric_names import LADDER_LAYOUT
 from lnmonitor.core.writers import metric_writer
@@ -68,8 +69,12 @@ class LoopMonitor:
     It writes the metrics of
     :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` (``lnmonitor/sigma/<norm>``,
     ``lnmonitor/ladder/attenuation``, ...), each at the step index given to :meth:`start`.
-    A writer that raises is said once and dropped; training goes on.
+    A writer that raises is said once and dropped; training goes on.  :meth:`start` and
+    :meth:`stop` run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
+    monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
     """
+
+    refusals = (arguments.ArgumentError, NormSelectionError)
 
     def __init__(
         self,
@@ -87,27 +92,34 @@ class LoopMonitor:
     ) -> None:
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps", allow_none=False)
         self.max_steps = arguments.positive_int(max_steps, "max_steps")
-        keep_history = arguments.optional_flag(keep_history, "keep_history")
+        self.owner = "LoopMonitor"
+        self.voice = Voice()
+        self.off_reason: str | None = None
+        self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
+        self._kept.reset(receivers=writer is not None)
         self._write: Callable | None = metric_writer(writer, LADDER_LAYOUT)
-        self._keep = writer is None if keep_history is None else keep_history
-        self.history: list[dict[str, float]] = []
         self.last_result: LadderResult | None = None
-        self._warned: set[str] = set()
         self.meter = LadderMeter(
             model, include=arguments.patterns(include, "include"),
             exclude=arguments.patterns(exclude, "exclude"),
             final_norm=arguments.module_name(final_norm, "final_norm", "transformer.ln_f"),
             ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
-            owner="LoopMonitor", warn=self._warn,
+            owner=self.owner, say=self.voice.say, warn=self.voice.warn,
         )
         self._measuring: int | None = None
         self._logged = False
 
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every dict written, with its ``step`` (see ``keep_history``)."""
+        return self._kept.rows
 
+    def shut(self) -> None:
+        """Remove the hooks and forget the step in progress (the guard tripped)."""
+        self._measuring = None
+        self.meter.abort()
+
+    @guarded
     def start(self, step: int) -> bool:
         """Hook the norms if optimizer step ``step`` is due; True when it is measured."""
         last = self.max_steps - 1 if self.max_steps else None
@@ -117,6 +129,7 @@ class LoopMonitor:
         self.meter.start()
         return True
 
+    @guarded
     def stop(self) -> dict[str, float] | None:
         """Unhook, merge across processes and write the step's metrics (rank zero); returns
         them, or None when this step was not measured.  Every process must call it."""
@@ -124,24 +137,22 @@ class LoopMonitor:
         if step is None:
             return None
         self.meter.stop()
-        gather = dist if dist.is_available() and dist.is_initialized() else None
-        result = self.meter.result(gather, label=f"step {step}")
+        result = self.meter.result(dist, label=f"step {step}")
         if result is None:
             return None
         self.last_result = result
         metrics = result.metrics(positions=not self._logged)
         self._logged = True
-        if gather is not None and dist.get_rank() != 0:
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return metrics
-        if self._keep:
-            self.history.append({"step": step, **metrics})
+        self._kept.add(step, metrics)
         if self._write is not None:
             try:
                 self._write(metrics, step)
             except Exception as err:  # noqa: BLE001 - the user's writer must not stop training
                 self._write = None
-                self._warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is written "
-                                     "(training goes on)")
+                self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
+                                          "written (training goes on)")
         return metrics
 
     @contextlib.contextmanager
@@ -151,7 +162,11 @@ class LoopMonitor:
         try:
             yield
         except BaseException:
-            self._measuring = None
-            self.meter.abort()
+            self.abort()
             raise
         self.stop()
+
+    @guarded
+    def abort(self) -> None:
+        """End a measured step without its numbers (the loop's step raised): no hook is left."""
+        self.shut()

@@ -6,9 +6,7 @@ transformers.
 
 from __future__ import annotations
 
-import logging
 import math
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
@@ -22,15 +20,14 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
     ) from err
 
 from lnmonitor.core import arguments
-from lnmonitor.core.discovery import choose_norms
+from lnmonitor.core.discovery import NormSelectionError, choose_norms
+from lnmonitor.core.door import History, Voice, guarded
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
 
 __all__ = ["LNMonitorCallback"]
-
-_log = logging.getLogger("lnmonitor")
 
 
 class LNMonitorCallback(TrainerCallback):
@@ -79,10 +76,13 @@ class LNMonitorCallback(TrainerCallback):
         >>> # trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
         >>> # trainer.add_callback(LNMonitorCallback(trainer, every_n_steps=50))
 
-    A failure inside the probe or an integration turns that part off with one warning;
-    training goes on.  Under FSDP the invariance probe is off (said once): the doors
-    probe a sharded model only through Lightning.
+    Every event runs inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
+    callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
+    a failing integration is dropped with one warning.  Under FSDP the invariance probe is off
+    (said once): the doors probe a sharded model only through Lightning.
     """
+
+    refusals = (arguments.ArgumentError, NormSelectionError)
 
     def __init__(
         self,
@@ -113,39 +113,47 @@ class LNMonitorCallback(TrainerCallback):
         self.invariance_every_n_steps = arguments.positive_int(invariance_every_n_steps,
                                                                "invariance_every_n_steps")
         self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
-        self.keep_history = arguments.optional_flag(keep_history, "keep_history")
-        self.history: list[dict[str, float]] = []
+        self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
+        self.owner = "LNMonitorCallback"
+        self.voice = Voice()
+        self.off_reason: str | None = None
         self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
         self.every_n_steps: int | None = self._every_arg
         self.invariance_off: str | None = None
         self._probe = None
         self._prober: InvarianceProbe | None = None
-        self._warned: set[str] = set()
         self._reporters: list = []
-        self._keep = False
         self._measuring: int | None = None
         self._last_step: int | None = None
         self._main = True
         self._logged = -1
         self._probed = -1
 
-    # -- messages ----------------------------------------------------------------------
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every reported dict, with its ``step`` (see ``keep_history``)."""
+        return self._kept.rows
 
     def _say(self, text: str) -> None:
-        if self._main:
-            _log.info(text)
+        self.voice.say(text)
 
     def _warn(self, key: str, text: str) -> None:
-        if self._main and key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(text, stacklevel=2)
+        self.voice.warn(key, text)
+
+    def shut(self) -> None:
+        """Remove the hooks and forget the step in progress (the guard tripped)."""
+        self._measuring = None
+        if self.meter is not None:
+            self.meter.abort()
 
     # -- training ----------------------------------------------------------------------
 
+    @guarded(starts_run=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._main = state.is_world_process_zero
-        self.history, self._warned, self._logged, self._probed = [], set(), -1, -1
+        self.voice.reset(speaks=self._main)
+        self._logged, self._probed = -1, -1
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
         self._last_step = state.max_steps - 1 if state.max_steps > 0 else None
         self.meter = LadderMeter(
@@ -154,11 +162,12 @@ class LNMonitorCallback(TrainerCallback):
         )
         self._reporters = [cb for cb in self.trainer.callback_handler.callbacks
                            if type(cb) in INTEGRATION_TO_CALLBACK.values()]
-        self._keep = not self._reporters if self.keep_history is None else self.keep_history
+        self._kept.reset(receivers=bool(self._reporters))
         self._prober, self._probe, self.invariance_off = None, None, None
         if self.invariance_every_n_steps is not None:
             self._start_probe(model, kwargs.get("train_dataloader"))
 
+    @guarded
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
@@ -167,12 +176,12 @@ class LNMonitorCallback(TrainerCallback):
             self._measuring = step
             self.meter.start()
 
+    @guarded
     def on_step_end(self, args, state, control, **kwargs):
         if self._measuring is not None:
             step, self._measuring = self._measuring, None
             self.meter.stop()
-            gather = dist if dist.is_available() and dist.is_initialized() else None
-            result = self.meter.result(gather, label=f"step {step}")
+            result = self.meter.result(dist, label=f"step {step}")
             if result is not None:
                 self.last_result = result
                 self._report(result.metrics(positions=self._logged < 0), args, state, control)
@@ -181,6 +190,7 @@ class LNMonitorCallback(TrainerCallback):
         if every is not None and state.global_step % every == 0:
             self._run_probe(args, state, control, sweep=False)
 
+    @guarded
     def on_train_end(self, args, state, control, **kwargs):
         if self.meter is not None:
             self.meter.abort()
@@ -241,8 +251,7 @@ class LNMonitorCallback(TrainerCallback):
         """To every ``report_to`` integration of the Trainer, from the main process."""
         if not self._main or not metrics:
             return
-        if self._keep:
-            self.history.append({"step": state.global_step, **metrics})
+        self._kept.add(state.global_step, metrics)
         for reporter in list(self._reporters):
             try:
                 reporter.on_log(args, state, control, logs=dict(metrics))

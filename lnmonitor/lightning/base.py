@@ -1,5 +1,6 @@
 """What every lnmonitor Lightning callback shares: its metric sink, ``history``, the
-messages it says (rank zero) and the last step it logged in its checkpoint state."""
+messages it says (rank zero), the guard its hooks run in (:func:`lnmonitor.core.door.guarded`)
+and the last step it logged in its checkpoint state."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnmonitor.core.arguments import ArgumentError
 from lnmonitor.core.discovery import NormSelectionError
+from lnmonitor.core.door import Voice
 from lnmonitor.lightning.sink import MetricSink
 
 __all__ = ["MonitorCallback", "misconfiguration"]
@@ -30,22 +32,35 @@ def misconfiguration() -> Iterator[None]:
 
 
 class MonitorCallback(Callback):
-    """A callback that logs through its own :class:`~lnmonitor.lightning.sink.MetricSink`."""
+    """A callback that logs through its own :class:`~lnmonitor.lightning.sink.MetricSink`.
+
+    Its hooks run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
+    callback off for the rest of the fit with one warning naming the cause (``off_reason``),
+    :meth:`shut` removes what it had hooked, and the fit goes on.  A configuration Lightning
+    cannot run (``MisconfigurationException``: bad arguments, a model with no norm to measure)
+    is raised, as Lightning's own callbacks raise it."""
+
+    refusals = (MisconfigurationException,)
 
     def __init__(self, keep_history: bool | None) -> None:
-        self._sink = MetricSink(type(self).__name__, keep_history)
+        self.owner = type(self).__name__
+        self.voice = Voice(say=rank_zero_info, warn=rank_zero_warn)
+        self.off_reason: str | None = None
+        self._sink = MetricSink(self.owner, keep_history, self.voice)
+
+    def shut(self) -> None:
+        """Remove every hook and forget the step in progress (the guard tripped)."""
 
     @property
     def history(self) -> list[dict[str, float]]:
         """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
         return self._sink.history
 
-    @staticmethod
-    def _say(text: str) -> None:
-        rank_zero_info(text)
+    def _say(self, text: str) -> None:
+        self.voice.say(text)
 
     def _warn(self, key: str, text: str) -> None:
-        self._sink.warn_once(key, text)
+        self.voice.warn(key, text)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import choose_norms, measured_eps_message
+from lnmonitor.core.door import guarded
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import (
     CASES,
@@ -137,6 +138,9 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     above).  The full result of the latest run (per-scale points included) is ``last_result``.
     """
 
+    advice = ("If it was raised by your training_step or forward running the probe batch, "
+              "loss_fn=lambda module, batch: ... chooses the loss the probe runs.")
+
     def __init__(
         self,
         every_n_steps: int | None = 1000,
@@ -177,7 +181,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def _reset(self) -> None:
         """Forget everything about the last fit (a reused callback starts afresh)."""
         self.last_result: InvarianceResult | None = None
-        self.disabled_reason: str | None = None
+        self.off_reason = None
         self._norms: list[NormInfo] = []
         self._probe: Any = None
         self._first_train_batch: Any = None
@@ -194,11 +198,13 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     # -- one fit (or validation run) -------------------------------------------------
 
     @override
+    @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._reset()
         self._sink.setup(trainer, hparams=stage == "fit")
 
     @override
+    @guarded
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(pl_module)
         metrics = [f"{INVARIANCE}/{c}/log10_abs_dloss" for c in ("scale_3", "axis_5") if c in self.cases]
@@ -208,6 +214,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._sink.give_hparams(trainer, pl_module, params, metrics)
 
     @override
+    @guarded
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._norms:  # trainer.validate() alone: no on_fit_start
             self._start(pl_module)
@@ -221,9 +228,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if said:
             self._say(said)
         self._sharded = sharded(pl_module)
-        self._enabled = self.disabled_reason is None
+        self._enabled = True
 
     @override
+    @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.every_n_steps is not None:  # the point after the last update (its sweep), unless taken
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
@@ -242,14 +250,20 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                 "came (no validation ran?). Set every_n_steps, or add validation data.",
             )
 
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the monitor is off for the rest of this run (None while it is on)."""
+        return self.off_reason
+
     def _disable(self, reason: str) -> None:
         self._enabled = False
-        self.disabled_reason = reason
+        self.off_reason = reason
         self._sink.warn_once("off", f"FinalNormInvarianceMonitor is off for the rest of this run: {reason}")
 
     # -- when to run -----------------------------------------------------------------
 
     @override
+    @guarded
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -263,6 +277,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
+    @guarded
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -276,6 +291,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
+    @guarded
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.on_validation and not trainer.sanity_checking:
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
@@ -305,12 +321,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         except NonFiniteLoss as err:  # this point only: a later one may be finite again
             self._sink.warn_once("nan-loss", f"FinalNormInvarianceMonitor logs nothing at step {step}: "
                                              f"{err}. Said once; it probes again at the next point.")
-            return
-        except Exception as err:  # noqa: BLE001 - never stop the user's training
-            self._disable(
-                f"{type(err).__name__}: {err}. If the model needs a particular loss or final norm, pass "
-                "loss_fn=lambda module, batch: ... and final_norm='...'"
-            )
             return
         self._final_name = self._prober.final_norm
         self.last_result = result

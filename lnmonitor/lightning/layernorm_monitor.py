@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from lnmonitor.core import arguments
+from lnmonitor.core.door import guarded
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.metric_names import LADDER_LAYOUT, PREFIX, per_norm
 from lnmonitor.core.norms import NormInfo
@@ -207,6 +208,7 @@ class LayerNormMonitor(MonitorCallback):
     # -- one fit ---------------------------------------------------------------------
 
     @override
+    @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -218,6 +220,7 @@ class LayerNormMonitor(MonitorCallback):
         self._sink.setup(trainer, hparams=True)
 
     @override
+    @guarded
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
         with misconfiguration():
@@ -232,14 +235,17 @@ class LayerNormMonitor(MonitorCallback):
         self._last_step = int(last) - 1 if math.isfinite(last) else None
 
     @override
+    @guarded
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
 
     @override
+    @guarded
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop()
 
     @override
+    @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
         if not trainer.is_global_zero or not self._trail:
@@ -254,6 +260,9 @@ class LayerNormMonitor(MonitorCallback):
         except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
             self._warn("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
 
+    def shut(self) -> None:
+        self._stop()
+
     def _stop(self) -> None:
         """End a measured step early (an exception, the end of the fit): no hook, no row left."""
         if self.meter is not None:
@@ -263,6 +272,7 @@ class LayerNormMonitor(MonitorCallback):
     # -- the measured step -----------------------------------------------------------
 
     @override
+    @guarded
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -277,6 +287,7 @@ class LayerNormMonitor(MonitorCallback):
             self.meter.use_batch(batch)  # each micro-batch's padding
 
     @override
+    @guarded
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lnmonitor.core.door import History, Voice
 from lnmonitor.core.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
 from lnmonitor.core.writers import write_scalars
 
@@ -53,17 +54,20 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
 
 
 class MetricSink:
-    """The logging side of one callback (``owner`` is its class name, for messages)."""
+    """The logging side of one callback (``owner`` is its class name, for messages; ``voice``
+    says them, once per key and fit)."""
 
-    def __init__(self, owner: str, keep_history: bool | None) -> None:
+    def __init__(self, owner: str, keep_history: bool | None, voice: Voice | None = None) -> None:
         self.owner = owner
-        self.keep_history = keep_history
-        self.history: list[dict[str, float]] = []
+        self.voice = voice or Voice(say=rank_zero_info, warn=rank_zero_warn)
+        self.kept = History(keep_history)
         self.last_step = -1
-        self._keep = bool(keep_history)
         self._layout: dict[str, dict] = {}
         self._ready: weakref.WeakSet = weakref.WeakSet()
-        self._warned: set[str] = set()
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.kept.rows
 
     # -- one fit ---------------------------------------------------------------------
 
@@ -71,11 +75,10 @@ class MetricSink:
         """Start a fit (or a validation run): forget what the last one logged, decide where
         the history goes, and, with ``hparams``, announce a share of the HPARAMS session
         (given later by :meth:`give_hparams`)."""
-        self.history = []
         self.last_step = -1
         self._ready = weakref.WeakSet()
-        self._warned = set()
-        self._keep = not trainer.loggers if self.keep_history is None else self.keep_history
+        self.voice.reset(speaks=trainer.is_global_zero)
+        self.kept.reset(receivers=bool(trainer.loggers))
         if not trainer.loggers and trainer.is_global_zero:
             self.warn_once(
                 "no-logger",
@@ -122,10 +125,7 @@ class MetricSink:
         if step <= self.last_step and not again:
             return False
         self.last_step = step
-        if self._keep and again and self.history:
-            self.history[-1].update(metrics)
-        elif self._keep:
-            self.history.append({"step": step, **metrics})
+        self.kept.add(step, metrics, extend=again)
         if not trainer.is_global_zero:
             return True
         for logger in trainer.loggers:
@@ -164,10 +164,8 @@ class MetricSink:
                 self.warn_once("images", f"{self.owner}: pictures not logged to {where}: {err!r}")
 
     def warn_once(self, key: str, message: str) -> None:
-        """``rank_zero_warn`` the message the first time ``key`` comes up in this fit."""
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
+        """Warn (global rank zero) the first time ``key`` comes up in this fit."""
+        self.voice.warn(key, message)
 
 
 def _write_layout(logger: TensorBoardLogger, categories: dict[str, dict]) -> None:

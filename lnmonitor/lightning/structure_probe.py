@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lnmonitor.core import arguments
+from lnmonitor.core.door import guarded
 from lnmonitor.core.metric_names import PROBE
 from lnmonitor.core.norms import NormInfo, find_norms
 from lnmonitor.core.probes import (
@@ -148,6 +149,7 @@ class StructureProbe(MonitorCallback):
     # -- setup ---------------------------------------------------------------------------
 
     @override
+    @guarded(starts_run=True)
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
         self.last, self._validations, self._measuring = None, 0, False
@@ -177,6 +179,7 @@ class StructureProbe(MonitorCallback):
         self._validations = int(state_dict.get("validations", 0))
 
     @override
+    @guarded
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._measuring = False
         if trainer.sanity_checking:
@@ -189,6 +192,7 @@ class StructureProbe(MonitorCallback):
     # -- capture -------------------------------------------------------------------------
 
     @override
+    @guarded
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
@@ -198,12 +202,16 @@ class StructureProbe(MonitorCallback):
             self._capture.attach()
 
     @override
+    @guarded
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int, dataloader_idx: int = 0,
     ) -> None:
         if self._capture is not None:
             self._capture.detach()
+
+    def shut(self) -> None:
+        self._release()
 
     def _release(self) -> SequenceCapture | None:
         capture, self._capture = self._capture, None
@@ -214,6 +222,7 @@ class StructureProbe(MonitorCallback):
     # -- measure and log -----------------------------------------------------------------
 
     @override
+    @guarded
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         capture = self._release()
         measuring, self._measuring = self._measuring, False
@@ -255,11 +264,13 @@ class StructureProbe(MonitorCallback):
         return result
 
     @override
+    @guarded
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
         self._measuring = False
 
     @override
+    @guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._validations == 0 and self._block_list and trainer.is_global_zero:
             self._sink.warn_once(
@@ -269,6 +280,7 @@ class StructureProbe(MonitorCallback):
             )
 
     @override
+    @guarded
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
         self._measuring = False

@@ -1,0 +1,177 @@
+"""What every door shares: how it speaks, the one guard around its entry points, its history.
+
+A door (the Lightning callbacks, the ``transformers.Trainer`` callback, the plain-loop
+monitor) only decides when to measure and where the numbers go; what they all need is
+written here, once, with no framework imported:
+
+* :class:`Voice` -- information (``say``) and warnings said once per key (``warn``), from
+  the process that speaks (rank zero) only;
+* :func:`guarded` -- every entry point of a door runs inside it: an exception from
+  lnmonitor, or from the user's code it calls, turns that door off with one message naming
+  the cause and where it was raised, its hooks are removed, and training goes on.  Only the
+  refusals a door lists (bad arguments, a model with no norm to measure) pass through;
+* :class:`History` -- the logged dicts of a run, kept when nothing else receives them.
+
+Example::
+
+    >>> class Door:
+    ...     refusals = (ValueError,)
+    ...     def __init__(self):
+    ...         self.voice = Voice(warn=lambda text: None)
+    ...         self.off_reason = None
+    ...     def shut(self):
+    ...         pass  # remove hooks, forget the step
+    ...     @guarded
+    ...     def on_step(self, step):
+    ...         return 1 / step
+    >>> door = Door()
+    >>> door.on_step(0) is None, door.off_reason.split(":")[0]
+    (True, 'ZeroDivisionError')
+    >>> door.on_step(1) is None  # off for the rest of the run
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["History", "Voice", "entry_points", "guarded"]
+
+_log = logging.getLogger("lnmonitor")
+
+
+def _print_info(text: str) -> None:
+    """Information a user sees without configuring ``logging``: the ``lnmonitor`` logger when
+    someone configured it (a handler on it or on the root), else standard error."""
+    if _log.hasHandlers():
+        _log.info(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _warn(text: str) -> None:
+    warnings.warn(text, stacklevel=4)
+
+
+class Voice:
+    """What a door says: ``say(text)`` for information, ``warn(key, text)`` once per key.
+
+    Args:
+        say: where information goes (default: the ``lnmonitor`` logger when logging is
+            configured, else standard error, so it is seen either way).
+        warn: ``warn(text)`` for a warning (default ``warnings.warn``).
+        speaks: whether this process speaks (False on every rank but zero).
+    """
+
+    def __init__(self, say: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None, speaks: bool = True) -> None:
+        self._say = say or _print_info
+        self._warn = warn or _warn
+        self.speaks = speaks
+        self._warned: set[str] = set()
+
+    def say(self, text: str) -> None:
+        if self.speaks:
+            self._say(text)
+
+    def warn(self, key: str, text: str) -> None:
+        """Warn the first time ``key`` comes up (until :meth:`reset`)."""
+        if self.speaks and key not in self._warned:
+            self._warned.add(key)
+            self._warn(text)
+
+    def reset(self, speaks: bool | None = None) -> None:
+        """A new run: every key may be said again."""
+        self._warned = set()
+        if speaks is not None:
+            self.speaks = speaks
+
+
+class History:
+    """The dicts a door logged in this run, each with its ``step``: kept when ``keep`` is
+    True, or when it is None and nothing else receives them (``receivers`` is False)."""
+
+    def __init__(self, keep: bool | None) -> None:
+        self.keep = keep
+        self.rows: list[dict[str, float]] = []
+        self._on = bool(keep)
+
+    def reset(self, receivers: bool) -> None:
+        self.rows = []
+        self._on = not receivers if self.keep is None else self.keep
+
+    def add(self, step: int, metrics: dict[str, float], *, extend: bool = False) -> None:
+        """Keep ``metrics`` at ``step``; ``extend`` adds them to the last row when it is that step's."""
+        if not self._on:
+            return
+        if extend and self.rows and self.rows[-1]["step"] == step:
+            self.rows[-1].update(metrics)
+        else:
+            self.rows.append({"step": step, **metrics})
+
+
+def _where(err: BaseException) -> str:
+    """``file:line in function`` of the innermost frame that raised ``err``."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "?"
+    f = frames[-1]
+    path = "/".join(f.filename.replace("\\", "/").split("/")[-2:])
+    return f"{path}:{f.lineno} in {f.name}"
+
+
+def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Callable:
+    """Run a door's entry point inside the guard.
+
+    The door has ``off_reason`` (None while on), ``voice`` (a :class:`Voice`), ``shut()``
+    (remove every hook, forget the step: called once when the guard trips), and may have
+    ``refusals`` (the exception types that pass through: bad configuration) and ``advice``
+    (a sentence added to the message).  While the
+    door is off the entry point does nothing and returns None.  ``starts_run``: the entry
+    point that begins a run (a fit's ``setup``, ``on_train_begin``) turns the door on again
+    first.  The guarded body stays reachable as ``entry.__wrapped__``.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def entry(self, *args: Any, **kwargs: Any):
+            if starts_run:
+                self.off_reason = None
+            if self.off_reason is not None:
+                return None
+            try:
+                return entry.__wrapped__(self, *args, **kwargs)
+            except tuple(getattr(self, "refusals", ())):
+                raise
+            except Exception as err:  # noqa: BLE001 - the one place a door swallows an error
+                _trip(self, fn.__name__, err)
+                return None
+
+        entry.guarded = True
+        return entry
+
+    return wrap(method) if method is not None else wrap
+
+
+def _trip(door, entry: str, err: Exception) -> None:
+    door.off_reason = f"{type(err).__name__}: {err} (raised at {_where(err)}, during {entry})"
+    try:
+        door.shut()
+    except Exception as again:  # noqa: BLE001 - say both, stop nothing
+        door.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
+    owner = getattr(door, "owner", type(door).__name__)
+    advice = getattr(door, "advice", "")
+    door.voice.warn("guard", f"{owner} is off for the rest of this run: {door.off_reason}. Training goes "
+                             "on; nothing more is measured or logged by it. " + (advice or
+                             "Please report this with the message if the model and batch look ordinary."))
+
+
+def entry_points(cls: type) -> list[str]:
+    """The names of ``cls``'s guarded entry points (for tests and docs)."""
+    return sorted(name for name in dir(cls) if getattr(getattr(cls, name, None), "guarded", False))
