@@ -671,10 +671,21 @@ def grid_cell(cell: Cell) -> str:
     return text
 
 
+def marks(grid: dict[str, list[str]], conditions, families) -> None:
+    """The README's compact table: a mark per cell (pass, not applicable, fails or error)."""
+    def mark(text: str) -> str:
+        return "-" if text.startswith("n/a") else "x" if text.startswith(("FAILS", "error")) else "ok"
+
+    print("| model | " + " | ".join(c.label for c in conditions) + " |")
+    print("|---|" + "---|" * len(conditions))
+    for family in families:
+        print(f"| {family.label} | " + " | ".join(mark(t) for t in grid[family.key]) + " |")
+
+
 def main(argv: list[str]) -> None:
     print(f"share resolution {SHARE_RESOLUTION:.1e}, sigma resolution {SIGMA_RESOLUTION:.1e}")
     keys = [a for a in argv if not a.startswith("-")]
-    # arguments: condition and family keys to print (default: all)
+    # arguments: condition and family keys to print (default: all); --marks: the README's compact table
     conditions = [c for c in CONDITIONS if c.key in keys or not {x.key for x in CONDITIONS} & set(keys)]
     families = [f for f in FAMILIES if f.key in keys or not {x.key for x in FAMILIES} & set(keys)]
     grid: dict[str, list[str]] = {}
@@ -704,6 +715,9 @@ def main(argv: list[str]) -> None:
             if cond.key == "32-true":
                 rows.append(family_row(cell))
             print(f"  {family.key} {cond.key}: {text} ({cell.seconds:.1f} s)", file=sys.stderr, flush=True)
+    if "--marks" in argv:
+        marks(grid, conditions, families)
+        return
     print("| model | norms found | roles | final norm | invariance (defaults) |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
