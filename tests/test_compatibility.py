@@ -20,8 +20,9 @@ QK-norm rows without the mask, LayerNorm shares from a bf16 gradient, Mamba2's c
 the stream read as a branch under bf16, a frozen embedding norm taken for a rung); each cell
 they failed now passes.
 
-``python tests/test_compatibility.py`` prints the README's two compatibility tables (the
-families at float32, and the grid) from the same rows and columns.
+``python tests/test_compatibility.py`` prints docs/compatibility.md's tables (the families at
+float32, the grid, the worst gap per condition) from the same rows and columns; with ``--marks``
+the README's compact table (a mark per cell).
 """
 
 from __future__ import annotations
@@ -646,7 +647,7 @@ def test_cell_against_float64_on_the_real_tokens(family, cond):
 
 
 # ---------------------------------------------------------------------------
-# the README's tables
+# the tables of docs/compatibility.md and the README
 # ---------------------------------------------------------------------------
 
 

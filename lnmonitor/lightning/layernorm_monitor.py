@@ -136,7 +136,7 @@ class LayerNormMonitor(MonitorCallback):
     HPARAMS tab, and with ``histograms=True`` ``lnmonitor/hist/share/<norm>`` and
     ``lnmonitor/hist/sigma/<norm>``.
 
-    What real training throws at it (the README's "Tested conditions"):
+    What real training throws at it (docs/conditions.md):
 
     * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
       a ratio, so the loss scale cancels; rows whose gradient or input is zero or not
