@@ -6,7 +6,10 @@ histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp``, ``fsd
 ``fully_shard`` applied to every block and the model in ``configure_model``) or
 ``fsdp2-norms`` (the same, and every norm a unit of its own first: ``fully_shard(norm)``,
 the final norm grouped with the head as torchtitan does); ``tp`` is ModelParallelStrategy's
-tensor parallelism over all ``DEVICES`` with sequence-parallel norms (DTensor inputs).
+tensor parallelism over all ``DEVICES`` with sequence-parallel norms (DTensor inputs sharded
+along the sequence), ``tp-replicated`` the same without sequence parallelism (every norm's input
+the same on every rank), ``fsdp2-tp`` a 2-D mesh: ``DEVICES // 2`` data-parallel ranks, each
+FSDP2 over a tensor-parallel pair laid out as ``tp``.
 
 Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
@@ -81,43 +84,60 @@ class ShardedGPT(TinyGPTModule):
         return [[norm] for block in self.blocks() for norm in (block.ln1, block.ln2)] + [
             [self.model.lnf, self.model.head]]
 
+    sequence_parallel_norms = True
+
     def configure_model(self) -> None:
         if self.device_mesh is None:  # not under ModelParallelStrategy
             return
         from torch.distributed.fsdp import fully_shard
 
         if self.device_mesh["tensor_parallel"].size() > 1:
-            return self.sequence_parallel(self.device_mesh["tensor_parallel"])
+            self.tensor_parallel(self.device_mesh["tensor_parallel"])
         mesh = self.device_mesh["data_parallel"]
+        if mesh.size() == 1 and self.device_mesh["tensor_parallel"].size() > 1:
+            return
         for group in self.norm_groups() if self.norm_units else ():
             fully_shard(group, mesh=mesh)
         for block in self.blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
-    def sequence_parallel(self, mesh) -> None:
-        """Every norm ``SequenceParallel`` (its input a DTensor sharded along the sequence),
-        attention and MLP on the gathered sequence, as torchtitan lays out a block (the
-        projections stay whole: the tiny GPT's fused qkv does not split by columns)."""
+    def tensor_parallel(self, mesh) -> None:
+        """torchtitan's Llama plan in the shape the tiny GPT allows: the embedding's vocabulary
+        sharded (``RowwiseParallel``), the MLP colwise then rowwise, the head colwise.  With
+        ``sequence_parallel_norms`` every norm is ``SequenceParallel`` (its input a DTensor
+        sharded along the sequence; the stream is sharded from the first block on and gathered
+        for attention, whose fused qkv does not split by columns, and for the MLP and the head);
+        without, every norm reads the same replicated stream on every rank."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
             PrepareModuleInput,
             PrepareModuleOutput,
+            RowwiseParallel,
             SequenceParallel,
             parallelize_module,
         )
 
-        gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                    use_local_output=True)
-        scatter = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                      use_local_output=True)
-        plan = {"blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
-                                               use_local_output=True),
-                "lnf": SequenceParallel(), "head": gather}
+        sp = self.sequence_parallel_norms
+        stream = Shard(1) if sp else Replicate()
+        plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate())}
         for i in range(len(self.blocks())):
-            plan |= {f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel(),
-                     f"blocks.{i}.attn": gather, f"blocks.{i}.attn.proj": scatter,
-                     f"blocks.{i}.mlp": gather, f"blocks.{i}.mlp.proj": scatter}
+            plan |= {f"blocks.{i}.mlp.fc": ColwiseParallel(input_layouts=stream),
+                     f"blocks.{i}.mlp.proj": RowwiseParallel(output_layouts=stream)}
+        if sp:
+            plan |= {"blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                                    use_local_output=True),
+                     "lnf": SequenceParallel()}
+            for i in range(len(self.blocks())):
+                plan |= {f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel(),
+                         f"blocks.{i}.attn": PrepareModuleInput(input_layouts=Shard(1),
+                                                                desired_input_layouts=Replicate(),
+                                                                use_local_output=True),
+                         f"blocks.{i}.attn.proj": PrepareModuleOutput(output_layouts=Replicate(),
+                                                                      desired_output_layouts=Shard(1),
+                                                                      use_local_output=True)}
         parallelize_module(self.model, mesh, plan)
 
 
@@ -165,10 +185,12 @@ def main() -> None:
     invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
                                             keep_history=True, scales=(1.0, 0.1, 0.01))
     module.norm_units = strategy == "fsdp2-norms"
-    if strategy == "tp":
+    module.sequence_parallel_norms = strategy != "tp-replicated"
+    if strategy in ("tp", "tp-replicated", "fsdp2-tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        chosen = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=devices)
+        tp = 2 if strategy == "fsdp2-tp" else devices
+        chosen = ModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)
     elif strategy.startswith("fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -122,7 +122,7 @@ def test_summarise_equals_a_per_norm_reference():
     flat = S.summarise(StepRows(data, recs, [], {}), layout, "cpu").numpy()
     hist = flat[: layout.hist_size].reshape(3, layout.per_norm)
     sums = flat[layout.hist_size : layout.sum_end].reshape(3, S.N_SUMS)
-    maxes = flat[layout.sum_end :].reshape(S.N_MAX, 3)
+    maxes = flat[layout.sum_end : layout.max_end].reshape(S.N_MAX, 3)
     norm = np.repeat([r.norm for r in recs], [r.rows for r in recs])
     d = np.repeat([r.width for r in recs], [r.rows for r in recs]).astype(np.float32)
     layer = np.repeat([r.dead_dim == 2 for r in recs], [r.rows for r in recs]).astype(np.float32)

@@ -72,8 +72,10 @@ class Hooks:
         self._handles.append(module.register_forward_pre_hook(before, prepend=True))
         self._handles.append(module.register_forward_hook(after))
 
-    def forward_pre(self, module: nn.Module, fn: Callable) -> None:
-        self._handles.append(module.register_forward_pre_hook(fn))
+    def forward_pre(self, module: nn.Module, fn: Callable, prepend: bool = False) -> None:
+        """``fn(module, args)`` before each forward of ``module``; ``prepend``: before the hooks it
+        has already (tensor parallelism's, which lay its input out as a ``DTensor``)."""
+        self._handles.append(module.register_forward_pre_hook(fn, prepend=prepend))
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

@@ -70,6 +70,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.geometry import row_stats
 from lnmonitor.core.hooks import Hooks, eager, eval_mode, sharded, unmeasured
 from lnmonitor.core.kinds import NormKind
@@ -302,17 +303,26 @@ def final_norm_bypass(
     (a model without a final norm, whose last norm is inside a block); 1.0 when the loss
     does not depend on the norm's output at all; nan when it cannot tell (the norm did
     not run on a tensor that needs gradient).  Parameters' ``.grad`` are not touched.
+    ``h`` is the tensor the norm's caller passed (before a tensor-parallel input hook makes a
+    ``DTensor`` of it, whose gradient would be the norm's alone), and the norms are summed
+    over the ranks of a ``DTensor`` input's mesh.
     """
     loss_fn = loss_fn or default_loss
     norm = module.get_submodule(final_norm) if isinstance(final_norm, str) else final_norm
     ctx = autocast or nullcontext
     seen: dict = {}
 
+    def passed(mod, args):
+        if "passed" not in seen and args and isinstance(args[0], Tensor):
+            seen["passed"] = args[0]
+
     def hook(mod, args, output):
         if "h" not in seen and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
-            seen["h"], seen["y"] = args[0], output
+            seen["h"], seen["y"] = seen.get("passed", args[0]), output
+            seen["input"] = args[0]
 
     with Hooks() as hooks, torch.inference_mode(False), torch.enable_grad():
+        hooks.forward_pre(norm, passed, prepend=True)
         hooks.forward(norm, hook)
         batch = _grad_ready(batch)
         with restored(module, batch):
@@ -332,14 +342,15 @@ def final_norm_bypass(
                 (through,) = torch.autograd.grad(y, h, g_y, allow_unused=True)
             except RuntimeError:  # a graph autograd cannot differentiate: cannot tell
                 return math.nan
-    g_h = g_h.detach().double()
-    total = float(torch.linalg.vector_norm(g_h))
+    g_h = dtensors.local(g_h.detach()).double()
+    through = torch.zeros_like(g_h) if through is None else dtensors.local(through.detach()).double()
+    squares = torch.stack((g_h.square().sum(), (g_h - through).square().sum()))
+    total, around = dtensors.summed(squares, seen["input"]).sqrt().tolist()
     if not math.isfinite(total):
         return math.nan
     if total == 0.0:
         return 0.0
-    through = torch.zeros_like(g_h) if through is None else through.detach().double()
-    return float(torch.linalg.vector_norm(g_h - through)) / total
+    return around / total
 
 
 def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:
@@ -391,7 +402,7 @@ def final_norm_invariance(
     state: dict = {"t": None, "h": None, "eps": None, "stats": None}
 
     def hook(mod, args, output):
-        h = args[0].detach()
+        h = dtensors.whole(args[0].detach())  # tensor parallel: every rank the whole input
         if state["h"] is None:
             state["h"], state["eps"] = h, info.eps(h.dtype)
         h64 = h.to(torch.float64)
@@ -402,14 +413,16 @@ def final_norm_invariance(
             out = info.affine(stats.xhat)
         if state["stats"] is None:
             state["stats"] = stats
-        return out.to(output.dtype)
+        return dtensors.laid_out(out.to(output.dtype), output, args[0])
 
     def run(t):
         """One pass: its loss, logits and the final norm's row statistics."""
         state["t"], state["stats"] = t, None
         with ctx():
             loss, logits = split_output(loss_fn(module, batch))
-        return loss.detach().float(), None if logits is None else logits.detach(), state["stats"]
+        # a tensor-parallel head's logits and loss (loss_parallel) whole on every rank
+        loss, logits = dtensors.whole(loss.detach()), dtensors.whole(logits)
+        return loss.float(), None if logits is None else logits.detach(), state["stats"]
 
     # the passes after the first replay what ran before the final norm (a sharded model's
     # forward is a collective, which every rank must run alike: it runs whole)

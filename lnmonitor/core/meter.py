@@ -160,6 +160,7 @@ class LadderMeter:
         self._decoder_norms = {i for i, n in enumerate(self.norms)
                                if named[n.name].rsplit(".", 1)[-1] == "decoder"}
         self._inputs_hook = None
+        self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         said = measured_eps_message(owner, self.norms)
         if said:
             self._say(said)
@@ -257,7 +258,8 @@ class LadderMeter:
         if rows.calls and not self.roles_known:
             fewest = min(rows.calls.values())
             self.reused = {self.norms[i].name for i, c in rows.calls.items() if c > fewest}
-        self._pending = summarise(rows, self.layout, _device(self.model))
+        self._refuse(rows.refused)
+        self._pending = summarise(rows, self.layout, _device(self.model), fingerprint=_several_processes())
 
     def abort(self) -> None:
         """End a measured step early (an exception, the end of training): no hook, no row left."""
@@ -304,7 +306,8 @@ class LadderMeter:
         summaries = read(merge(flat, self.layout), self.layout, counts=counts)
         if not self.roles_known:
             self._assign_roles(summaries)
-        unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True) if s.rows == 0]
+        unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True)
+                      if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
             self._say(f"{self.owner}: {label} ran its forward but no backward (the training step returned no "
                       "loss?): nothing is logged for it.")
@@ -324,6 +327,19 @@ class LadderMeter:
         others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
         figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
         return LadderResult(self.norms, summaries, figures, unmeasured)
+
+    def _refuse(self, refused: dict[int, str]) -> None:
+        """Say once which norms have a layout whose rows cannot be read (the others are measured)."""
+        named = {self.norms[i].name: why for i, why in refused.items()}
+        new = {name: why for name, why in named.items() if name not in self.refused}
+        if not new:
+            return
+        self.refused.update(new)
+        self._warn(f"layout:{','.join(sorted(new))}", (
+            f"{self.owner}: the rows of {len(new)} norm(s) are laid out across processes in a way they "
+            "cannot be read from, so they are not measured (the other norms are): "
+            + "; ".join(f"{name}: {why}" for name, why in list(new.items())[:4])
+            + ("; ..." if len(new) > 4 else "") + ". Said once."))
 
     def _stack(self, name: str) -> str:
         return self.stacks.get(name, self.main_stack)
@@ -467,6 +483,12 @@ def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
 def _device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several (``torch.distributed`` initialised, world > 1)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _gather(flat: Tensor, gather) -> Tensor:

@@ -27,7 +27,9 @@ laid out by :class:`Layout`:
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
 adding the histogram and sum part and taking the maximum of the max part
 (:func:`merge`), so across DDP ranks the whole step is reduced with one
-``all_gather`` of this vector followed by a local sum/max on the device.  :func:`read`
+``all_gather`` of this vector followed by a local sum/max on the device.  The vector
+ends with a fingerprint of each norm's rows (:mod:`lnmonitor.core.replicas`), so that rows
+several processes hold alike (tensor parallelism's replicated activations) count once.  :func:`read`
 brings the merged vector to the host (the step's one synchronisation) and reads the
 quantiles of all norms at once.
 """
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lnmonitor.core.reductions import row_values
+from lnmonitor.core.replicas import drop_replicas, fingerprints
 from lnmonitor.core.taps import StepRows
 
 __all__ = [
@@ -94,8 +97,13 @@ class Layout:
         return self.hist_size + self.n_norms * N_SUMS
 
     @property
-    def size(self) -> int:
+    def max_end(self) -> int:
+        """End of the part that merges by maximum (after it: the rows' fingerprints)."""
         return self.sum_end + self.n_norms * N_MAX
+
+    @property
+    def size(self) -> int:
+        return self.max_end + 2 * self.n_norms  # a float64 fingerprint per norm, as two float32
 
     def share_edges(self) -> np.ndarray:
         return np.linspace(0.0, 1.0, self.share_bins + 1)
@@ -115,9 +123,12 @@ def _to_device(values: list, device: torch.device) -> Tensor:
     return t.to(device)
 
 
-def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Tensor:
+def summarise(rows: StepRows, layout: Layout, device: torch.device | str,
+              fingerprint: bool = False) -> Tensor:
     """The flat float32 summary vector of one process's rows, on ``device`` (the rows' own
-    device when there are rows), no host sync.
+    device when there are rows), no host sync.  ``fingerprint``: fill in each norm's
+    fingerprint (:func:`~lnmonitor.core.replicas.fingerprints`; zeros otherwise), which
+    :func:`merge` needs to count rows held alike by several processes once.
 
     Few, cheap operators (this runs every measured step): the three histograms take one
     ``index_add_`` whose weight is 1 for a row with a value and 0 for one without (whose index
@@ -127,7 +138,7 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
     n = layout.n_norms
     if rows.data is None or rows.data.shape[1] == 0:
         flat = torch.zeros(layout.size, dtype=torch.float32, device=device)
-        flat[layout.sum_end :] = -math.inf
+        flat[layout.sum_end : layout.max_end] = -math.inf
         return flat
     data = rows.data
     device, m = data.device, data.shape[1]
@@ -172,7 +183,7 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
     cap = weight[:2].sub(0.5).mul_(math.inf)
     torch.minimum(values[0], cap[0], out=values[0])
     torch.minimum(values[1:], cap[1], out=values[1:])
-    maxes = flat[layout.sum_end :].view(N_MAX, n)
+    maxes = flat[layout.sum_end : layout.max_end].view(N_MAX, n)
     maxes.fill_(-math.inf)
     maxes.scatter_reduce_(1, nid.expand(N_MAX, m), values, "amax")
 
@@ -185,19 +196,25 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str) -> Ten
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
         sums[index, 3] = pads
+    if fingerprint:
+        prints = fingerprints(data, counts, [r.norm for r in recs], n)
+        flat[layout.max_end :].copy_(prints.view(torch.float32))  # the float64 bits, as two float32
     return flat
 
 
 def merge(gathered: Tensor | np.ndarray, layout: Layout) -> Tensor:
     """Merge summary vectors stacked as ``(processes, size)`` (or one ``(size,)``) into one
-    vector on the same device: histograms and sums add, maxima take the maximum."""
+    vector of ``layout.max_end`` entries on the same device: histograms and sums add, maxima
+    take the maximum, and a norm's rows that a process holds exactly as an earlier one does
+    (the same fingerprint: a tensor-parallel rank's replicated activations) count once."""
     g = torch.as_tensor(gathered)
     if g.shape[-1] != layout.size:
         raise ValueError(f"summary vectors have {g.shape[-1]} entries, the layout {layout.size}")
     g = g.reshape(-1, layout.size)
     if g.shape[0] == 1:
-        return g[0]
-    return torch.cat((g[:, : layout.sum_end].sum(0), g[:, layout.sum_end :].amax(0)))
+        return g[0, : layout.max_end]
+    g = drop_replicas(g, layout.n_norms, layout.hist_size, layout.sum_end, layout.max_end)
+    return torch.cat((g[:, : layout.sum_end].sum(0), g[:, layout.sum_end : layout.max_end].amax(0)))
 
 
 def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -385,7 +402,7 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     n, sb, lb = layout.n_norms, layout.share_bins, layout.value_bins
     hist = merged[: layout.hist_size].reshape(n, layout.per_norm)
     sums = merged[layout.hist_size : layout.sum_end].reshape(n, N_SUMS).astype(np.float64)
-    maxes = merged[layout.sum_end : layout.size].reshape(N_MAX, n).astype(np.float64)
+    maxes = merged[layout.sum_end : layout.max_end].reshape(N_MAX, n).astype(np.float64)
     share_c = hist[:, :sb]
     value_edges = _edges(layout, "value")
     var_lo, var_hi = _bounds(-maxes[2], maxes[1], value_edges)

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core import torch_internals
+from lnmonitor.core import dtensors, torch_internals
 from lnmonitor.core.hooks import Hooks, measuring
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
@@ -109,9 +109,10 @@ class _Pending:
     keep: Tensor | None = None  # the rows that are not padding, when a row mask fits this call
     awaits_input: bool = False
     through: Tensor | None = None
+    like: Tensor | None = None  # a DTensor input: its gradient is laid out as it is, then made local
 
     def clear(self) -> None:
-        self.x = self.saved = self.gain = self.keep = self.through = None
+        self.x = self.saved = self.gain = self.keep = self.through = self.like = None
 
 
 @dataclass
@@ -128,7 +129,8 @@ class StepRows:
     (their rows carry the forward statistics alone), ``calls`` counts each norm's
     measured calls (a module the forward calls more than once is reused), and ``unmasked``
     holds the norms with a row mask that none of their calls' rows lined up with (every row
-    measured).
+    measured), and ``refused`` maps a norm to why its ``DTensor`` rows could not be read
+    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows).
     """
 
     data: Tensor | None
@@ -141,6 +143,7 @@ class StepRows:
     forward_only: set[int] = field(default_factory=set)
     calls: dict[int, int] = field(default_factory=dict)
     unmasked: set[int] = field(default_factory=set)
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 class NormTap:
@@ -169,6 +172,7 @@ class NormTap:
         self._pads: dict[int, Tensor] = {}
         self._forward_only: set[int] = set()
         self._unmasked: set[int] = set()
+        self._refused: dict[int, str] = {}
         self._calls: dict[int, int] = {}
         self._pending: list[_Pending] = []
         self._workspace: list[Tensor] = []
@@ -214,7 +218,12 @@ class NormTap:
                 return
             if not args or not isinstance(args[0], Tensor):
                 return
-            x = args[0]
+            stream = args[0]  # a DTensor under tensor parallelism: its local rows are measured
+            refused = dtensors.unsupported(stream, output)
+            if refused:
+                self._refused.setdefault(index, refused)
+                return
+            x = dtensors.local(stream)
             packing = torch_internals.saved_tensor_hooks_active()
             if packing and torch_internals.backward_running():
                 # a forward inside a backward under saved-tensor hooks: non-reentrant
@@ -226,18 +235,18 @@ class NormTap:
                 self._forward_rows(index, info, x)
                 return
             saved = None
-            if not packing and info.kind == "layer":
+            if not packing and info.kind == "layer" and x is stream and not dtensors.is_dtensor(output):
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
             # the only references we hold, cleared by the backward hooks or detach()
-            box = _Pending(x, saved, info.gain(), self._keep(x, index, info))
+            box = _Pending(x, saved, info.gain(), self._keep(x, index, info), like=stream)
             self._pending.append(box)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
                 output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
             else:
                 output.register_hook(self._guarded(self._grad_hook(index, info, box)))
-            if self._bypass_step and x.requires_grad:
+            if self._bypass_step and stream.requires_grad:
                 box.awaits_input = True
-                _on_stream_gradient(x, self._guarded(self._input_hook(index, box, x.dtype)))
+                _on_stream_gradient(stream, self._guarded(self._input_hook(index, box, x.dtype)))
 
         return self._guarded(hook)
 
@@ -290,6 +299,7 @@ class NormTap:
         def hook(grad: Tensor) -> None:
             if box.x is None:
                 return
+            grad = dtensors.local(grad, box.like)
             x, _, gain, keep = self._take(box)
             d = x.shape[-1] if info.width is None else info.width
             if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
@@ -337,6 +347,7 @@ class NormTap:
         part through the norm; the resolution is the coarser of the two dtypes'."""
 
         def hook(total: Tensor) -> None:
+            total = dtensors.local(total, box.like)
             through = box.through
             self._drop(box)
             box.clear()
@@ -389,11 +400,11 @@ class NormTap:
                 self.error = err
         rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
                         self._pads, self._forward_only, self._calls,
-                        {i for i in self._unmasked if i not in self._pads})
+                        {i for i in self._unmasked if i not in self._pads}, self._refused)
         self._calls_kept, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
         self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
-        self._unmasked = set()
+        self._unmasked, self._refused = set(), {}
         self._workspace = []
         self._bypass_step = False
         return rows
@@ -436,10 +447,12 @@ class NormTap:
 def _on_stream_gradient(x: Tensor, fn) -> None:
     """``fn(total)`` with the whole gradient at the stream a norm reads: ``x`` itself, or, when
     ``x`` is a dtype cast of it (``h.to(weight.dtype)``: Mamba's ``residual_in_fp32`` keeps the
-    float32 stream for the residual and casts a copy for the norm, which nothing else reads),
-    the tensor it was cast from, whose gradient sums the norm's (cast back) and the residual's."""
+    float32 stream for the residual and casts a copy for the norm, which nothing else reads)
+    or a ``DTensor`` made of it (``SequenceParallel``'s input hook: ``DTensor.from_local`` of
+    the local rows), the tensor it was made from, whose gradient sums the norm's and the
+    residual's."""
     node = x.grad_fn
-    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+    if node is None or type(node).__name__ not in dtensors.STREAM_NODES or not node.next_functions:
         x.register_hook(fn)
         return
     source, output = node.next_functions[0]
