@@ -57,14 +57,18 @@ def test_analysis_json_is_strict_and_carries_the_findings(analyzed):
                       parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert data["config"]["width"] == 32 and data["step"] == 40
     assert data["rows"] == 2 * 32 * 16
-    assert len(data["norms"]) == 5 and len(data["shares"]) == 5 and len(data["ladder"]) == 5
+    assert len(data["norms"]) == 5 and len(data["roles"]) == 5 and len(data["ladder"]["rungs"]) == 5
+    assert data["ladder"]["final"] == "model.lnf" and data["roles"]["model.lnf"] == "final"
+    # the figures under the names a monitor logs them, the ladder's among them
+    assert data["metrics"]["lnmonitor/ladder/attenuation"] == data["ladder"]["attenuation"] > 1.0
+    assert data["metrics"]["lnmonitor/ladder_position/model.lnf"] == 4.0
     for norm in data["norms"]:
         assert norm["max_abs_error"] <= 1e-13 * norm["max_abs_entry"]
         assert math.isfinite(norm["gain_spread"]) and norm["gain_spread"] >= 1.0
     for block in data["blocks"]:
         assert block["block_rank"] == 32 > block["branch_rank"]
         assert "numpy" in block["rank_rule"]
-    assert [r["point"] for r in data["ladder"]] == [
+    assert [data["labels"][name] for name in data["ladder"]["rungs"]] == [
         "embedding", "after block 0 attention", "after block 0 MLP", "after block 1 attention",
         "after block 1 MLP",
     ]
@@ -99,7 +103,7 @@ def test_summary_rows_and_markdown_from_the_api(checkpoint):
     assert a.invariance is None and a.step == 40
     quantities = [q for q, _, _ in summary_rows(a)]
     assert "block rank at one position" in quantities and "dloss: shift 5 / scale 3" not in quantities
-    assert [r.name for r in a.study] == [r.name for r in a.ladder] and a.study_sequences == 8
+    assert [r.name for r in a.study] == a.result.figures.rungs and a.study_sequences == 8
     assert "residual rms, first -> last (study's: global rms, 8 sequences)" in quantities
     assert "block singular values, blocks.0 alone" in quantities
     assert "## Final-norm invariance" not in to_markdown(a)
@@ -218,7 +222,7 @@ def test_the_ladder_figure_names_rungs_as_everything_else_and_every_panel_has_a_
     monkeypatch.setattr(analysis_figures, "save_png", lambda fig, path: figures.update({path.name: fig}))
     analysis_figures.write_figures(a, checkpoint.parent)
     ladder = figures["analysis_ladder.png"].axes[0]
-    assert [t.get_text() for t in ladder.get_xticklabels()] == [short_name(r.name) for r in a.ladder]
+    assert [t.get_text() for t in ladder.get_xticklabels()] == [short_name(r.name) for r in a.rungs]
     for name, fig in figures.items():
         for ax in fig.axes:
             assert ax.get_ylabel(), (name, ax.get_title())

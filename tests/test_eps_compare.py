@@ -72,7 +72,14 @@ def test_end_to_end_writes_results_report_and_figures(compared):
         # a slope where the sweep has three same-signed points in its window, else the reason
         fitted = head["scale_slope"] is not None and math.isfinite(head["scale_slope"])
         assert fitted or run["invariance"]["fit_note"].startswith("no fit:"), run["invariance"]["fit_note"]
-        assert run["norm_order"][-1] == "model.lnf" and len(run["norms"]) == 3
+        # the meter's result, as a monitor logs it, with its roles (record format /2)
+        assert run["format"] == store.RECORD_FORMAT
+        assert run["norm_order"] == run["rungs"] and len(run["norm_info"]) == 3
+        assert run["final_norm"] == "model.lnf" == run["invariance"]["final_norm"]
+        final = {q: run["metrics"][f"lnmonitor/{q}/model.lnf"] for q in ("eps_over_var", "transmission")}
+        assert (head["final_eps_over_var"], head["final_transmission"]) == (
+            final["eps_over_var"], final["transmission"])
+        assert head["attenuation"] == run["metrics"]["lnmonitor/ladder/attenuation"]
         assert {"shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5"} <= set(
             run["invariance"]["cases"]
         )

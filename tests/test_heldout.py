@@ -1,5 +1,5 @@
-"""lnmonitor.core.heldout: float64 shares against a direct autograd computation, and the ladder's
-stream points."""
+"""lnmonitor.core.heldout: the held-out tools measure through the meter -- one checkpoint gives
+the monitors' numbers, to the bit on the same rows; the model is left as it was."""
 
 from __future__ import annotations
 
@@ -8,25 +8,73 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    PROBE_WIDTH,
-)
+from conftest import PROBE_WIDTH
+from torch import nn
 
-from lnmonitor.core import geometry
-from lnmonitor.core.heldout import measure_norm_rows, share_table, sigma_ladder
-from lnmonitor.core.norms import find_norms
+from lnmonitor.core.heldout import held_out_result
+from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.roles import FINAL, POST
+from lnmonitor.core.summaries import SHARE_RESOLUTION
+from lnmonitor.experiments.analysis import analyze
+from lnmonitor.integrations.loop import LoopMonitor
 
 
-def test_shares_match_a_direct_autograd_computation_and_grads_stay_untouched(trained):
+def tiny_loss(model, batch):
+    return model(*batch)[1]
+
+
+def test_one_checkpoint_through_a_monitor_and_through_analyze_gives_the_same_numbers(trained):
+    """The same rows through the LoopMonitor (a training step, no update) and through
+    ``analyze``: the same rungs, final norm, ladder, every norm's figures and the baselines,
+    bit for bit (before, analyze's float64 medians differed from the monitor's in the 4th digit)."""
     module = trained["module"]
-    batches = trained["batches"][:1]
-    rows = measure_norm_rows(module, batches, lambda m, b: m(*b)[1], find_norms(module))
-    assert all(p.grad is None for p in module.parameters())
-    names = [r.name for r in rows]
-    assert names == ["model.blocks.0.ln1", "model.blocks.0.ln2", "model.blocks.1.ln1",
-                     "model.blocks.1.ln2", "model.lnf"]  # call order
+    batch = trained["batches"][0]
+    monitor = LoopMonitor(module, every_n_steps=1)
+    with monitor.step(0):
+        tiny_loss(module, batch).backward()
+    module.zero_grad(set_to_none=True)
+    logged = {k: v for k, v in monitor.history[0].items() if k != "step"}
 
-    # direct: retain the final norm's input and output gradient, w = g * dL/dy
+    a = analyze(module, [batch], batches=1, invariance=False)
+    figures = a.result.figures
+    assert figures.rungs == monitor.meter.rungs() == [n.name for n in a.rungs]
+    assert figures.final == "model.lnf" == next(n.name for n in monitor.meter.norms if n.role == FINAL)
+    assert a.result.metrics(positions=True) == logged  # every tag, every bit
+    assert [r.name for r in a.study] == figures.rungs
+    first, last = a.rungs[0], a.rungs[-1]
+    assert figures.attenuation == first.inv_sigma / last.inv_sigma
+    assert figures.growth == last.rms / first.rms
+    assert figures.baseline("model.lnf") == (logged["lnmonitor/share_baseline/median"],
+                                             logged["lnmonitor/share_baseline/max"])
+
+
+def test_the_model_is_left_as_it_was(trained):
+    module = trained["module"]
+    module.train()
+    module.model.lnf.eval()
+    grads = {n: torch.full_like(p, 0.5) for n, p in module.named_parameters()}
+    for n, p in module.named_parameters():
+        p.grad = grads[n].clone()
+    torch.manual_seed(3)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(3)
+    seen = []
+    held_out_result(LadderMeter(module), trained["batches"][:1],
+                    lambda m, b: (seen.append(m.training), tiny_loss(m, b))[1])
+    assert seen == [False]  # eval mode during the passes
+    assert module.training and not module.model.lnf.training and module.model.blocks[0].training
+    assert all(torch.equal(p.grad, grads[n]) for n, p in module.named_parameters())
+    assert torch.equal(torch.rand(4), expected_draw)
+    module.zero_grad(set_to_none=True)
+    module.eval()
+
+
+def test_shares_are_the_meters_and_agree_with_a_direct_autograd_computation(trained):
+    """The final norm's shares of w = g * dL/dy: the max exactly as float64 autograd gives it
+    (to float32), the median within the histogram's resolution."""
+    module = trained["module"]
+    batch = trained["batches"][0]
+    result = held_out_result(LadderMeter(module), [batch], tiny_loss)
     lnf = module.model.lnf
     kept = {}
 
@@ -36,47 +84,65 @@ def test_shares_match_a_direct_autograd_computation_and_grads_stay_untouched(tra
 
     handle = lnf.register_forward_hook(hook)
     with torch.enable_grad():
-        module(*batches[0])[1].backward()
+        tiny_loss(module, batch).backward()
     handle.remove()
     module.zero_grad(set_to_none=True)
     x = kept["x"].reshape(-1, PROBE_WIDTH).double()
-    w = (lnf.weight.detach().double() * kept["g"].reshape(-1, PROBE_WIDTH).double())
+    w = lnf.weight.detach().double() * kept["g"].reshape(-1, PROBE_WIDTH).double()
     u1 = torch.full((PROBE_WIDTH,), PROBE_WIDTH**-0.5, dtype=torch.float64)
     xc = x - x.mean(-1, keepdim=True)
     u2 = xc / xc.norm(dim=-1, keepdim=True)
-    direct = torch.sqrt((w @ u1) ** 2 + (w * u2).sum(-1) ** 2) / w.norm(dim=-1)
-    np.testing.assert_allclose(rows[-1].share, direct.numpy(), rtol=1e-9)
-
-    table = share_table(rows)
-    n = batches[0][0].numel()
-    for row in table:
-        assert row.rows + row.skipped == n
-        assert row.baseline_median == pytest.approx(geometry.share_median(PROBE_WIDTH, 2))
-        assert row.baseline_max == pytest.approx(geometry.max_share_median(PROBE_WIDTH, 2, row.rows))
-        assert row.deletion_cost == pytest.approx(1 - math.sqrt(1 - row.median**2))
+    direct = (torch.sqrt((w @ u1) ** 2 + (w * u2).sum(-1) ** 2) / w.norm(dim=-1)).numpy()
+    s = result.figures.by_name()["model.lnf"].stats
+    assert s.share_rows + s.skipped_rows == batch[0].numel()
+    assert s.share_max == pytest.approx(direct.max(), rel=1e-5)
+    assert abs(s.share_median - np.median(direct)) <= SHARE_RESOLUTION
 
 
-def test_ladder_reads_the_residual_stream_points_of_the_tiny_gpt(trained):
-    """Model-specific check: the norms' inputs are embedding, after each attention, after each MLP."""
+class PostNormNet(nn.Module):
+    """A pre-norm block whose branch ends in its own norm (OLMo2-style ``post``), then a final
+    norm: three norms, two of which read the residual stream."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.branch = nn.Linear(d, d)
+        self.post = nn.LayerNorm(d)
+        self.lnf = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 11)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = 4.0 * h + self.post(self.branch(self.ln1(h)))
+        logits = self.head(self.lnf(h))
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_a_branch_norm_is_no_rung_on_held_out_batches_as_in_the_monitor():
+    """Before, the held-out path made every norm a rung (the post norm too, so attenuation
+    and growth ended or started at the wrong norm); now its roles are the meter's."""
+    torch.manual_seed(0)
+    model = PostNormNet()
+    x = torch.randint(0, 11, (4, 16))
+    batch = (x, x.roll(1, -1))
+    monitor = LoopMonitor(model, every_n_steps=1)
+    with monitor.step(0):
+        tiny_loss(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    result = held_out_result(LadderMeter(model), [batch], tiny_loss)
+    roles = {n.name: n.role for n in result.norms}
+    assert roles["post"] == POST and roles["lnf"] == FINAL
+    assert result.figures.rungs == ["ln1", "lnf"] == monitor.meter.rungs()
+    assert result.metrics(positions=True) == {k: v for k, v in monitor.history[0].items() if k != "step"}
+    by_name = result.figures.by_name()
+    assert math.isclose(result.figures.attenuation, by_name["ln1"].inv_sigma / by_name["lnf"].inv_sigma,
+                        rel_tol=0, abs_tol=0)
+
+
+def test_a_loss_without_a_graph_is_refused_and_the_meter_unhooked(trained):
     module = trained["module"]
-    batch = trained["batches"][0]
-    rows = measure_norm_rows(module, [batch], lambda m, b: m(*b)[1], find_norms(module))
-    gpt = module.model
-    with torch.no_grad():
-        x = gpt.tok_emb(batch[0]) + gpt.pos_emb(torch.arange(batch[0].shape[1]))
-        points = [x]
-        for block in gpt.blocks:
-            x = x + block.attn(block.ln1(x))
-            points.append(x)
-            x = x + block.mlp(block.ln2(x))
-            points.append(x)
-    assert len(points) == len(rows)
-    for r, p in zip(rows, points, strict=True):
-        p = p.reshape(-1, PROBE_WIDTH).double()
-        np.testing.assert_allclose(r.rms, p.pow(2).mean(-1).sqrt().numpy(), rtol=1e-5)
-        sigma = torch.sqrt(p.var(-1, unbiased=False) + 1e-5)
-        np.testing.assert_allclose(r.sigma, sigma.numpy(), rtol=1e-5)
-    ladder, attenuation, growth = sigma_ladder(rows, {"model.blocks.0.ln1": "embedding"})
-    assert ladder[0].point == "embedding" and ladder[1].point == "input of model.blocks.0.ln2"
-    assert attenuation == pytest.approx(ladder[0].inv_sigma / ladder[-1].inv_sigma)
-    assert growth == pytest.approx(ladder[-1].rms / ladder[0].rms)
+    meter = LadderMeter(module)
+    with pytest.raises(ValueError, match="scalar tensor with a graph"):
+        held_out_result(meter, trained["batches"][:1], lambda m, b: torch.tensor(1.0))
+    assert not meter.measuring and all(p.grad is None for p in module.parameters())

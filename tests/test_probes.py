@@ -15,7 +15,8 @@ from conftest import (
 from torch import nn
 
 from lnmonitor.core import geometry
-from lnmonitor.core.heldout import measure_norm_rows, share_table
+from lnmonitor.core.heldout import held_out_result
+from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
 from lnmonitor.core.probes import (
     SequenceCapture,
@@ -163,5 +164,5 @@ def test_rmsnorm_model_has_a_one_dimensional_dead_subspace():
     assert b.block_rank == 16 and b.branch_rank == 16 and b.branch_sv_min < 1e-3 * b.branch_sv_max
     loose = probe_block_rank(blocks[0][1], cap.blocks[blocks[0][0]], norms, position=3, rtol=1e-3)
     assert loose.block_rank == 16 and loose.branch_rank == 15 and loose.rank_rule == "sv > 0.001 * s_max"
-    rows = measure_norm_rows(module, [(idx, idx)], lambda m, bt: m(*bt)[1], norms)
-    assert share_table(rows)[0].baseline_median == pytest.approx(geometry.share_median(16, 1))
+    result = held_out_result(LadderMeter(module), [(idx, idx)], lambda m, bt: m(*bt)[1])
+    assert result.figures.baseline(norms[0].name)[0] == pytest.approx(geometry.share_median(16, 1))

@@ -1,10 +1,11 @@
 """The one definition of every figure lnmonitor reports about a step's norms.
 
-Whatever measured the rows -- the live meter's fixed-bin histograms
-(:mod:`lnmonitor.core.meter`) or the float64 held-out rows of ``analyze`` and ``eps-compare``
-(:mod:`lnmonitor.core.heldout`) -- it hands over one :class:`NormStats` per norm (medians over
-rows), and :func:`ladder_figures` turns them into the figures: sigma, 1/sigma, rms,
-eps/var, the transmission, the dead-plane shares against the exact random baseline, and
+The meter (:mod:`lnmonitor.core.meter`), on a training step or on the held-out batches of
+``analyze`` and ``eps-compare`` (:mod:`lnmonitor.core.heldout`), hands over one
+:class:`NormStats` per norm (medians over rows), and :func:`ladder_figures` turns them into
+the figures: sigma, 1/sigma, rms, eps/var, the transmission
+(:func:`lnmonitor.core.geometry.transmission`), the dead-plane shares against the exact random
+baseline, and
 the ladder's attenuation and growth over its rungs (one ladder per residual stream: an
 encoder-decoder's encoder has its own, :class:`Ladder`).  :meth:`LadderFigures.metrics` names
 them as logged (docs/design.md, :mod:`lnmonitor.core.metric_names`).
@@ -101,6 +102,15 @@ class LadderFigures:
     def by_name(self) -> dict[str, NormFigures]:
         return {f.name: f for f in self.norms}
 
+    def baseline(self, name: str) -> tuple[float, float]:
+        """``(median, max)``: the random-direction baselines norm ``name``'s median and max
+        share are compared with (the shared pair, or the norm's own; nan where there is none)."""
+        pair = []
+        for which in ("median", "max"):
+            shared = self.baselines.get(_baseline_tag(which), math.nan)
+            pair.append(self.baselines.get(_baseline_tag(which, name), shared))
+        return pair[0], pair[1]
+
     @property
     def main(self) -> Ladder:
         """The model's ladder as a :class:`Ladder` (its ``stack`` is ``""``)."""
@@ -149,7 +159,7 @@ def _figures(s: NormStats) -> NormFigures:
         inv_sigma=1.0 / sigma if sigma > 0 else math.nan,
         rms=math.sqrt(s.ms) if s.ms >= 0 else math.nan,
         eps_over_var=s.eps / s.var if s.var > 0 else math.nan,
-        transmission=s.eps / (s.var + s.eps) if s.var + s.eps > 0 else math.nan,
+        transmission=geometry.transmission(s.var, s.eps) if s.var + s.eps > 0 else math.nan,
     )
 
 
@@ -193,19 +203,24 @@ def _baselines(stats: Sequence[NormStats]) -> dict[str, float]:
         d, k = next(iter(shapes))
         if d is None or d <= k:
             return out
-        out[f"{PREFIX}/share_baseline/median"] = baseline_median(d, k)
+        out[_baseline_tag("median")] = baseline_median(d, k)
         n = max(s.share_rows for s in stats)
         if n >= 1:
-            out[f"{PREFIX}/share_baseline/max"] = baseline_max(d, k, n)
+            out[_baseline_tag("max")] = baseline_max(d, k, n)
         return out
     for s in stats:
         k = geometry.dead_dim(s.kind)
         if s.width is None or s.width <= k:
             continue
-        out[f"{PREFIX}/share_baseline/median/{s.name}"] = baseline_median(s.width, k)
+        out[_baseline_tag("median", s.name)] = baseline_median(s.width, k)
         if s.share_rows >= 1:
-            out[f"{PREFIX}/share_baseline/max/{s.name}"] = baseline_max(s.width, k, s.share_rows)
+            out[_baseline_tag("max", s.name)] = baseline_max(s.width, k, s.share_rows)
     return out
+
+
+def _baseline_tag(which: str, name: str | None = None) -> str:
+    """``lnmonitor/share_baseline/<which>``, or ``.../<which>/<norm>`` for one norm's own."""
+    return f"{PREFIX}/share_baseline/{which}" + (f"/{name}" if name else "")
 
 
 @lru_cache(maxsize=256)

@@ -1,7 +1,8 @@
 """The whole LayerNorm story of one tiny-GPT checkpoint, as one :class:`Analysis`.
 
 :func:`analyze` runs the held-out measurement every experiment shares
-(:func:`lnmonitor.experiments.measure.measure_held_out`: loss, shares, ladder, invariance) and the
+(:func:`lnmonitor.experiments.measure.measure_held_out`: the loss, the meter's result -- the
+figures the monitors log, under their names -- and the invariance probe) and the
 structural probes of :mod:`lnmonitor.core.probes` at one position (each norm's Jacobian
 against autograd, block versus branch rank).  :mod:`lnmonitor.experiments.analysis_report`
 turns the result into tables, JSON and figures.
@@ -18,12 +19,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from lnmonitor.core.heldout import LadderRow, ShareRow
-from lnmonitor.core.hooks import Hooks
+from lnmonitor.core.hooks import Hooks, eval_mode
 from lnmonitor.core.invariance import InvarianceResult
+from lnmonitor.core.ladder import NormFigures
+from lnmonitor.core.meter import LadderResult
 from lnmonitor.core.probes import (
     BlockRankProbe,
     NormJacobianProbe,
@@ -32,6 +33,7 @@ from lnmonitor.core.probes import (
     probe_block_rank,
     probe_norm_jacobian,
 )
+from lnmonitor.core.summaries import NormSummary
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
@@ -46,8 +48,9 @@ class StudyRung:
     """One rung of the ladder as the study computed it, on the first :data:`STUDY_SEQUENCES`
     held-out sequences: ``rms`` the global rms over all their rows and features, ``std`` the
     median over rows of the per-row unbiased std (``h.std(-1).median()``, no eps).  Ours
-    (:class:`~lnmonitor.core.heldout.LadderRow`) are medians over every measured row, with
-    ``sigma = sqrt(v + eps)``: different statistics of the same stream."""
+    (the meter's, :class:`~lnmonitor.core.ladder.NormFigures`) are medians over every measured
+    row, with ``sigma = sqrt(v + eps)``: different statistics of the same stream, shown beside
+    ours as the study's, never under a monitor's name."""
 
     name: str
     rms: float
@@ -78,8 +81,11 @@ def study_ladder(module, x: torch.Tensor, norms) -> list[StudyRung]:
 
 @dataclass
 class Analysis:
-    """Everything :func:`analyze` measured.  ``share_values`` (per-row shares, for the
-    figures) is not written to JSON."""
+    """Everything :func:`analyze` measured.  ``result`` is the meter's
+    (:class:`~lnmonitor.core.meter.LadderResult`, read with its histograms): the norms with
+    their roles, their figures, the ladder over the rungs and the baselines, exactly as a
+    monitor logs them (``result.metrics()``); ``labels`` name the residual-stream point each
+    rung reads (the tiny GPT's, :func:`stream_labels`)."""
 
     checkpoint: str
     step: int | None
@@ -91,15 +97,22 @@ class Analysis:
     position: int
     norms: list[NormJacobianProbe]
     blocks: list[BlockRankProbe]
-    shares: list[ShareRow]
-    ladder: list[LadderRow]
-    attenuation: float
-    growth: float
+    result: LadderResult
     invariance: InvarianceResult | None
+    labels: dict[str, str] = field(default_factory=dict)
     study: list[StudyRung] = field(default_factory=list)
     study_sequences: int = 0
     seconds: float = 0.0
-    share_values: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def rungs(self) -> list[NormFigures]:
+        """The ladder's rungs' figures, in forward order (the final norm last)."""
+        by_name = self.result.figures.by_name()
+        return [by_name[name] for name in self.result.figures.rungs]
+
+    def per_norm(self) -> list[tuple[NormFigures, NormSummary]]:
+        """Every measured norm's figures and summary (with its histograms), in the meter's order."""
+        return list(zip(self.result.figures.norms, self.result.summaries, strict=True))
 
 
 def stream_labels(module) -> dict[str, str]:
@@ -140,24 +153,25 @@ def analyze(
         )
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"batches must be a positive integer, got {batches!r}")
-    m = measure_held_out(module.eval(), held_out, norm_batches=batches, invariance=invariance,
-                labels=stream_labels(module))
+    m = measure_held_out(module, held_out, norm_batches=batches, invariance=invariance, counts=True)
     blocks = find_blocks(module, m.norms)
-    with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:
-        module(held_out[0][0][:1])
-    block_probes = [
-        probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name, rtol=rtol)
-        for name, block in blocks
-    ]
-    norm_probes = [probe_norm_jacobian(info, cap.norms[info.name][position], rtol=rtol) for info in m.norms]
-    rungs = {info.name: info for info in m.norms}
-    study = study_ladder(module, held_out[0][0], [rungs[r.name] for r in m.ladder])
+    with eval_mode(module):
+        with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:
+            module(held_out[0][0][:1])
+        block_probes = [
+            probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name, rtol=rtol)
+            for name, block in blocks
+        ]
+        norm_probes = [probe_norm_jacobian(info, cap.norms[info.name][position], rtol=rtol)
+                       for info in m.norms]
+        by_name = {info.name: info for info in m.norms}
+        study = study_ladder(module, held_out[0][0], [by_name[name] for name in m.result.figures.rungs])
     return Analysis(
         checkpoint=str(checkpoint), step=step, config=dict(hp), data=data_name,
         batches=len(held_out) if batches is None else min(batches, len(held_out)),
         rows=m.windows["norms"] * context, val_loss=m.val_loss, position=position % context,
-        norms=norm_probes, blocks=block_probes, shares=m.shares, ladder=m.ladder,
-        attenuation=m.attenuation, growth=m.growth, invariance=m.invariance, study=study,
+        norms=norm_probes, blocks=block_probes, result=m.result, invariance=m.invariance,
+        labels=stream_labels(module), study=study,
         study_sequences=min(STUDY_SEQUENCES, int(held_out[0][0].shape[0])),
-        seconds=time.perf_counter() - started, share_values={r.name: r.share for r in m.rows},
+        seconds=time.perf_counter() - started,
     )

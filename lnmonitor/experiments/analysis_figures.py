@@ -17,9 +17,8 @@ __all__ = ["write_figures"]
 
 
 def _fig_spectrum(a: Analysis, path: Path) -> None:
-    n = a.norms[-1] if not a.invariance else next(
-        (x for x in a.norms if x.name == a.invariance.final_norm), a.norms[-1]
-    )
+    # the final norm's (the meter's rule); the last norm probed when the model has none
+    n = next((x for x in a.norms if x.name == a.result.figures.final), a.norms[-1])
     k = geometry.dead_dim(n.kind)
     floor = 1e-20
     idx = np.arange(1, n.width + 1)
@@ -41,22 +40,27 @@ def _fig_spectrum(a: Analysis, path: Path) -> None:
 
 
 def _fig_shares(a: Analysis, path: Path) -> None:
-    names = [s.name for s in a.shares]
-    cols = min(3, len(names))
-    rows = math.ceil(len(names) / cols)
+    measured = [(f, s) for f, s in a.per_norm() if f.stats.share_rows]
+    cols = min(3, len(measured))
+    rows = math.ceil(len(measured) / cols)
     fig = new_figure(3.4 * cols, 2.6 * rows)
-    for i, s in enumerate(a.shares):
+    for i, (f, s) in enumerate(measured):
         ax = fig.add_subplot(rows, cols, i + 1)
-        values = a.share_values.get(s.name, np.zeros(0))
-        k = geometry.dead_dim(s.kind)
-        grid = np.linspace(0, min(1.0, max(0.5, float(values.max()) if values.size else 0.5) * 1.05), 300)
-        if values.size:
-            ax.hist(values, bins=80, range=(0, grid[-1]), density=True, alpha=0.6, label="observed")
-        ax.plot(grid, geometry.share_pdf(grid, s.width, k), "k-", lw=1, label="random direction")
-        ax.axvline(s.baseline_max, color="k", ls=":", lw=1, label="random max, same rows")
-        if values.size:
-            ax.axvline(s.max, color="C3", lw=1, label="observed max")
-        ax.set_title(short_name(s.name), fontsize=9)
+        edges = s.layout.share_edges()
+        width = f.stats.width
+        base_max = a.result.figures.baseline(f.name)[1]
+        top = min(1.0, max(0.5, f.stats.share_max) * 1.05)
+        grid = np.linspace(0, top, 300)
+        # the meter's share histogram (its bins), as a density
+        ax.stairs(s.share_counts / (s.share_counts.sum() * np.diff(edges)), edges, fill=True, alpha=0.6,
+                  label="observed")
+        ax.set_xlim(0, top)
+        if width is not None:
+            ax.plot(grid, geometry.share_pdf(grid, width, geometry.dead_dim(f.stats.kind)), "k-", lw=1,
+                    label="random direction")
+        ax.axvline(base_max, color="k", ls=":", lw=1, label="random max, same rows")
+        ax.axvline(f.stats.share_max, color="C3", lw=1, label="observed max")
+        ax.set_title(short_name(f.name), fontsize=9)
         ax.set_ylabel("density", fontsize=7)
         ax.tick_params(labelsize=7)
         if i == 0:
@@ -66,16 +70,17 @@ def _fig_shares(a: Analysis, path: Path) -> None:
 
 
 def _fig_ladder(a: Analysis, path: Path) -> None:
-    x = np.arange(len(a.ladder))
+    rungs, figures = a.rungs, a.result.figures
+    x = np.arange(len(rungs))
     fig = new_figure(7.5, 4.2)
     ax = fig.add_subplot()
-    ax.plot(x, [r.rms for r in a.ladder], "o-", label="rms of the stream")
-    ax.plot(x, [r.inv_sigma for r in a.ladder], "s-", label="1/sigma of the norm reading it")
-    ax.set_xticks(x, [short_name(r.name) for r in a.ladder], rotation=35, ha="right", fontsize=7)
+    ax.plot(x, [r.rms for r in rungs], "o-", label="rms of the stream")
+    ax.plot(x, [r.inv_sigma for r in rungs], "s-", label="1/sigma of the norm reading it")
+    ax.set_xticks(x, [short_name(r.name) for r in rungs], rotation=35, ha="right", fontsize=7)
     ax.set_xlabel("rung: the norm reading the stream, in forward order")
     ax.set_ylabel("rms, 1/sigma (log scale)")
     ax.set_yscale("log")
-    ax.set_title(f"the 1/sigma ladder: attenuation {a.attenuation:.2f}x, growth {a.growth:.2f}x")
+    ax.set_title(f"the 1/sigma ladder: attenuation {figures.attenuation:.2f}x, growth {figures.growth:.2f}x")
     ax.legend(fontsize=8)
     save_png(fig, path)
 
@@ -105,8 +110,9 @@ def _fig_sweep(a: Analysis, path: Path) -> None:
 def write_figures(a: Analysis, folder: Path, stem: str = "analysis") -> dict[str, str]:
     """Write the PNG figures into ``folder``; returns figure name -> file name."""
     made = {}
-    plots = {"spectrum": (_fig_spectrum, bool(a.norms)), "shares": (_fig_shares, bool(a.shares)),
-             "ladder": (_fig_ladder, bool(a.ladder)), "sweep": (_fig_sweep, a.invariance is not None)}
+    shares = any(f.stats.share_rows and s.share_counts is not None for f, s in a.per_norm())
+    plots = {"spectrum": (_fig_spectrum, bool(a.norms)), "shares": (_fig_shares, shares),
+             "ladder": (_fig_ladder, bool(a.rungs)), "sweep": (_fig_sweep, a.invariance is not None)}
     for name, (fn, possible) in plots.items():
         if possible:
             fname = f"{stem}_{name}.png"

@@ -90,29 +90,31 @@ def _rank_at(singular_values, rtol: float) -> int:
     return int((sv > rtol * sv.max()).sum()) if sv.size else 0
 
 
-def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
-    """``(quantity, this model, study)`` rows: the compact side-by-side table."""
-    width = int(a.config.get("width", 0))
-    shares = [s for s in a.shares if s.rows]
-    final = a.shares[-1] if a.shares else None
-    above = sum(1 for s in shares if s.max > s.baseline_max)
-    kind = a.shares[0].kind if a.shares else "layer"
-    k = geometry.dead_dim(kind)
-    vocab = len(a.config.get("vocab", ""))
-    rows = [
-        ("validation loss, nats/char", f"{a.val_loss:.3f} ({vocab} symbols)", REFERENCE["val_loss"]),
-        (
-            "median share, per norm",
-            f"{_range(s.median for s in shares)} (random {_f(geometry.share_median(width, k))})",
-            REFERENCE["share_median"] + " (random 0.105)",
-        ),
+def _shares(a: Analysis) -> list[str]:
+    """The summary's share rows: the meter's medians and maxima against its baselines."""
+    figures = a.result.figures
+    shares = [f for f, _ in a.per_norm() if f.stats.share_rows]
+    above = sum(1 for f in shares if f.stats.share_max > figures.baseline(f.name)[1])
+    final = figures.by_name().get(figures.final) if figures.final else None
+    return [
+        ("median share, per norm",
+         f"{_range(f.stats.share_median for f in shares)} "
+         f"(random {_range(figures.baseline(f.name)[0] for f in shares)})",
+         REFERENCE["share_median"] + " (random 0.105)"),
         ("norms whose max share beats random max", f"{above} of {len(shares)}", REFERENCE["share_max_above"]),
-        (
-            "final norm max share",
-            f"{_f(final.max)} (random max {_f(final.baseline_max)})" if final else "-",
-            REFERENCE["final_share_max"],
-        ),
+        ("final norm max share",
+         f"{_f(final.stats.share_max)} (random max {_f(figures.baseline(final.name)[1])})" if final else "-",
+         REFERENCE["final_share_max"]),
     ]
+
+
+def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
+    """``(quantity, this model, study)`` rows: the compact side-by-side table.  Every figure
+    of this model is the meter's (what a monitor logs), except those marked the study's."""
+    width = int(a.config.get("width", 0))
+    vocab = len(a.config.get("vocab", ""))
+    rows = [("validation loss, nats/char", f"{a.val_loss:.3f} ({vocab} symbols)", REFERENCE["val_loss"])]
+    rows += _shares(a)
     if a.blocks:
         ranks = sorted({b.block_rank for b in a.blocks})
         loose = _range(_rank_at(b.branch_singular_values, 1e-6) for b in a.blocks)
@@ -134,14 +136,16 @@ def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
             (f"branch rank, {short_name(first.name)}, sv > {width} x 2^-23 s_max (torch's float32 default)",
              str(_rank_at(first.branch_singular_values, float32_rtol(width))), REFERENCE["branch_rank"]),
         ]
-    if a.ladder:
-        first, last = a.ladder[0], a.ladder[-1]
+    rungs, figures = a.rungs, a.result.figures
+    if rungs:
+        first, last = rungs[0], rungs[-1]
         rows += [
-            ("residual rms, first -> last (ours: median row)",
-             f"{_f(first.rms, 2)} -> {_f(last.rms, 2)} ({a.growth:.1f}x)", "(another statistic: below)"),
+            ("residual rms, first -> last rung (ours: median row; growth)",
+             f"{_f(first.rms, 2)} -> {_f(last.rms, 2)} ({figures.growth:.1f}x)",
+             "(another statistic: below)"),
             (
-                "1/sigma, first -> last (ours: median row's sqrt(v + eps))",
-                f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({a.attenuation:.1f}x)",
+                "1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)",
+                f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({figures.attenuation:.1f}x)",
                 "(another statistic: below)",
             ),
         ]
@@ -195,22 +199,27 @@ def _table(headers: list[str], rows: list[list[str]], markdown: bool) -> list[st
     return out
 
 
+def _cost(share: float, digits: int = 2) -> str:
+    """The deletion cost of a share, in percent."""
+    return f"{100 * geometry.deletion_cost(share):.{digits}f}%" if math.isfinite(share) else "nan"
+
+
 def _norm_rows(a: Analysis) -> list[list[str]]:
     probes = {n.name: n for n in a.norms}
-    points = {r.name: r for r in a.ladder}
+    roles = {info.name: info.role for info in a.result.norms}
     out = []
-    for s in a.shares:
-        n, p = probes.get(s.name), points.get(s.name)
+    for f, _ in a.per_norm():
+        s, n = f.stats, probes.get(f.name)
         out.append([
-            short_name(s.name), _f(s.median), _f(s.p90), _f(s.max), _f(s.baseline_max),
-            f"{100 * s.deletion_cost:.2f}%" if math.isfinite(s.deletion_cost) else "nan",
-            _f(p.rms, 2) if p else "-", _f(p.inv_sigma) if p else "-",
-            _f(p.eps_over_var, 1) if p else "-", _f(n.gain_spread, 2) if n else "-",
+            short_name(f.name), roles.get(f.name) or "-", _f(s.share_median), _f(s.share_p90),
+            _f(s.share_max),
+            _f(a.result.figures.baseline(f.name)[1]), _cost(s.share_median), _f(f.rms, 2), _f(f.inv_sigma),
+            _f(f.eps_over_var, 1), _f(n.gain_spread, 2) if n else "-",
         ])
     return out
 
 
-NORM_HEADERS = ["norm", "share med", "p90", "max", "rand max", "del. cost", "rms", "1/sigma",
+NORM_HEADERS = ["norm", "role", "share med", "p90", "max", "rand max", "del. cost", "rms", "1/sigma",
                 "eps/v", "gain spread"]
 
 
@@ -233,8 +242,8 @@ def to_terminal(a: Analysis) -> str:
     lines += _table(["quantity", "this model", "study"],
                     [list(r) for r in summary_rows(a)], markdown=False)
     lines += [STUDY_NOTE]
-    lines += ["", "per norm (dead-plane shares of w = g * dL/dy over all rows; ladder medians; "
-              "gain spread at one row):"]
+    lines += ["", "per norm (the monitors' figures: dead-plane shares of w = g * dL/dy, medians over "
+              "the measured rows; gain spread at one row):"]
     lines += _table(NORM_HEADERS, _norm_rows(a), markdown=False)
     if a.blocks:
         lines += ["", f"block vs branch Jacobian at position {a.position} ({a.blocks[0].rank_rule}):"]
@@ -296,35 +305,15 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
               *(str(_rank_at(b.branch_singular_values, r)) for r in rtols)] for b in a.blocks],
             True,
         )
-    md += ["", "## Dead-plane shares", "",
-           "Share of w = g * dL/dy in the dead subspace, over every held-out row; random: a uniformly "
-           "random direction (median), and the median of the max of the same number of random rows. "
-           "Deletion cost: 1 - sqrt(1 - median^2).", ""]
-    md += _table(
-        ["norm", "rows", "skipped", "median", "p90", "max", "rms", "random median", "random max",
-         "deletion cost", "random deletion cost"],
-        [[short_name(s.name), str(s.rows), str(s.skipped), _f(s.median), _f(s.p90), _f(s.max), _f(s.rms),
-          _f(s.baseline_median), _f(s.baseline_max), f"{100 * s.deletion_cost:.3f}%",
-          f"{100 * s.baseline_deletion_cost:.3f}%"] for s in a.shares],
-        True,
-    )
-    md += ["", "## The 1/sigma ladder", "",
-           "Medians over rows of the stream each norm reads (in call order).", ""]
-    md += _table(
-        ["point", "norm", "rms", "sigma", "1/sigma", "eps/v"],
-        [[r.point, short_name(r.name), _f(r.rms), _f(r.sigma), _f(r.inv_sigma), _f(r.eps_over_var, 2)]
-         for r in a.ladder],
-        True,
-    )
-    md += ["", f"Attenuation 1/sigma(first) / 1/sigma(last) = {_f(a.attenuation)}; "
-           f"growth rms(last) / rms(first) = {_f(a.growth)}."]
+    md += _share_section(a)
+    md += _ladder_section(a)
     if a.study:
         md += ["", "### The same stream, as the study computed it", "",
                f"On the first {a.study_sequences} held-out sequences: rms is the global rms over all their "
                "rows and features (ours above: the median row's, over every measured row), std the median "
                "over rows of the per-row unbiased std, without eps (ours: sqrt(v + eps) of the median row). "
                "Each pair measures the same stream with a different statistic.", ""]
-        ours = {r.name: r for r in a.ladder}
+        ours = a.result.figures.by_name()
         md += _table(
             ["norm", "rms, median row (ours)", "global rms (study)", "sigma, median row (ours)",
              "median unbiased std (study)"],
@@ -358,11 +347,48 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     return "\n".join(md) + "\n"
 
 
+def _share_section(a: Analysis) -> list[str]:
+    md = ["", "## Dead-plane shares", "",
+          "Share of w = g * dL/dy in the dead subspace, over every held-out row, as the monitors measure "
+          "it (lnmonitor/share_*); random: a uniformly random direction (median), and the median of the "
+          "max of the same number of random rows (lnmonitor/share_baseline/*). "
+          "Deletion cost: 1 - sqrt(1 - median^2).", ""]
+    rows = []
+    for f, _ in a.per_norm():
+        s, (base_median, base_max) = f.stats, a.result.figures.baseline(f.name)
+        rows.append([short_name(f.name), str(s.share_rows), str(s.skipped_rows), _f(s.share_median),
+                     _f(s.share_p90), _f(s.share_max), _f(base_median), _f(base_max),
+                     _cost(s.share_median, 3), _cost(base_median, 3)])
+    return md + _table(["norm", "rows", "skipped", "median", "p90", "max", "random median", "random max",
+                        "deletion cost", "random deletion cost"], rows, True)
+
+
+def _ladder_section(a: Analysis) -> list[str]:
+    figures = a.result.figures
+    md = ["", "## The 1/sigma ladder", "",
+          f"Medians over rows of the stream each rung reads (the norms that read the residual stream, "
+          f"in forward order; final norm {short_name(figures.final) if figures.final else 'none'}).", ""]
+    md += _table(
+        ["point", "norm", "rms", "sigma", "1/sigma", "eps/v"],
+        [[a.labels.get(r.name, f"input of {r.name}"), short_name(r.name), _f(r.rms), _f(r.sigma),
+          _f(r.inv_sigma), _f(r.eps_over_var, 2)] for r in a.rungs],
+        True,
+    )
+    return md + ["", f"Attenuation 1/sigma(first) / 1/sigma(last) = {_f(figures.attenuation)}; "
+                 f"growth rms(last) / rms(first) = {_f(figures.growth)}."]
+
+
 def to_json(a: Analysis) -> dict:
-    """A JSON-ready dict of everything except the per-row shares; non-finite numbers are null."""
-    out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "share_values"}
-    for key in ("norms", "blocks", "shares", "ladder", "study"):
+    """A JSON-ready dict; non-finite numbers are null.  ``metrics`` are the meter's figures under
+    the names a monitor logs them; ``roles`` and ``ladder`` say which norms are rungs."""
+    out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "result"}
+    for key in ("norms", "blocks", "study"):
         out[key] = [dataclasses.asdict(x) for x in out[key]]
+    figures = a.result.figures
+    out["metrics"] = a.result.metrics(positions=True)
+    out["roles"] = {info.name: info.role for info in a.result.norms}
+    out["ladder"] = {"rungs": figures.rungs, "final": figures.final, "attenuation": figures.attenuation,
+                     "growth": figures.growth}
     if a.invariance is not None:
         out["invariance"] = dataclasses.asdict(a.invariance)
     out["summary"] = [dict(zip(("quantity", "this_model", "study"), r, strict=True)) for r in summary_rows(a)]

@@ -32,7 +32,7 @@ import numpy as np
 from lnmonitor.core.metric_names import per_norm
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import atomic_write_json, atomic_write_text
-from lnmonitor.experiments.store import eps_label
+from lnmonitor.experiments.store import eps_label, norm_value, record_rungs
 
 __all__ = [
     "LAW_FIGURE", "PREDICTORS", "LawPoint", "eps_over_var_at_end", "eps_over_var_at_init",
@@ -47,8 +47,9 @@ SPAN = 1.0  # the knee lies at least this many decades below the largest predict
 
 
 def _first(record: dict) -> str | None:
-    order = record.get("norm_order") or []
-    return order[0] if order else None
+    """The ladder's first rung (the first norm reading the residual stream)."""
+    rungs = record_rungs(record)
+    return rungs[0] if rungs else None
 
 
 def _curve(record: dict) -> list[tuple[int, float]]:
@@ -70,7 +71,7 @@ def eps_over_var_over_training(record: dict) -> float | None:
 
 def eps_over_var_at_end(record: dict) -> float | None:
     """The first norm's eps/var on the held-out text after training (median row)."""
-    value = ((record.get("norms") or {}).get(_first(record)) or {}).get("eps_over_var")
+    value = norm_value(record, _first(record), "eps_over_var")
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 

@@ -6,16 +6,17 @@ tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
 :class:`Measurement`:
 
 * the loss over every held-out window (eval mode, nats per token);
-* every norm's rows in float64 over the first ``norm_batches`` batches
-  (:mod:`lnmonitor.core.heldout`): the dead-plane shares against the random baseline and the
-  1/sigma ladder;
+* every norm's statistics over the first ``norm_batches`` batches, measured by a
+  :class:`~lnmonitor.core.meter.LadderMeter` as one step (:mod:`lnmonitor.core.heldout`): the
+  same role assignment, ladder, baselines and logged names as the monitors';
 * the final norm's invariance cases and scale sweep (:mod:`lnmonitor.core.invariance`) on the
   *probe rows*: the first :data:`~lnmonitor.core.invariance.PROBE_WINDOWS` held-out windows
   (spread over the held-out text), whatever ``norm_batches`` is -- the rows the
-  invariance monitor probes by default too, so every tool measures one checkpoint on the
-  same rows.
+  invariance monitor probes by default too (:func:`lnmonitor.core.probe_rows.first_samples`),
+  so every tool measures one checkpoint on the same rows.  The final norm is the meter's
+  (the last residual-stream norm to run).
 
-The norms are found once here and passed down to every measurement.
+The norms are found once, by the meter, and passed down to every measurement.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.heldout import LadderRow, NormRows, ShareRow, measure_norm_rows, share_table, sigma_ladder
+from lnmonitor.core.heldout import held_out_result
+from lnmonitor.core.hooks import eval_mode
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceResult, final_norm_invariance
-from lnmonitor.core.norms import NormInfo, find_norms
+from lnmonitor.core.meter import LadderMeter, LadderResult
+from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.probe_rows import first_samples, probe_batch
 
 __all__ = ["Measurement", "held_out_loss", "measure_held_out", "probe_rows", "tiny_loss"]
 
@@ -38,18 +42,20 @@ Batch = tuple[Tensor, Tensor]
 @dataclass
 class Measurement:
     """What :func:`measure_held_out` found.  ``windows`` counts the held-out windows behind each part
-    (``loss``, ``norms``, ``invariance``); ``rows``/``shares``/``ladder`` list the norms in
-    the order the forward first calls them."""
+    (``loss``, ``norms``, ``invariance``); ``result`` is the meter's (the norms with their roles,
+    summaries and figures; ``result.metrics()`` are the monitors' logged names); ``order``
+    lists the norms' names in the order the forward first calls them."""
 
-    norms: list[NormInfo]
     val_loss: float
     windows: dict[str, int]
-    rows: list[NormRows]
-    shares: list[ShareRow]
-    ladder: list[LadderRow]
-    attenuation: float
-    growth: float
+    result: LadderResult
+    order: list[str]
     invariance: InvarianceResult | None
+
+    @property
+    def norms(self) -> list[NormInfo]:
+        """The measured norms, with their roles."""
+        return self.result.norms
 
 
 def tiny_loss(module: nn.Module, batch: Batch) -> Tensor:
@@ -60,8 +66,7 @@ def tiny_loss(module: nn.Module, batch: Batch) -> Tensor:
 def held_out_loss(module: nn.Module, batches: Sequence[Batch]) -> float:
     """Mean loss (nats per token) over every window of ``batches``, in eval mode."""
     total, windows = 0.0, 0
-    module.eval()
-    with torch.no_grad():
+    with eval_mode(module), torch.no_grad():
         for batch in batches:
             total += float(tiny_loss(module, batch)) * batch[0].shape[0]
             windows += batch[0].shape[0]
@@ -69,33 +74,30 @@ def held_out_loss(module: nn.Module, batches: Sequence[Batch]) -> float:
 
 
 def probe_rows(batches: Sequence[Batch], windows: int = PROBE_WINDOWS) -> Batch:
-    """The probe rows: the first ``windows`` held-out windows as one batch."""
-    x = torch.cat([b[0] for b in batches])[:windows]
-    y = torch.cat([b[1] for b in batches])[:windows]
-    return x, y
+    """The probe rows: the first ``windows`` held-out windows as one batch, chosen as the
+    invariance monitor chooses them from its validation loader."""
+    return probe_batch(first_samples(iter(batches), windows), windows)
 
 
 def measure_held_out(
     module: nn.Module, batches: Sequence[Batch], *, norm_batches: int | None = None,
-    invariance: bool = True, labels: dict[str, str] | None = None,
+    invariance: bool = True, counts: bool = False,
 ) -> Measurement:
     """Measure ``module`` on the held-out ``batches`` (see the module docstring).
 
-    ``norm_batches``: how many batches the per-row norm statistics use (all when None);
-    ``labels``: the residual-stream point each norm reads, for the ladder (optional).
+    ``norm_batches``: how many batches the norm statistics use (all when None); ``counts``:
+    keep the summaries' histograms (:func:`lnmonitor.core.heldout.held_out_result`).
     """
-    module.eval()
-    norms = find_norms(module)
     val_loss = held_out_loss(module, batches)
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])
-    rows = measure_norm_rows(module, norm_set, tiny_loss, norms)
-    ladder, attenuation, growth = sigma_ladder(rows, labels)
+    meter = LadderMeter(module, owner="lnmonitor")
+    result = held_out_result(meter, norm_set, tiny_loss, counts=counts)
     probe = probe_rows(batches)
-    inv = final_norm_invariance(module, probe, norms=norms) if invariance else None
+    inv = (final_norm_invariance(module, probe, final_norm=result.figures.final, norms=result.norms)
+           if invariance else None)
     return Measurement(
-        norms=norms, val_loss=val_loss,
+        val_loss=val_loss,
         windows={"loss": sum(b[0].shape[0] for b in batches), "norms": sum(b[0].shape[0] for b in norm_set),
                  "invariance": int(probe[0].shape[0]) if invariance else 0},
-        rows=rows, shares=share_table(rows), ladder=ladder, attenuation=attenuation, growth=growth,
-        invariance=inv,
+        result=result, order=list(meter.order), invariance=inv,
     )

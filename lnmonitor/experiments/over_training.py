@@ -18,9 +18,9 @@ import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
 from lnmonitor.experiments.statistics import interval
-from lnmonitor.experiments.store import eps_label
+from lnmonitor.experiments.store import eps_label, record_final, record_rungs
 
-__all__ = ["curve_mean", "first_below_half", "loss_gap", "markdown"]
+__all__ = ["curve_mean", "first_below_half", "ladder_ends", "loss_gap", "markdown"]
 
 VAL_LOSS = "val/loss"
 
@@ -104,13 +104,19 @@ def _first_norm_row(eps: float, runs: list[dict], first: str, final: str) -> str
             f"| {halves} | {rms[0]} | {rms[1]} |")
 
 
+def ladder_ends(record: dict) -> tuple[str, str]:
+    """The first rung and the final norm of a run record (the last rung when it has none)."""
+    rungs = record_rungs(record)
+    return rungs[0], record_final(record) or rungs[-1]
+
+
 def markdown(records: dict, eps_values: Sequence[float], base: float) -> list[str]:
     """The report's section over training (empty when no run has curves)."""
     by_eps = {e: [r for (x, _), r in sorted(records.items()) if x == e] for e in eps_values}
-    names = next((r.get("norm_order") for rs in by_eps.values() for r in rs if r.get("norm_order")), None)
-    if not names or not any(r.get("curves") for rs in by_eps.values() for r in rs):
+    ends = next((ladder_ends(r) for rs in by_eps.values() for r in rs if record_rungs(r)), None)
+    if not ends or not any(r.get("curves") for rs in by_eps.values() for r in rs):
         return []
-    first, final = names[0], names[-1]
+    first, final = ends
     lines = ["## Over training", "",
              f"From the curves in the run records. Transmission and rms: the monitors' logs on training "
              f"batches, geometric mean over seeds; first norm `{first}`, final norm `{final}`.", ""]

@@ -37,6 +37,7 @@ from lnmonitor.experiments.store import (
     grid_pairs,
     load_results,
     scan_records,
+    share_baseline,
 )
 
 REPORT_NAME = "report.md"
@@ -264,7 +265,7 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
                   + (f"; otherwise {'; '.join(unfit)}." if unfit else ".")]
         lines.append("")
 
-    baseline = next((r.get("share_baseline") for r in present if r.get("share_baseline")), None)
+    baseline = next((share_baseline(r) for r in present if share_baseline(r)), None)
     if baseline:
         lines.append(
             f"Random baseline for the dead-plane share (a uniformly random direction, d={baseline.get('d')}, "

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
-from lnmonitor.experiments.over_training import curve_mean, loss_gap
+from lnmonitor.experiments.over_training import curve_mean, ladder_ends, loss_gap
 from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
 from lnmonitor.experiments.statistics import interval
-from lnmonitor.experiments.store import eps_label
+from lnmonitor.experiments.store import eps_label, norm_value, record_norms, record_rungs, share_baseline
 
 __all__ = [
     "FIGURES", "figure_dose_response", "figure_invariance", "figure_ladder", "figure_loss_gap",
@@ -90,13 +90,14 @@ def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, pat
     return True
 
 
-def _per_norm(records: dict, eps: float, field: str) -> tuple[list[str], np.ndarray]:
-    """Norm names (order of the first run) and a (runs, norms) array of one per-norm field."""
-    runs = [r for (e, _), r in sorted(records.items()) if e == eps and r.get("norms")]
+def _per_norm(records: dict, eps: float, field: str, rungs: bool = False) -> tuple[list[str], np.ndarray]:
+    """Norm names (every norm, or the ladder's ``rungs``, in the first run's forward order) and
+    a (runs, norms) array of one held-out statistic (:func:`lnmonitor.experiments.store.norm_value`)."""
+    runs = [r for (e, _), r in sorted(records.items()) if e == eps and record_norms(r)]
     if not runs:
         return [], np.empty((0, 0))
-    names = list(runs[0].get("norm_order") or runs[0]["norms"])
-    rows = [[(r["norms"].get(n) or {}).get(field, np.nan) for n in names] for r in runs]
+    names = record_rungs(runs[0]) if rungs else record_norms(runs[0])
+    rows = [[norm_value(r, n, field) for n in names] for r in runs]
     return names, np.asarray([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
 
 
@@ -106,7 +107,7 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
     ax = fig.add_subplot()
     drawn = False
     for eps in eps_values:
-        names, values = _per_norm(records, eps, "inv_sigma")
+        names, values = _per_norm(records, eps, "inv_sigma", rungs=True)
         if not names:
             continue
         x = np.arange(len(names))
@@ -199,7 +200,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
         ax.bar(x, means, width=width, yerr=errs, color=colors[eps], alpha=0.8, capsize=2,
                label=f"eps={eps_label(eps)}")
         for r in (r for (e, _), r in records.items() if e == eps):
-            baseline = baseline or (r.get("share_baseline") or {}).get("median")
+            baseline = baseline or (share_baseline(r) or {}).get("median")
         drawn = True
     if not drawn:
         return False
@@ -263,15 +264,16 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
     """Over training, per eps (geometric mean over seeds, from the monitors' logs): the
     transmission at the first and the final norm, and the rms of the stream they read."""
     runs = _by_eps(records, eps_values)
-    names = next((r.get("norm_order") for rs in runs.values() for r in rs if r.get("norm_order")), None)
-    if not names or not any(r.get("curves") for rs in runs.values() for r in rs):
+    ends = next((ladder_ends(r) for rs in runs.values() for r in rs if record_rungs(r)), None)
+    if not ends or not any(r.get("curves") for rs in runs.values() for r in rs):
         return False
     colors = _colors(eps_values)
     fig = new_figure(11.0, 7.0)
-    panels = [(per_norm("transmission", names[0]), "transmission, first norm"),
-              (per_norm("transmission", names[-1]), "transmission, final norm"),
-              (per_norm("rms", names[0]), "rms of the stream, first norm"),
-              (per_norm("rms", names[-1]), "rms of the stream, final norm")]
+    first, final = ends
+    panels = [(per_norm("transmission", first), "transmission, first norm"),
+              (per_norm("transmission", final), "transmission, final norm"),
+              (per_norm("rms", first), "rms of the stream, first norm"),
+              (per_norm("rms", final), "rms of the stream, final norm")]
     for i, (tag, title) in enumerate(panels, start=1):
         ax = fig.add_subplot(2, 2, i)
         for e in sorted(eps_values):
@@ -297,7 +299,7 @@ def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path
         return False
     eps = max(finished)
     runs = [r for (e, _), r in sorted(records.items()) if e == eps]
-    names = next((r.get("norm_order") for r in runs if r.get("norm_order")), None)
+    names = next((record_norms(r) for r in runs if record_norms(r)), None)
     if not names or not any(r.get("curves") for r in runs):
         return False
     rows, steps = [], None

@@ -64,64 +64,62 @@ def check_checkpoint(state: dict | None, recipe: Recipe, vocab: str, path: Path)
 def measure_run(module, batches) -> dict:
     """Everything a run record holds about a trained model, on the held-out ``batches``:
     :func:`lnmonitor.experiments.measure.measure_held_out` over the first :data:`NORM_WINDOWS`
-    windows for the norm statistics, as plain JSON-ready numbers."""
-    import numpy as np
-
+    windows for the norm statistics.  ``metrics`` are the meter's figures under the names a
+    monitor logs them (:meth:`lnmonitor.core.meter.LadderResult.metrics`); ``norm_info``,
+    ``rungs`` and ``final_norm`` say which norm is which (record format /2,
+    :mod:`lnmonitor.experiments.store`)."""
     from lnmonitor.core import geometry
-    from lnmonitor.core.ladder import baseline_median
     from lnmonitor.experiments.measure import measure_held_out
 
     m = measure_held_out(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))
-    shares = {s.name: s for s in m.shares}
-    norms = {}
-    for r, step in zip(m.rows, m.ladder, strict=True):
-        s = shares[r.name]
-        norms[r.name] = {
-            "kind": r.kind, "width": r.width, "eps": r.eps,
-            "sigma": step.sigma, "inv_sigma": step.inv_sigma, "rms": step.rms,
-            "eps_over_var": step.eps_over_var, "transmission": step.transmission,
-            "share_median": s.median, "share_p90": s.p90, "share_max": s.max,
-            "share_rows": s.rows, "share_skipped": s.skipped,
-            "share_baseline_median": s.baseline_median, "share_baseline_max": s.baseline_max,
-        }
-    order = [r.name for r in m.rows]
-    first = m.rows[0]
-    k = geometry.dead_dim(first.kind)
-    baseline = {"d": first.width, "k": k, "median": baseline_median(first.width, k)}
+    figures = m.result.figures
     inv = m.invariance
-    sweep = [asdict(p) for p in inv.sweep]
-    at = {p["scale"]: p for p in sweep}
-    first, final = norms[order[0]], norms[order[-1]]
-    headline = {
-        "val_loss": m.val_loss,
-        "scale_slope": inv.slope,
-        "scale_constant": inv.constant,
-        "dloss_scale_3": inv.cases["scale_3"].dloss,  # signed
-        "dloss_scale_0.01": at[0.01]["dloss"] if 0.01 in at else math.nan,
-        "out_residual_scale_3": inv.cases["scale_3"].out_residual,
-        "final_eps_over_var": final["eps_over_var"],
-        "first_transmission": first["transmission"],
-        "final_transmission": final["transmission"],
-        "max_transmission": max(n["transmission"] for n in norms.values()),
-        "attenuation": m.attenuation,
-        "growth": m.growth,
-        "final_share_median": final["share_median"],
-        "mean_share_median": float(np.mean([n["share_median"] for n in norms.values()])),
-    }
     return {
-        "headline": headline,
-        "norms": norms,
-        "norm_order": order,
-        "ladder": {"attenuation": m.attenuation, "growth": m.growth},
-        "share_baseline": baseline,
+        "headline": _headline(m),
+        "metrics": m.result.metrics(positions=True),
+        "norm_order": m.order,
+        "norm_info": {info.name: {"kind": info.kind, "width": info.width, "eps": f.stats.eps,
+                                  "role": info.role, "dead_dim": geometry.dead_dim(info.kind)}
+                      for info, f in zip(m.result.norms, figures.norms, strict=True)},
+        "rungs": figures.rungs,
+        "final_norm": figures.final,
         "windows": m.windows,
         "invariance": {
             "final_norm": inv.final_norm, "rows": inv.rows, "base_loss": inv.base_loss,
             "slope": inv.slope, "constant": inv.constant, "fit_note": inv.fit_note,
             "cases": {name: asdict(c) for name, c in inv.cases.items()},
-            "sweep": sweep,
+            "sweep": [asdict(p) for p in inv.sweep],
             "rounding_scales": inv.rounding_scales,
         },
+    }
+
+
+def _headline(m) -> dict:
+    """The run's headline figures (:data:`FINAL_METRICS`), read from the meter's result: the
+    first rung's and the final norm's figures, the ladder, the invariance probe's."""
+    import numpy as np
+
+    figures, inv = m.result.figures, m.invariance
+    by_name = figures.by_name()
+    first = by_name[figures.rungs[0]] if figures.rungs else None
+    final = by_name.get(figures.final or (figures.rungs[-1] if figures.rungs else ""))
+    shares = [f.stats.share_median for f in figures.norms if f.stats.share_rows]
+    at = {p.scale: p for p in inv.sweep}
+    return {
+        "val_loss": m.val_loss,
+        "scale_slope": inv.slope,
+        "scale_constant": inv.constant,
+        "dloss_scale_3": inv.cases["scale_3"].dloss,  # signed
+        "dloss_scale_0.01": at[0.01].dloss if 0.01 in at else math.nan,
+        "out_residual_scale_3": inv.cases["scale_3"].out_residual,
+        "final_eps_over_var": final.eps_over_var if final else math.nan,
+        "first_transmission": first.transmission if first else math.nan,
+        "final_transmission": final.transmission if final else math.nan,
+        "max_transmission": float(np.nanmax([f.transmission for f in figures.norms])),
+        "attenuation": figures.attenuation,
+        "growth": figures.growth,
+        "final_share_median": final.stats.share_median if final else math.nan,
+        "mean_share_median": float(np.mean(shares)) if shares else math.nan,
     }
 
 

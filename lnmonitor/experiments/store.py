@@ -11,6 +11,13 @@ Every file is written atomically (:mod:`lnmonitor.experiments.files`). Concurren
 write only their own run records; the merged ``results.json`` is rebuilt from whatever
 records are on disk.
 
+A run record's held-out figures (format ``/2``) are the meter's result as a monitor logs it:
+``metrics`` (``lnmonitor/<statistic>/<norm>``, the ladder, the baselines), with the norms'
+roles (``rungs``, ``final_norm``, ``norm_info``).  Records of format ``/1`` (the stored grids
+under ``results/``) kept a hand-built ``norms`` table, every norm a rung; both are read here,
+by :func:`norm_value`, :func:`record_rungs`, :func:`record_final` and
+:func:`share_baseline`, and nowhere else.
+
 This module imports only the standard library: ``lnmonitor report`` needs no torch.
 """
 
@@ -20,18 +27,22 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from lnmonitor.core.metric_names import PREFIX, per_norm
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import read_json
 
 __all__ = [
-    "RECORD_FORMAT", "RECORD_NAME", "RESULTS_FORMAT", "RESULTS_NAME", "check_config", "config_differences",
-    "eps_label", "grid_pairs", "load_results", "read_record", "run_dir", "scan_records",
+    "RECORD_FORMAT", "RECORD_FORMATS", "RECORD_NAME", "RESULTS_FORMAT", "RESULTS_NAME", "check_config",
+    "config_differences", "eps_label", "grid_pairs", "load_results", "norm_value", "read_record",
+    "record_final", "record_norms", "record_rungs", "run_dir", "scan_records", "share_baseline",
 ]
 
 RESULTS_NAME = "results.json"
 RECORD_NAME = "result.json"
 RESULTS_FORMAT = "lnmonitor.eps-compare.results/1"
-RECORD_FORMAT = "lnmonitor.eps-compare.run/1"
+RECORD_FORMAT = "lnmonitor.eps-compare.run/2"
+# every record format this lnmonitor reads: /1 (a hand-built norms table) and /2 (the metrics)
+RECORD_FORMATS = ("lnmonitor.eps-compare.run/1", RECORD_FORMAT)
 
 _EPS_DIR = re.compile(r"^eps=(.+)$")
 _SEED_DIR = re.compile(r"^seed=(\d+)$")
@@ -107,10 +118,10 @@ def load_results(out: Path) -> dict | None:
 def read_record(path: Path, config: dict) -> dict:
     """A run record, checked against the experiment's configuration."""
     record = read_json(path, "run record")
-    if record.get("format") != RECORD_FORMAT:
+    if record.get("format") not in RECORD_FORMATS:
         raise UsageError(
-            f"run record {str(path)!r} has format {record.get('format')!r}, expected {RECORD_FORMAT!r}; "
-            "move it away (the run will be redone)"
+            f"run record {str(path)!r} has format {record.get('format')!r}, expected one of "
+            f"{', '.join(map(repr, RECORD_FORMATS))}; move it away (the run will be redone)"
         )
     check_config(record.get("config"), config, path)
     for key in ("eps", "seed", "steps", "val_loss"):
@@ -145,3 +156,54 @@ def grid_pairs(eps: Iterable[float], seeds: Iterable[int]) -> list[tuple[float, 
     """All (eps, seed) pairs, eps-major, in the order given."""
     seeds = list(seeds)
     return [(float(e), int(s)) for e in eps for s in seeds]
+
+
+# ---------------------------------------------------------------------------
+# a record's held-out figures, whatever its format
+# ---------------------------------------------------------------------------
+
+
+def record_norms(record: dict) -> list[str]:
+    """The record's norms, in the order the forward calls them."""
+    return list(record.get("norm_order") or record.get("norm_info") or record.get("norms") or [])
+
+
+def record_rungs(record: dict) -> list[str]:
+    """The ladder's rungs, in forward order with the final norm last: the meter's (format /2);
+    a /1 record made every norm a rung, in call order."""
+    rungs = record.get("rungs")
+    return list(rungs) if rungs is not None else record_norms(record)
+
+
+def record_final(record: dict) -> str | None:
+    """The final norm: the meter's (the last residual-stream norm to run); a /1 record's is
+    its last norm to run."""
+    if "final_norm" in record:
+        return record["final_norm"]
+    names = record_norms(record)
+    return names[-1] if names else None
+
+
+def norm_value(record: dict, name: str | None, statistic: str) -> float | None:
+    """The held-out ``statistic`` of norm ``name`` (``sigma``, ``inv_sigma``, ``rms``,
+    ``eps_over_var``, ``transmission``, ``share_median``, ...): the value logged as
+    ``lnmonitor/<statistic>/<name>``; None when the record has none."""
+    if name is None:
+        return None
+    if "metrics" in record:
+        value = record["metrics"].get(per_norm(statistic, name))
+    else:
+        value = ((record.get("norms") or {}).get(name) or {}).get(statistic)
+    return None if value is None else float(value)
+
+
+def share_baseline(record: dict) -> dict | None:
+    """``{"median": m, "d": width, "k": dead dimension}`` of the random share baseline shared by
+    every norm, or None (no record of it, or the norms have their own)."""
+    if "metrics" not in record:
+        return record.get("share_baseline") or None
+    median = record["metrics"].get(f"{PREFIX}/share_baseline/median")
+    if median is None:
+        return None
+    info = next(iter((record.get("norm_info") or {}).values()), {})
+    return {"median": median, "d": info.get("width"), "k": info.get("dead_dim")}
