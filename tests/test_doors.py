@@ -21,16 +21,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import lightning as L  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
-from lnmonitor import LayerNormMonitor  # noqa: E402
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor  # noqa: E402
 from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
 from lnmonitor.integrations.loop import LoopMonitor  # noqa: E402
 from lnmonitor.integrations.transformers import LNMonitorCallback  # noqa: E402
 
-STEPS, EVERY, LR, ROWS, CONTEXT = 4, 2, 0.05, 8, 16
+STEPS, EVERY, LR, ROWS, CONTEXT, PROBE = 4, 2, 0.05, 8, 16, 4
 MEASURED = [0, 2, 3]  # every second step and the last
+INVARIANCE_TAGS = {"lnmonitor/invariance/shift_5/dloss", "lnmonitor/invariance/scale_rounding_points"}
 
 
 def gpt2() -> torch.nn.Module:
@@ -66,16 +68,36 @@ class Wrapped(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def lightning_door(state, accumulate: int) -> dict[int, dict]:
+def lightning_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    """``(ladder, invariance)`` by step, the LightningModule's ``model.`` taken out of the names."""
     model = gpt2()
     model.load_state_dict(state)
-    monitor = LayerNormMonitor(every_n_steps=EVERY, images=False, summary=False, keep_history=True)
-    trainer = L.Trainer(max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[monitor], accelerator="cpu",
+    monitor = LayerNormMonitor(every_n_steps=EVERY, summary=False, keep_history=True)
+    invariance = FinalNormInvarianceMonitor(every_n_steps=EVERY, probe_batch=(tokens()[:PROBE],),
+                                            loss_fn=_logits_and_loss, summary=False, keep_history=True)
+    trainer = L.Trainer(max_steps=STEPS, logger=TensorBoardLogger(str(tmp_path / "lightning")),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[monitor, invariance], accelerator="cpu",
                         accumulate_grad_batches=accumulate)
     trainer.fit(Wrapped(model), DataLoader(TensorDataset(tokens()), batch_size=ROWS // accumulate))
     assert all(s.rows == ROWS * CONTEXT for s in monitor.last_summaries)  # every micro-batch
-    return {h["step"]: {k.replace("/model.", "/", 1): v for k, v in h.items()} for h in monitor.history}
+    return tuple(_by_step({k.replace("/model.", "/", 1): v for k, v in h.items()} for h in m.history)
+                 for m in (monitor, invariance))
+
+
+def _logits_and_loss(module, batch):
+    """The loss the other doors probe (``model(**batch)``: the loss and logits) in Lightning, whose
+    default (``training_step``) gives the loss alone."""
+    out = module.model(input_ids=batch[0], labels=labels(batch[0]))
+    return out.logits, out.loss
+
+
+def _by_step(history) -> dict[int, dict]:
+    """Logged dicts merged by step (a point's scale sweep, added at the end, comes apart)."""
+    steps: dict[int, dict] = {}
+    for h in history:
+        steps.setdefault(h["step"], {}).update(h)
+    return steps
 
 
 def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], LNMonitorCallback]:
@@ -90,7 +112,7 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
         disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    callback = LNMonitorCallback(trainer, keep_history=True, invariance_every_n_steps=STEPS, probe_size=4)
+    callback = LNMonitorCallback(trainer, keep_history=True, invariance_every_n_steps=STEPS, probe_size=PROBE)
     trainer.add_callback(callback)
     trainer.train()
     assert all(s.rows == ROWS * CONTEXT for s in callback.last_result.summaries)  # every micro-batch
@@ -99,20 +121,24 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
     return ladder, callback
 
 
-def loop_door(state, tmp_path, accumulate: int) -> dict[int, dict]:
+def loop_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    """``(ladder, invariance)`` by step; the probe's loss is the model's own (``model(**batch).loss``)."""
     model = gpt2()
     model.load_state_dict(state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     x = tokens()
+    probe = {"input_ids": x[:PROBE], "labels": labels(x[:PROBE])}
     with SummaryWriter(str(tmp_path / "loop")) as writer:
-        monitor = LoopMonitor(model, writer, every_n_steps=EVERY, max_steps=STEPS, keep_history=True)
+        monitor = LoopMonitor(model, writer, every_n_steps=EVERY, max_steps=STEPS, keep_history=True,
+                              probe_batch=probe, invariance_every_n_steps=EVERY, summary=False)
         for step in range(STEPS):
             with monitor.step(step):
                 for part in x.chunk(accumulate):
                     (model(input_ids=part, labels=labels(part)).loss / accumulate).backward()
             optimizer.step()
             optimizer.zero_grad()
-    return {h["step"]: h for h in monitor.history}
+    return (_by_step(h for h in monitor.history if "lnmonitor/ladder/attenuation" in h),
+            _by_step(h for h in monitor.history if h.keys() & INVARIANCE_TAGS))
 
 
 def _tolerance(tag: str) -> dict:
@@ -129,15 +155,27 @@ def _tolerance(tag: str) -> dict:
     return {"rel": SIGMA_RESOLUTION, "abs": 0.0}
 
 
-def _events(folder) -> set[str]:
+def _events(folder, kind: str = "scalars") -> set[str]:
+    return set(_read_back(folder, kind))
+
+
+def _read_back(folder, kind: str = "scalars") -> dict[str, list]:
+    """``{tag: [event, ...]}`` of every event file under ``folder`` (``kind``: scalars or images)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tags: set[str] = set()
+    found: dict[str, list] = {}
     for run in [p for p in folder.rglob("events.out.tfevents.*")]:
-        acc = EventAccumulator(str(run.parent))
+        acc = EventAccumulator(str(run.parent), size_guidance={"images": 0})
         acc.Reload()
-        tags |= set(acc.Tags()["scalars"])
-    return tags
+        for tag in acc.Tags()[kind]:
+            found.setdefault(tag, []).extend(acc.Scalars(tag) if kind == "scalars" else acc.Images(tag))
+    return found
+
+
+def _pictures(folder) -> dict[str, list[tuple[int, int, int]]]:
+    """The pictures written under ``folder``: ``{tag: [(step, width, height), ...]}``."""
+    return {tag: sorted((e.step, e.width, e.height) for e in events)
+            for tag, events in _read_back(folder, "images").items()}
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -148,9 +186,9 @@ def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate):
     micro-batches once more: doubling its learning rate made its weights follow the others
     here), so there the Trainer's numbers are compared where the weights are the same: step 0."""
     state = {k: v.clone() for k, v in gpt2().state_dict().items()}
-    lit = lightning_door(state, accumulate)
+    lit, lit_inv = lightning_door(state, tmp_path, accumulate)
     hf, callback = transformers_door(state, tmp_path, accumulate)
-    loop = loop_door(state, tmp_path, accumulate)
+    loop, loop_inv = loop_door(state, tmp_path, accumulate)
     assert sorted(lit) == sorted(hf) == sorted(loop) == MEASURED
     for step in MEASURED:
         a, b, c = (dict(d[step]) for d in (lit, hf, loop))
@@ -164,13 +202,32 @@ def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate):
                 assert b[tag] == pytest.approx(value, **tol), (step, tag)
             assert c[tag] == pytest.approx(value, **tol), (step, tag)
     # the Trainer door's invariance probe ran at the end, with the model's labels loss
-    inv = [h for h in callback.history if "lnmonitor/invariance/scale_3/dloss" in h]
+    inv = list(_by_step(h for h in callback.history if h.keys() & INVARIANCE_TAGS).values())
     assert callback.invariance_off is None and [h["step"] for h in inv] == [STEPS]
     shift, axis = inv[0]["lnmonitor/invariance/shift_5/dloss"], inv[0]["lnmonitor/invariance/axis_5/dloss"]
     assert abs(shift) < 1e-5 < abs(axis)
     # and the numbers reached TensorBoard through each door's writer, read back
     assert "train/lnmonitor/ladder/attenuation" in _events(tmp_path / "hf")
     assert {"lnmonitor/ladder/attenuation", "lnmonitor/sigma/transformer.ln_f"} <= _events(tmp_path / "loop")
+    # the invariance probe: the same points, tags and numbers through the Lightning and loop doors (the
+    # loop door's end is its last step, before the update that Lightning's end point follows); the
+    # same tags through the Trainer's (its probe rows are the first of its shuffled training loader)
+    assert sorted(lit_inv) == [0, 2, 4] and sorted(loop_inv) == [0, 2, 3]
+    end = {tag for tag in inv[0] if tag != "step"}
+    assert "lnmonitor/invariance/scale_rounding_points" in end  # the end point has the scale sweep
+    assert set(lit_inv[4]) == set(loop_inv[3]) == set(inv[0])
+    for step in (0, 2):
+        assert set(lit_inv[step]) == set(loop_inv[step]) and set(loop_inv[step]) < set(inv[0])  # no sweep
+        for tag, value in lit_inv[step].items():
+            assert loop_inv[step][tag] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, tag)
+    assert {f"train/{tag}" for tag in end} <= _events(tmp_path / "hf")
+    assert end <= _events(tmp_path / "loop") and end <= _events(tmp_path / "lightning")
+    # the pictures: the ladder at the first and last measured steps and the ladder over training
+    pictures = _pictures(tmp_path / "lightning")
+    assert set(pictures) == {"lnmonitor/ladder", "lnmonitor/ladder_over_training"}
+    assert [p[0] for p in pictures["lnmonitor/ladder"]] == [0, 3]
+    assert [p[0] for p in pictures["lnmonitor/ladder_over_training"]] == [3]
+    assert _pictures(tmp_path / "loop") == pictures
 
 
 def test_the_meter_and_the_loop_door_import_and_run_without_lightning():

@@ -118,6 +118,69 @@ def test_a_wrapper_it_does_not_know_is_said_once_by_name():
         def forward(self, *args):
             return self._inner(*args)
 
-    with pytest.warns(UserWarning, match=r"Shell looks like a wrapper lnmonitor does not know \(Shell._inner"):
+    said = r"Shell looks like a wrapper lnmonitor does not know \(Shell\._inner"
+    with pytest.warns(UserWarning, match=said):
         monitor = LoopMonitor(Shell(tiny()), every_n_steps=1)
     assert monitor.meter.norms[0].name == "_inner.blocks.0.ln1"  # measured all the same, under its name
+
+
+# -- parity with the other doors (item 5) ---------------------------------------------
+
+
+def _train(monitor: LoopMonitor, model, steps: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        monitor.start(step)
+        x = tokens(seed=step)
+        _, loss = model(x, x)
+        loss.backward()
+        monitor.stop()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_notes_and_the_summary_are_seen_by_default_and_logged_where_logging_shows_them(capsys, caplog):
+    model = tiny()
+    monitor = LoopMonitor(model, every_n_steps=2, max_steps=3, probe_batch=(tokens(2, seed=9),) * 2)
+    _train(monitor, model, 3)
+    out = capsys.readouterr().out
+    assert out.count("LoopMonitor: the ladder has 5 rungs") == 1  # the rungs, said once
+    assert out.count("lnmonitor summary: TinyGPT, end of training") == 1  # after the last step
+    assert "final-norm invariance at step 2" in out and "scale sweep" in out  # the end point, swept
+    monitor.close()  # the last step ended the run: nothing more
+    assert capsys.readouterr().out == ""
+    with caplog.at_level("INFO", logger="lnmonitor"):  # logging shows lnmonitor's notes: there, once
+        model = tiny()
+        _train(LoopMonitor(model, every_n_steps=2, max_steps=1, invariance_every_n_steps=None), model, 1)
+    assert capsys.readouterr().out == ""
+    assert sum("the ladder has 5 rungs" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_close_ends_a_run_of_unknown_length_at_the_point_after_its_last_update(capsys):
+    model = tiny()
+    monitor = LoopMonitor(model, every_n_steps=2, invariance_every_n_steps=2,
+                          probe_batch=(tokens(2, seed=9),) * 2, keep_history=True)
+    _train(monitor, model, 3)
+    assert "lnmonitor summary" not in capsys.readouterr().out  # no end known yet
+    monitor.close()
+    monitor.close()
+    assert capsys.readouterr().out.count("lnmonitor summary: TinyGPT, end of training") == 1
+    probed = [h["step"] for h in monitor.history if "lnmonitor/invariance/shift_5/dloss" in h]
+    assert probed == [0, 2, 3]  # every second step, and after the last update (3 updates done)
+    assert "lnmonitor/invariance/scale_rounding_points" in monitor.history[-1]  # with the sweep
+    assert monitor.last_invariance.sweep and monitor.invariance_off is None
+
+
+def test_a_probe_that_fails_is_said_once_and_training_goes_on():
+    def broken(model, batch):
+        raise KeyError("labels")
+
+    model = tiny()
+    monitor = LoopMonitor(model, every_n_steps=1, max_steps=3, invariance_every_n_steps=1,
+                          probe_batch=(tokens(2),), loss_fn=broken, keep_history=True, summary=False)
+    said = r"invariance probe is off for this run: KeyError: 'labels'"
+    with pytest.warns(UserWarning, match=said) as caught:
+        _train(monitor, model, 3)
+    assert sum("invariance probe is off" in str(w.message) for w in caught) == 1
+    assert [h["step"] for h in monitor.history] == [0, 1, 2]  # the ladder went on
+    assert "KeyError" in monitor.invariance_off

@@ -1,27 +1,35 @@
-"""The plain-PyTorch door: the meter in a training loop of your own (nanoGPT's ``train.py``,
-torchtitan, a notebook), in three added lines.
+"""The plain-PyTorch door: the meter and the invariance probe in a training loop of your own
+(nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), in a few added lines.
 
 :class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.LadderMeter` measures
 (every ``every_n_steps``-th and the last), merges them across ``torch.distributed``
-processes when a process group is up, and writes the numbers from rank zero to a
-TensorBoard ``SummaryWriter`` or a function of your own -- the metric names the Lightning
-callback logs.  No Lightning is imported.
+processes when a process group is up, runs the final-norm invariance probe
+(:class:`~lnmonitor.core.invariance.InvarianceProbe`) on held-out rows, and writes from rank
+zero to a TensorBoard ``SummaryWriter`` (scalars, the custom-scalars layout and the ladder
+pictures) or a function of your own -- the metric names of the Lightning callbacks.  No
+Lightning is imported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 from torch import nn
 
 from lnmonitor.core import arguments
-from lnmonitor.core.discovery import NormSelectionError
+from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
+from lnmonitor.core.hooks import sharded
+from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, InvarianceResult, NonFiniteLoss
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
-from lnmonitor.core.metric_names import LADDER_LAYOUT
+from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, PREFIX
+from lnmonitor.core.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.writers import metric_writer
+from lnmonitor.views.pictures import over_training_picture, step_picture
+from lnmonitor.views.summary import Trail, summary_text
 
 __all__ = ["LoopMonitor"]
 
@@ -29,24 +37,44 @@ __all__ = ["LoopMonitor"]
 class LoopMonitor:
     r"""Measure a model's norms on every ``every_n_steps``-th optimizer step of a plain loop.
 
-    Wrap the forward and backward passes of a step (all its micro-batches) in
-    :meth:`step`, or call :meth:`start` before and :meth:`stop` after them; the hooks
-    exist only inside a measured step, and the step's numbers are written when it ends.
+    Call :meth:`start` before the forward and backward passes of a step (all its
+    micro-batches) and :meth:`stop` after them, before the optimizer's update, or wrap them in
+    :meth:`step`; the hooks exist only inside a measured step, and the step's numbers are
+    written when it ends.  With ``probe_batch``, the final-norm invariance probe runs at
+    :meth:`start` of every ``invariance_every_n_steps``-th step (the weights after that many
+    updates) and, with its scale sweep, at the end.  The end is the last step's :meth:`stop`
+    (with ``max_steps``) or :meth:`close`: then the sweep, the picture of the ladder over
+    training and the end-of-training summary.
 
     Args:
-        model: the module whose norms are measured (the one you call, or the module
-            inside a ``DistributedDataParallel``); names are qualified from it.
+        model: the module you call: the model, or Fabric's, DDP's or ``torch.compile``'s
+            wrapper of it; norms are named as the model inside names them.
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (the metrics as one event per
-            step and the custom-scalars layout), a function ``write(metrics, step)``, or
-            None (keep them in :attr:`history` only).
+            step, the custom-scalars layout, and the pictures ``lnmonitor/ladder`` and
+            ``lnmonitor/ladder_over_training``), a function ``write(metrics, step)``, or None
+            (keep them in :attr:`history` only).
         every_n_steps: measure the steps whose index is a multiple of this (default 50).
-        max_steps: the number of optimizer steps, when known: the last is measured too.
+        max_steps: the number of optimizer steps (indices ``0 .. max_steps - 1``), when known:
+            the last is measured too, and ends the run.  nanoGPT runs ``iter_num`` from 0 to
+            ``max_iters`` inclusive: ``max_steps=max_iters + 1``.
         include, exclude, final_norm, ladder: as for
             :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`.
         row_mask: which rows (tokens) to measure: None (default) leaves out the padding that
             the model's keyword inputs mark (``model(**batch)`` with an
             ``attention_mask``); ``False`` measures every row; a callable ``row_mask(inputs)``
             of the model's keyword inputs returns a bool tensor of the rows to measure.
+        probe_batch: held-out rows for the invariance probe, as ``loss_fn`` takes them
+            (default ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict, returning
+            a loss, ``(logits, loss)`` or an output with ``loss``); None: no probe (said once).
+        loss_fn: ``loss_fn(model, batch)`` returning the loss or ``(logits, loss)``; enter
+            your autocast context in it to probe at your training precision.
+        invariance_every_n_steps: the probe's cadence in optimizer steps (default 1000; it
+            also runs at the end); None: no probe.
+        probe_size: the probe's rows: the first ``probe_size`` of ``probe_batch`` (default 64).
+        images: write the ladder pictures to a ``SummaryWriter`` (``image_every_n_steps``
+            apart, and the last) and the ladder over training at the end.
+        image_every_n_steps: the least number of steps between two ladder pictures.
+        summary: print the one-screen summary of the run at the end (rank zero).
         keep_history: keep every written dict in :attr:`history`; None keeps them only
             when there is no ``writer``.
 
@@ -60,18 +88,20 @@ class LoopMonitor:
         >>> import torch
         >>> from lnmonitor.integrations.loop import LoopMonitor
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-        >>> monitor = LoopMonitor(model, every_n_steps=1)
-        >>> with monitor.step(0):
+        >>> monitor = LoopMonitor(model, every_n_steps=1, invariance_every_n_steps=None)
+        >>> with monitor.step(0):  # doctest: +ELLIPSIS
         ...     model(torch.randn(4, 8)).pow(2).sum().backward()
+        LoopMonitor: the ladder has 1 rung, ...
         >>> monitor.history[0]["step"], "lnmonitor/sigma/1" in monitor.history[0]
         (0, True)
 
-    It writes the metrics of
-    :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` (``lnmonitor/sigma/<norm>``,
-    ``lnmonitor/ladder/attenuation``, ...), each at the step index given to :meth:`start`.
-    A writer that raises is said once and dropped; training goes on.  :meth:`start` and
-    :meth:`stop` run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
-    monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
+    Notes (the eps it measured, the rungs, the summary) are printed on rank zero, as
+    Lightning prints its callbacks' (:class:`~lnmonitor.core.door.Voice`: where logging shows
+    the ``lnmonitor`` logger's INFO, they go there instead); what went wrong is a warning,
+    said once.  A writer that raises is said once and dropped; a probe that fails is turned
+    off with its reason (:attr:`invariance_off`).  :meth:`start`, :meth:`stop` and
+    :meth:`close` run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns
+    the monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
     """
 
     refusals = (arguments.ArgumentError, NormSelectionError)
@@ -88,26 +118,56 @@ class LoopMonitor:
         final_norm: str | None = None,
         ladder: str | Sequence[str] | None = None,
         row_mask: Callable | bool | None = None,
+        probe_batch=None,
+        loss_fn: Callable | None = None,
+        invariance_every_n_steps: int | None = 1000,
+        probe_size: int | None = PROBE_WINDOWS,
+        images: bool = True,
+        image_every_n_steps: int = 50,
+        summary: bool = True,
         keep_history: bool | None = None,
     ) -> None:
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps", allow_none=False)
         self.max_steps = arguments.positive_int(max_steps, "max_steps")
+        self.invariance_every_n_steps = arguments.positive_int(invariance_every_n_steps,
+                                                               "invariance_every_n_steps")
+        self.images = arguments.flag(images, "images")
+        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
+                                                          allow_none=False)
+        self.summary = arguments.flag(summary, "summary")
+        loss_fn = arguments.function(loss_fn, "loss_fn", "loss_fn(model, batch) -> loss or (logits, loss)")
+        size = arguments.positive_int(probe_size, "probe_size", unit="samples")
+        keep_history = arguments.optional_flag(keep_history, "keep_history")
+        final_norm = arguments.module_name(final_norm, "final_norm", "transformer.ln_f")
+        probed = probe_batch is not None and self.invariance_every_n_steps is not None
+        layout = {**LADDER_LAYOUT, **INVARIANCE_LAYOUT} if probed else LADDER_LAYOUT
+        self._write: Callable | None = metric_writer(writer, layout)
+        self._pictures = writer if self.images and hasattr(writer, "add_image") else None
         self.owner = "LoopMonitor"
-        self.voice = Voice()
+        self.voice = Voice(speaks=_rank_zero())
         self.off_reason: str | None = None
-        self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
+        self._kept = History(keep_history)
         self._kept.reset(receivers=writer is not None)
-        self._write: Callable | None = metric_writer(writer, LADDER_LAYOUT)
         self.last_result: LadderResult | None = None
+        self.last_invariance: InvarianceResult | None = None
+        self.invariance_off: str | None = None
         self.meter = LadderMeter(
             model, include=arguments.patterns(include, "include"),
-            exclude=arguments.patterns(exclude, "exclude"),
-            final_norm=arguments.module_name(final_norm, "final_norm", "transformer.ln_f"),
+            exclude=arguments.patterns(exclude, "exclude"), final_norm=final_norm,
             ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
             owner=self.owner, say=self.voice.say, warn=self.voice.warn,
         )
+        self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
         self._measuring: int | None = None
+        self._started: int | None = None  # the last step given to start()
         self._logged = False
+        self._last_picture = -math.inf
+        self._probed = -1
+        self._ended = False
+        self._prober: InvarianceProbe | None = None
+        self._probe = None
+        if self.invariance_every_n_steps is not None:
+            self._start_probe(probe_batch, loss_fn, size, final_norm)
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -119,11 +179,20 @@ class LoopMonitor:
         self._measuring = None
         self.meter.abort()
 
+    # -- one step ----------------------------------------------------------------------
+
     @guarded
     def start(self, step: int) -> bool:
-        """Hook the norms if optimizer step ``step`` is due; True when it is measured."""
+        """Step ``step`` begins (before its forward): the invariance probe runs if it is due,
+        and the norms are hooked if the step is measured; True when it is."""
+        if self._measuring is not None:
+            return False
+        self._started = step
+        every = self.invariance_every_n_steps
+        if every is not None and step % every == 0:
+            self._probe_point(step, sweep=False)
         last = self.max_steps - 1 if self.max_steps else None
-        if self._measuring is not None or self.meter.off_reason or not due(step, self.every_n_steps, last):
+        if self.meter.off_reason or not due(step, self.every_n_steps, last):
             return False
         self._measuring = step
         self.meter.start()
@@ -132,27 +201,12 @@ class LoopMonitor:
     @guarded
     def stop(self) -> dict[str, float] | None:
         """Unhook, merge across processes and write the step's metrics (rank zero); returns
-        them, or None when this step was not measured.  Every process must call it."""
+        them, or None when this step was not measured.  Every process must call it.  After
+        the last step (``max_steps``) the run ends here (see :meth:`close`)."""
         step, self._measuring = self._measuring, None
-        if step is None:
-            return None
-        self.meter.stop()
-        result = self.meter.result(dist, label=f"step {step}")
-        if result is None:
-            return None
-        self.last_result = result
-        metrics = result.metrics(positions=not self._logged)
-        self._logged = True
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return metrics
-        self._kept.add(step, metrics)
-        if self._write is not None:
-            try:
-                self._write(metrics, step)
-            except Exception as err:  # noqa: BLE001 - the user's writer must not stop training
-                self._write = None
-                self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
-                                          "written (training goes on)")
+        metrics = None if step is None else self._finish(step)
+        if self.max_steps and self._started == self.max_steps - 1:
+            self._end(self._started)
         return metrics
 
     @contextlib.contextmanager
@@ -170,3 +224,114 @@ class LoopMonitor:
     def abort(self) -> None:
         """End a measured step without its numbers (the loop's step raised): no hook is left."""
         self.shut()
+
+    @guarded
+    def close(self) -> None:
+        """End the run, after the last update (once; nothing more when the last step of
+        ``max_steps`` ended it): the invariance point after that update with its scale sweep,
+        the ladder over training (a picture) and the summary.  A step still open is dropped."""
+        self.shut()
+        if self._started is not None:
+            self._end(self._started + 1)
+
+    def _finish(self, step: int) -> dict[str, float] | None:
+        self.meter.stop()
+        result = self.meter.result(dist, label=f"step {step}")
+        if result is None:
+            return None
+        self.last_result = result
+        metrics = result.metrics(positions=not self._logged)
+        self._logged = True
+        if not _rank_zero():
+            return metrics
+        self._emit(step, metrics)
+        last = self.max_steps is not None and step == self.max_steps - 1
+        if self._pictures is not None and (step - self._last_picture >= self.image_every_n_steps or last):
+            self._last_picture = step
+            self._picture(f"{PREFIX}/ladder", step, lambda: step_picture(result.figures, step))
+        return metrics
+
+    def _end(self, step: int) -> None:
+        """The invariance point of ``step`` with its sweep, the heatmap and the summary (once)."""
+        if self._ended:
+            return
+        self._ended = True
+        self._probe_point(step, sweep=True)
+        if not _rank_zero() or not self._trail:
+            return
+        curves = self._trail.curves()
+        if self._pictures is not None:
+            heatmap = over_training_picture(curves)
+            if heatmap is not None:
+                self._picture(f"{PREFIX}/ladder_over_training", heatmap[0], lambda: heatmap[1])
+        if self.summary:
+            self.voice.say(summary_text(curves, f"{type(self.meter.model).__name__}, end of training"))
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _emit(self, step: int, metrics: dict[str, float]) -> None:
+        """Keep and write ``metrics`` of ``step`` (rank zero)."""
+        self._trail.add(step, metrics)
+        self._kept.add(step, metrics)
+        if self._write is not None:
+            try:
+                self._write(metrics, step)
+            except Exception as err:  # noqa: BLE001 - the user's writer must not stop training
+                self._write = None
+                self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
+                                          "written (training goes on)")
+
+    def _picture(self, tag: str, step: int, draw: Callable) -> None:
+        try:
+            self._pictures.add_image(tag, draw(), step, dataformats="HWC")
+        except Exception as err:  # noqa: BLE001 - a picture must never stop training
+            self._pictures = None
+            self.voice.warn("images", f"LoopMonitor: no more pictures ({err!r}); the metrics go on")
+
+    # -- the invariance probe ----------------------------------------------------------
+
+    def _start_probe(self, batch, loss_fn: Callable | None, size: int | None, final_norm: str | None) -> None:
+        """The probe of the user's model (its own forward, on rank zero alone: no wrapper's
+        collective), on the first ``size`` rows of ``batch`` moved to the model's device."""
+        model = self.meter.model
+        if batch is None:
+            self.voice.say("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not run; "
+                           "pass held-out rows (probe_batch=(x, y), or a dict of the model's inputs) to "
+                           "have it.")
+            return
+        if sharded(model):
+            self._invariance_off("the model is sharded (FSDP), and this door probes only unsharded models")
+            return
+        device = next(model.parameters()).device
+        self._probe = map_tensors(probe_batch(batch, size), lambda t: t.to(device))
+        norms = choose_norms(model, None, None, final_norm, self.owner, self.voice.warn)
+        self._prober = InvarianceProbe(model, loss_fn, final_norm=final_norm, norms=norms)
+
+    def _probe_point(self, step: int, *, sweep: bool) -> None:
+        """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero."""
+        if self._prober is None or not _rank_zero():
+            return
+        add_sweep = sweep and self._prober.sweep_missing(step)
+        if step <= self._probed and not add_sweep:
+            return
+        self._probed = step
+        try:
+            result, metrics = self._prober.point(self._probe, step, sweep=sweep)
+        except NonFiniteLoss as err:  # this point only
+            self.voice.warn("nan-loss", f"LoopMonitor: no invariance point at step {step}: {err}. Said once.")
+            return
+        except Exception as err:  # noqa: BLE001 - the probe must never stop training
+            self._prober = None
+            self._invariance_off(f"{type(err).__name__}: {err}. If the model needs a particular loss or "
+                                 "final norm, pass loss_fn=lambda model, batch: ... and final_norm='...'")
+            return
+        self.last_invariance = result
+        self._emit(step, metrics)
+
+    def _invariance_off(self, reason: str) -> None:
+        self.invariance_off = reason
+        self.voice.warn("invariance-off", f"LoopMonitor: the invariance probe is off for this run: {reason}")
+
+
+def _rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
