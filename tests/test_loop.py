@@ -140,19 +140,21 @@ def _train(monitor: LoopMonitor, model, steps: int) -> None:
 
 
 def test_notes_and_the_summary_are_seen_by_default_and_logged_where_logging_shows_them(capsys, caplog):
+    """Printed (standard error) when logging would not show them: pytest's own handler on the
+    root logger, at WARNING, is such a configuration."""
     model = tiny()
     monitor = LoopMonitor(model, every_n_steps=2, max_steps=3, probe_batch=(tokens(2, seed=9),) * 2)
     _train(monitor, model, 3)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("LoopMonitor: the ladder has 5 rungs") == 1  # the rungs, said once
     assert out.count("lnmonitor summary: TinyGPT, end of training") == 1  # after the last step
     assert "final-norm invariance at step 2" in out and "scale sweep" in out  # the end point, swept
     monitor.close()  # the last step ended the run: nothing more
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
     with caplog.at_level("INFO", logger="lnmonitor"):  # logging shows lnmonitor's notes: there, once
         model = tiny()
         _train(LoopMonitor(model, every_n_steps=2, max_steps=1, invariance_every_n_steps=None), model, 1)
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
     assert sum("the ladder has 5 rungs" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -161,10 +163,10 @@ def test_close_ends_a_run_of_unknown_length_at_the_point_after_its_last_update(c
     monitor = LoopMonitor(model, every_n_steps=2, invariance_every_n_steps=2,
                           probe_batch=(tokens(2, seed=9),) * 2, keep_history=True)
     _train(monitor, model, 3)
-    assert "lnmonitor summary" not in capsys.readouterr().out  # no end known yet
+    assert "lnmonitor summary" not in capsys.readouterr().err  # no end known yet
     monitor.close()
     monitor.close()
-    assert capsys.readouterr().out.count("lnmonitor summary: TinyGPT, end of training") == 1
+    assert capsys.readouterr().err.count("lnmonitor summary: TinyGPT, end of training") == 1
     probed = [h["step"] for h in monitor.history if "lnmonitor/invariance/shift_5/dloss" in h]
     assert probed == [0, 2, 3]  # every second step, and after the last update (3 updates done)
     assert "lnmonitor/invariance/scale_rounding_points" in monitor.history[-1]  # with the sweep

@@ -48,8 +48,9 @@ _log = logging.getLogger("lnmonitor")
 
 def _print_info(text: str) -> None:
     """Information a user sees without configuring ``logging``: the ``lnmonitor`` logger when
-    someone configured it (a handler on it or on the root), else standard error."""
-    if _log.hasHandlers():
+    someone configured it to show its INFO (a handler on it or on the root, and the level),
+    else standard error (``logging.basicConfig()`` alone shows warnings only)."""
+    if _log.isEnabledFor(logging.INFO) and _log.hasHandlers():
         _log.info(text)
     else:
         print(text, file=sys.stderr, flush=True)
