@@ -4,8 +4,10 @@
 
 1. ``pytest -m cuda``: the monitors under ``16-mixed`` with Lightning's real CUDA
    GradScaler, ``bf16-mixed`` and ``32-true`` against float64 of the step's own tensors,
-   ``torch.compile``, and FSDPStrategy / ModelParallelStrategy on the one GPU on a tiny
-   GPT and a transformers GPT-2 (tests/test_cuda.py);
+   ``torch.compile``, FSDPStrategy / ModelParallelStrategy on the one GPU on a tiny
+   GPT and a transformers GPT-2, and ModelParallelStrategy's tensor parallelism (sequence-
+   parallel and replicated norms) on two GPUs, or on a mesh of one rank when there is one
+   (NCCL runs one rank per device) (tests/test_cuda.py);
 2. ``benchmarks/overhead.py --device cuda``: the train-tiny recipe and wider models
    (widths 512, 1024, 2048, context 256), every step and at the defaults, paired ratios
    with synchronised timing, peak memory from ``torch.cuda.max_memory_allocated``;

@@ -9,7 +9,8 @@ the final norm grouped with the head as torchtitan does); ``tp`` is ModelParalle
 tensor parallelism over all ``DEVICES`` with sequence-parallel norms (DTensor inputs sharded
 along the sequence), ``tp-replicated`` the same without sequence parallelism (every norm's input
 the same on every rank), ``fsdp2-tp`` a 2-D mesh: ``DEVICES // 2`` data-parallel ranks, each
-FSDP2 over a tensor-parallel pair laid out as ``tp``.
+FSDP2 over a tensor-parallel pair laid out as ``tp`` (with one device, ``tp`` lays the model out
+on a mesh of one rank: DTensor activations without a partner).
 
 Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
@@ -91,11 +92,11 @@ class ShardedGPT(TinyGPTModule):
             return
         from torch.distributed.fsdp import fully_shard
 
-        if self.device_mesh["tensor_parallel"].size() > 1:
-            self.tensor_parallel(self.device_mesh["tensor_parallel"])
         mesh = self.device_mesh["data_parallel"]
-        if mesh.size() == 1 and self.device_mesh["tensor_parallel"].size() > 1:
-            return
+        if getattr(self, "plan_tp", False):  # a tensor-parallel plan, on a mesh of one rank too
+            self.tensor_parallel(self.device_mesh["tensor_parallel"])
+            if mesh.size() == 1:
+                return
         for group in self.norm_groups() if self.norm_units else ():
             fully_shard(group, mesh=mesh)
         for block in self.blocks():
@@ -186,7 +187,8 @@ def main() -> None:
                                             keep_history=True, scales=(1.0, 0.1, 0.01))
     module.norm_units = strategy == "fsdp2-norms"
     module.sequence_parallel_norms = strategy != "tp-replicated"
-    if strategy in ("tp", "tp-replicated", "fsdp2-tp"):
+    module.plan_tp = strategy in ("tp", "tp-replicated", "fsdp2-tp")
+    if module.plan_tp:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         tp = 2 if strategy == "fsdp2-tp" else devices

@@ -137,3 +137,24 @@ def test_sharded_on_one_gpu_matches_the_plain_run(strategy, model, tmp_path):
     assert first.keys() == ref.keys()
     for key, value in first.items():
         assert value == pytest.approx(ref[key], rel=1e-3, abs=1e-5), key
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", ["tp", "tp-replicated"])
+def test_tensor_parallel_on_cuda_matches_the_plain_run(strategy, tmp_path):
+    # ModelParallelStrategy's tensor parallelism on min(2, GPUs) GPUs (NCCL runs one rank per
+    # device: with one GPU the plan lays the model out on a mesh of one rank, which still makes
+    # every norm's input, output and gradient a CUDA DTensor); rows, figures and the probe are
+    # the plain run's
+    devices = min(2, torch.cuda.device_count())
+    plain = run_script("ddp", 1, tmp_path / "plain.json", "cuda")
+    tp = run_script(strategy, devices, tmp_path / "tp.json", "cuda")
+    assert tp["off"] is None and tp["disabled"] is None and tp["rows"] == plain["rows"]
+    assert_close_history(tp["history"], plain["history"])
+    first, ref = tp["invariance"][0], plain["invariance"][0]
+    assert first.keys() == ref.keys()
+    for key, value in first.items():
+        if key.endswith("log10_abs_dloss"):  # |dloss| itself: one ulp of the loss is 0.3 in its log
+            value, ref[key] = 10.0**value, 10.0**ref[key]
+        assert value == pytest.approx(ref[key], rel=1e-3, abs=1e-5), key

@@ -1,5 +1,7 @@
 """Both monitors under real 2-process DDP and FSDP2 (gloo on CPU), with blocks as FSDP units and
-with every norm a unit of its own: the same statistics and roles as one process on the same
+with every norm a unit of its own, and under tensor parallelism (sequence-parallel norms,
+replicated norms, a 2-D FSDP2 x TP mesh on 4 processes; Lightning's ModelParallelStrategy and a
+plain loop with parallelize_module): the same statistics and roles as one process on the same
 global batch, one all_gather per logging step, and the invariance probe run by every rank of a
 sharded model (its forward is a collective)."""
 
@@ -19,18 +21,23 @@ from conftest import (
 from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 
 SCRIPT = Path(__file__).with_name("distributed_monitor_script.py")
+LOOP_SCRIPT = Path(__file__).with_name("tp_loop_script.py")
 
 
 def run(strategy: str, devices: int, out: Path, accelerator: str = "cpu", model: str = "tiny") -> dict:
     """Run tests/distributed_monitor_script.py in fresh processes; its JSON."""
-    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
+    return _script([SCRIPT, strategy, devices, out, accelerator, model], out)
+
+
+def _script(args: list, out: Path) -> dict:
+    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), str(SCRIPT.parent),
+                                         os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), strategy, str(devices), str(out), accelerator, model], env=env,
-        cwd=SCRIPT.parent.parent,
+        [sys.executable, *map(str, args)], env=env, cwd=SCRIPT.parent.parent,
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -75,13 +82,37 @@ def test_tensor_parallel_meshes_match_one_process(single, tmp_path, strategy, de
         assert value == pytest.approx(ref, rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
+def test_plain_loop_with_parallelize_module_matches_one_process(tmp_path):
+    # LoopMonitor on a model laid out by parallelize_module (every norm SequenceParallel), each
+    # rank running the global batch: the rows and figures of one process, and the invariance
+    # probe, run on every rank after two updates, gives one process's numbers to float32 noise
+    single = _script([LOOP_SCRIPT, 1, tmp_path / "one.json"], tmp_path / "one.json")
+    tp = _script([LOOP_SCRIPT, 2, tmp_path / "two.json"], tmp_path / "two.json")
+    assert tp["off"] is None and single["off"] is None
+    assert tp["rows"] == single["rows"] == [8 * 16] * 5
+    assert_history_matches(tp["history"], single["history"])
+    assert tp["invariance"].keys() == single["invariance"].keys()
+    for key, value in tp["invariance"].items():
+        if "log10" not in key:  # log10 of a delta-loss of 0 or of one ulp
+            assert value == pytest.approx(single["invariance"][key], rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
 def assert_matches_one_process(many: dict, single: dict) -> None:
     """Every row of the global batch counted once, one all_gather per logging step, and every
     logged figure of ``single`` within one histogram bin; the invariance monitor on at every point."""
     assert many["collectives"] == 2  # one all_gather per logging step (two steps)
     assert many["rows"] == single["rows"] == [8 * 16] * 5  # every row of the global batch, once
-    assert [h["step"] for h in many["history"]] == [h["step"] for h in single["history"]] == [0, 1]
-    for a, b in zip(many["history"], single["history"], strict=True):
+    assert_history_matches(many["history"], single["history"])
+    assert many["disabled"] is None and single["disabled"] is None
+    assert [h["step"] for h in many["invariance"]] == [h["step"] for h in single["invariance"]] == [0, 1, 2]
+    assert many["invariance"][0].keys() == single["invariance"][0].keys()
+
+
+def assert_history_matches(many: list[dict], single: list[dict]) -> None:
+    """The same steps and names, every figure within one histogram bin."""
+    assert [h["step"] for h in many] == [h["step"] for h in single] == [0, 1]
+    for a, b in zip(many, single, strict=True):
         assert a.keys() == b.keys()
         for key, va in a.items():
             vb = b[key]
@@ -96,6 +127,3 @@ def assert_matches_one_process(many: dict, single: dict) -> None:
                 assert va == pytest.approx(vb, abs=1e-5), key
             else:  # step, skipped rows, baselines
                 assert va == pytest.approx(vb, rel=1e-9), key
-    assert many["disabled"] is None and single["disabled"] is None
-    assert [h["step"] for h in many["invariance"]] == [h["step"] for h in single["invariance"]] == [0, 1, 2]
-    assert many["invariance"][0].keys() == single["invariance"][0].keys()

@@ -382,7 +382,8 @@ class LadderMeter:
         role = {info.name: info.role for info in self.norms}
         order = self.order + [n.name for n in self.norms if n.name not in self.order]
         return [name for name in order
-                if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused]
+                if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused
+                and name not in self.refused]
 
     def _assign_roles(self, summaries: list[NormSummary]) -> None:
         """Which norms are rungs, from what this step's gradient does at each norm's input."""
@@ -398,7 +399,8 @@ class LadderMeter:
         roles = {n.name: n.role for n in found}
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
-        rungs = [n for n in ordered if roles[n.name] in RUNGS and n.name not in self.reused]
+        rungs = [n for n in ordered if roles[n.name] in RUNGS and n.name not in self.reused
+                 and n.name not in self.refused]
         others = [n for n in ordered if roles[n.name] not in RUNGS]
         if self.reused:
             names = sorted(self.reused)
