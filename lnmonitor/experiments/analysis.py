@@ -38,9 +38,39 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
 
-__all__ = ["STUDY_SEQUENCES", "Analysis", "StudyRung", "analyze", "stream_labels", "study_ladder"]
+__all__ = [
+    "REFERENCE", "STUDY_NOTE", "STUDY_SEQUENCES", "Analysis", "StudyRung", "analyze", "stream_labels",
+    "study_ladder",
+]
 
 STUDY_SEQUENCES = 8  # the study's ladder used one batch of 8 sequences (docs/design.md)
+
+# The study this project grew out of (docs/design.md) (4 x 128 LayerNorm GPT, eps 1e-5,
+# 3,000 steps, a 65-symbol character corpus).
+REFERENCE = {
+    "val_loss": "1.573 (65 symbols)",
+    "share_median": "0.087 .. 0.144",
+    "share_max_above": "9 of 9",
+    "final_share_max": "0.83",
+    "block_rank": "128/128",
+    "block_sv": "0.36 .. 2.50",
+    "branch_rank": "123",
+    "rms": "0.90 -> 3.90 (4.3x)",
+    "inv_sigma": "1.112 -> 0.323 (3.4x)",
+    "shift_scale": "0 / 0 (identical)",
+    "slope": "0.97 / 0.049",
+    "gain_spread": "< 2x",
+    "jacobian_error": "-",
+}
+
+# what the rows marked "study's" compute, and what is not known of the study (docs/design.md)
+STUDY_NOTE = (
+    "The study's statistics: its ladder rms is the global rms over all rows and features of one batch of "
+    "8 sequences, its sigma the median over rows of the per-row unbiased std (h.std(-1).median(), no eps); "
+    "ours are the median row's rms and sqrt(v + eps) over every measured row. Its block singular values "
+    "are those of one block. Its rank tolerance is not on record: d x 2^-23 of the largest singular value "
+    "is torch.linalg.matrix_rank's default on a float32 matrix."
+)
 
 
 @dataclass(frozen=True)

@@ -15,30 +15,12 @@ import numpy as np
 
 from lnmonitor.core import geometry
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.analysis import Analysis
+from lnmonitor.experiments.analysis import REFERENCE, STUDY_NOTE, Analysis
 from lnmonitor.experiments.analysis_figures import write_figures
 from lnmonitor.experiments.files import finite
 from lnmonitor.experiments.plotting import short_name
 
-__all__ = ["REFERENCE", "summary_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
-
-# The study this project grew out of (docs/design.md) (4 x 128 LayerNorm GPT, eps 1e-5,
-# 3,000 steps, a 65-symbol character corpus).
-REFERENCE = {
-    "val_loss": "1.573 (65 symbols)",
-    "share_median": "0.087 .. 0.144",
-    "share_max_above": "9 of 9",
-    "final_share_max": "0.83",
-    "block_rank": "128/128",
-    "block_sv": "0.36 .. 2.50",
-    "branch_rank": "123",
-    "rms": "0.90 -> 3.90 (4.3x)",
-    "inv_sigma": "1.112 -> 0.323 (3.4x)",
-    "shift_scale": "0 / 0 (identical)",
-    "slope": "0.97 / 0.049",
-    "gain_spread": "< 2x",
-    "jacobian_error": "-",
-}
+__all__ = ["summary_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
 
 
 def _f(value, digits: int = 3) -> str:
@@ -67,15 +49,6 @@ def _range(values) -> str:
 
 
 RTOLS = (1e-12, 1e-9, 1e-6, 1e-3)
-
-# what the rows marked "study's" compute, and what is not known of the study (docs/design.md)
-STUDY_NOTE = (
-    "The study's statistics: its ladder rms is the global rms over all rows and features of one batch of "
-    "8 sequences, its sigma the median over rows of the per-row unbiased std (h.std(-1).median(), no eps); "
-    "ours are the median row's rms and sqrt(v + eps) over every measured row. Its block singular values "
-    "are those of one block. Its rank tolerance is not on record: d x 2^-23 of the largest singular value "
-    "is torch.linalg.matrix_rank's default on a float32 matrix."
-)
 
 
 def float32_rtol(width: int) -> float:

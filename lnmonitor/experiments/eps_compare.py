@@ -94,8 +94,6 @@ def run_experiment(
     content of ``results.json``); raises :class:`RunInterrupted` after the others finished
     when a run did not reach its last step.
     """
-    import torch
-
     if jobs > 1 and callbacks:
         raise ValueError("extra callbacks cannot travel to worker processes: use jobs=1")
     out = Path(out)
@@ -105,15 +103,7 @@ def run_experiment(
     asked = results_pairs(existing) if existing is not None else []
     pairs = asked + [p for p in experiment.pairs() if p not in asked]
     mine = experiment.shard(*shard)
-    from lnmonitor.tiny.checkpoint import checkpoint_state
-    from lnmonitor.tiny.data import CharVocab
-
-    vocab = CharVocab.from_text(text).chars
-    for eps, seed in mine:
-        if force or (eps, seed) in records:
-            continue
-        last = run_dir(out, eps, seed) / "checkpoints" / "last.ckpt"
-        check_checkpoint(checkpoint_state(last), experiment.recipe_for(eps, seed), vocab, last)
+    _check_checkpoints(experiment, text, out, [p for p in mine if not (force or p in records)])
 
     out.mkdir(parents=True, exist_ok=True)
     publish(out, config, pairs)  # results.json now guards --out
@@ -130,19 +120,7 @@ def run_experiment(
             else:
                 echo(f"[{i}/{total}] eps={eps_label(eps)} seed={seed}: not finished, nothing to measure")
         return publish(out, config, pairs)
-    todo = []
-    for i, (eps, seed) in enumerate(mine, start=1):
-        tag = f"[{i}/{total}] "
-        folder = run_dir(out, eps, seed)
-        if force and folder.exists():
-            (folder / RECORD_NAME).unlink(missing_ok=True)  # first: an unfinished run has no record
-            _discard(folder)
-        elif (eps, seed) in records:
-            record = records[(eps, seed)]
-            echo(f"{tag}eps={eps_label(eps)} seed={seed}: skipped, finished before "
-                 f"(val loss {record['val_loss']:.4f} nats/char)")
-            continue
-        todo.append((eps, seed, tag))
+    todo = _to_run(out, mine, records, force, echo)
     failures: list[str] = []
     jobs = max(1, min(jobs, len(todo)))
     if jobs == 1:
@@ -154,22 +132,8 @@ def run_experiment(
                 failures.append(str(err))
             publish(out, config, pairs)
     else:
-        threads = max(1, torch.get_num_threads() // jobs)
-        echo(f"eps-compare: {jobs} runs side by side, {threads} torch thread(s) each")
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {
-                pool.submit(_run_in_worker, threads, experiment, eps, seed, out, text, monitor, tag,
-                            data_name): (eps, seed)
-                for eps, seed, tag in todo
-            }
-            for future in as_completed(futures):
-                eps, seed = futures[future]
-                try:
-                    future.result()
-                except Exception as err:  # noqa: BLE001 - the other runs go on; said at the end
-                    failures.append(f"eps={eps_label(eps)} seed={seed}: {type(err).__name__}: {err}")
-                publish(out, config, pairs)
+        failures = _side_by_side(jobs, todo, lambda: publish(out, config, pairs), echo, experiment, out, text,
+                                 monitor, data_name)
     results = publish(out, config, pairs)
     if results["missing"]:
         shown = ", ".join(f"eps={eps_label(m['eps'])} seed={m['seed']}" for m in results["missing"])
@@ -180,6 +144,64 @@ def run_experiment(
     if failures:
         raise RunInterrupted("; ".join(failures))
     return results
+
+
+def _check_checkpoints(experiment: Experiment, text: str, out: Path, pairs: Sequence) -> None:
+    """Refuse before anything is written when a checkpoint to resume from is another recipe's."""
+    from lnmonitor.tiny.checkpoint import checkpoint_state
+    from lnmonitor.tiny.data import CharVocab
+
+    vocab = CharVocab.from_text(text).chars
+    for eps, seed in pairs:
+        last = run_dir(out, eps, seed) / "checkpoints" / "last.ckpt"
+        check_checkpoint(checkpoint_state(last), experiment.recipe_for(eps, seed), vocab, last)
+
+
+def _to_run(out: Path, mine: Sequence, records: dict, force: bool,
+            echo: Callable[[str], None]) -> list[tuple[float, int, str]]:
+    """``(eps, seed, tag)`` of this shard's runs to train: the finished ones are skipped (said),
+    or with ``force`` discarded and trained again."""
+    todo = []
+    for i, (eps, seed) in enumerate(mine, start=1):
+        tag = f"[{i}/{len(mine)}] "
+        folder = run_dir(out, eps, seed)
+        if force and folder.exists():
+            (folder / RECORD_NAME).unlink(missing_ok=True)  # first: an unfinished run has no record
+            _discard(folder)
+        elif (eps, seed) in records:
+            record = records[(eps, seed)]
+            echo(f"{tag}eps={eps_label(eps)} seed={seed}: skipped, finished before "
+                 f"(val loss {record['val_loss']:.4f} nats/char)")
+            continue
+        todo.append((eps, seed, tag))
+    return todo
+
+
+def _side_by_side(jobs: int, todo: Sequence, published: Callable[[], dict], echo: Callable[[str], None],
+                  experiment: Experiment, out: Path, text: str, monitor: bool,
+                  data_name: str | None) -> list[str]:
+    """Run ``todo`` in ``jobs`` worker processes, the torch threads split between them, calling
+    ``published()`` after each; returns what failed, one line each (the others go on)."""
+    import torch
+
+    failures: list[str] = []
+    threads = max(1, torch.get_num_threads() // jobs)
+    echo(f"eps-compare: {jobs} runs side by side, {threads} torch thread(s) each")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {
+            pool.submit(_run_in_worker, threads, experiment, eps, seed, out, text, monitor, tag,
+                        data_name): (eps, seed)
+            for eps, seed, tag in todo
+        }
+        for future in as_completed(futures):
+            eps, seed = futures[future]
+            try:
+                future.result()
+            except Exception as err:  # noqa: BLE001 - the other runs go on; said at the end
+                failures.append(f"eps={eps_label(eps)} seed={seed}: {type(err).__name__}: {err}")
+            published()
+    return failures
 
 
 def _run_in_worker(threads: int, experiment: Experiment, eps: float, seed: int, out: Path, text: str,
