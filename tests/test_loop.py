@@ -186,3 +186,75 @@ def test_a_probe_that_fails_is_said_once_and_training_goes_on():
     assert sum("invariance probe is off" in str(w.message) for w in caught) == 1
     assert [h["step"] for h in monitor.history] == [0, 1, 2]  # the ladder went on
     assert "KeyError" in monitor.invariance_off
+
+
+# -- nanoGPT's shape (item 9) ------------------------------------------------------
+
+
+def test_the_example_in_nanogpts_shape_measures_its_last_iter_num(tmp_path):
+    """nanoGPT runs iter_num 0..max_iters inclusive: with max_steps=max_iters + 1 its last step,
+    iter_num == max_iters, is measured and probed with the sweep."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import events
+
+    example = Path(__file__).parent.parent / "examples" / "plain_loop.py"
+    proc = subprocess.run([sys.executable, str(example), "--max-iters", "4", "--out", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = events(tmp_path / "plain_loop")
+    steps = lambda tag: [e.step for e in acc.Scalars(tag)]  # noqa: E731
+    assert steps("train/loss") == [0, 1, 2, 3, 4]
+    assert steps("lnmonitor/ladder/attenuation") == [0, 4]  # every 4th, and the last: iter_num 4
+    assert steps("lnmonitor/invariance/scale_rounding_points") == [4]  # the end point has the sweep
+    assert steps("lnmonitor/invariance/axis_5/dloss") == [0, 4]
+    assert [e.step for e in acc.Images("lnmonitor/ladder_over_training")] == [4]
+    assert proc.stderr.count("lnmonitor summary: TinyGPT, end of training") == 1
+
+
+def _fabric_script(out, processes: int) -> dict:
+    """tests/fabric_ddp_script.py in one process, or in ``processes`` under torchrun (gloo)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    script = Path(__file__).with_name("fabric_ddp_script.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent.parent),
+                                                        os.environ.get("PYTHONPATH")]))}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+              f"--master_port={free_port()}"] if processes > 1 else [sys.executable]
+    proc = subprocess.run([*launch, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_under_fabric_ddp_the_names_and_numbers_are_one_processs(tmp_path):
+    """Fabric DDP on two gloo processes, four rows each: the tags are the model's own names (not
+    ``_forward_module.module....``), every measured step merges the 8 rows, the numbers are one
+    process's on all 8, and rank zero's invariance probe (on the model inside DDP, alone) neither
+    hangs nor fails."""
+    two = _fabric_script(tmp_path / "two.json", 2)
+    one = _fabric_script(tmp_path / "one.json", 1)
+    assert two["world"] == 2 and one["world"] == 1
+    assert two["off"] is None and two["invariance_off"] is None
+    assert two["rows"] == one["rows"] == [8 * CONTEXT] * 5
+    assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]]
+    for a, b in zip(two["history"], one["history"], strict=True):
+        assert a.keys() == b.keys()
+        assert not any("_forward_module" in k or ".module." in k for k in a)
+        for tag, value in a.items():
+            if tag != "step":
+                assert b[tag] == pytest.approx(value, rel=1e-2, abs=1e-3), tag
+    assert any("lnmonitor/sigma/blocks.0.ln1" in h for h in two["history"])
+    assert any("lnmonitor/invariance/axis_5/dloss" in h for h in two["history"])

@@ -149,8 +149,16 @@ def test_the_loop_door_snippet_runs_as_written(tmp_path, monkeypatch):
             x = torch.randint(0, 16, (4, 8))
             yield x, x
 
+    def get_batch(split):  # nanoGPT's names: the snippet may be in its shape
+        x = torch.randint(0, 16, (4, 8))
+        return x, x
+
     scope = {"model": model, "SummaryWriter": SummaryWriter, "max_steps": 3, "micro_batches": micro_batches,
-             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
-    exec(python_block("LoopMonitor"), scope)
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "max_iters": 3, "get_batch": get_batch,
+             "gradient_accumulation_steps": 2}
+    block = python_block("LoopMonitor")
+    exec(block, scope)
     tags = set(events(tmp_path / "runs" / "my-loop").Tags()["scalars"])
     assert "lnmonitor/ladder/attenuation" in tags and "lnmonitor/sigma/lnf" in tags
+    if "probe_batch" in block:  # the invariance probe, with its sweep at the end
+        assert {"lnmonitor/invariance/axis_5/dloss", "lnmonitor/invariance/scale_rounding_points"} <= tags
