@@ -246,8 +246,8 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
            f"{a.norms[0].rank_rule if a.norms else '-'}. Gain spread: max/min nonzero singular "
            "value of diag(g)(1/sigma)P.", ""]
     md += _table(
-        ["norm", "max abs error", "max abs entry", "rank (eps)", "rank (eps=0)", "1/sigma",
-         "transmission eps/(v+eps)", "gain spread", "gain sv min .. max"],
+        ["norm", "max abs error", "max abs entry", "rank (eps)", "rank (eps=0)", "1/sigma at this row",
+         "transmission eps/(v+eps) at this row", "gain spread", "gain sv min .. max"],
         [[short_name(n.name), _f(n.max_abs_error, 1), _f(n.max_abs_entry), f"{n.rank}/{n.width}",
           f"{n.rank_eps0}/{n.width}", _f(n.inv_sigma), _f(n.transmission, 2), _f(n.gain_spread, 3),
           f"{_f(n.gain_sv_min)} .. {_f(n.gain_sv_max)}"] for n in a.norms],
