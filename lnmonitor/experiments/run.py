@@ -17,8 +17,7 @@ from lnmonitor.experiments.grid import Experiment, experiment_config
 
 __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
-    "measure_run",
-    "remeasure_run", "run_one", "write_hparams_session",
+    "measure_run", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
 from lnmonitor.core.metric_names import PREFIX, per_norm
 from lnmonitor.experiments.store import (
@@ -277,14 +276,24 @@ def remeasure_run(out: Path, eps: float, seed: int, text: str, record: dict,
     module, _ = load_checkpoint(last)
     batches = CharDataModule(text, vocab=module.vocab, context=module.config.context,
                              batch_size=record["config"]["recipe"]["batch_size"]).val_batches()
-    measured = measure_run(module, batches)
-    updated = {**record, **measured, "val_loss": measured["headline"]["val_loss"],
+    updated = {**remeasured(record, measure_run(module, batches)),
                "measure_seconds": time.perf_counter() - started, "versions": _versions(),
                "remeasured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_json(folder / RECORD_NAME, updated)
     echo(f"{tag}eps={eps_label(eps)} seed={seed}: measured again, val loss {updated['val_loss']:.4f} "
          f"nats/char ({updated['measure_seconds']:.1f} s)")
     return updated
+
+
+# what a record of format /1 held of its measurement, which a /2 measurement replaces
+OLD_MEASUREMENT = ("norms", "ladder", "share_baseline")
+
+
+def remeasured(record: dict, measured: dict) -> dict:
+    """``record`` with its measurement replaced by ``measured`` (:func:`measure_run`), in this
+    lnmonitor's record format: the training part stays, an older format's figures go."""
+    kept = {k: v for k, v in record.items() if k not in OLD_MEASUREMENT}
+    return {**kept, **measured, "format": RECORD_FORMAT, "val_loss": measured["headline"]["val_loss"]}
 
 
 def _versions() -> dict:
