@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -191,7 +191,7 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
                 "pass loss_fn(module, batch) returning the loss or (logits, loss)"
             )
         return out, None
-    if isinstance(out, dict) and "loss" in out:
+    if isinstance(out, Mapping) and "loss" in out:
         return out["loss"], out.get("logits")
     if isinstance(out, (tuple, list)) and len(out) == 2:
         logits, loss = out
@@ -204,9 +204,10 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
 
 
 def default_loss(module: nn.Module, batch):
-    """``module(*batch)`` for a tuple/list batch (``module(**batch)`` for a dict, else
-    ``module(batch)``): a loss or ``(logits, loss)`` as :func:`split_output` reads it."""
-    if isinstance(batch, dict):
+    """``module(*batch)`` for a tuple/list batch (``module(**batch)`` for any mapping, a
+    ``BatchEncoding`` included, else ``module(batch)``): a loss or ``(logits, loss)`` as
+    :func:`split_output` reads it."""
+    if isinstance(batch, Mapping):
         out = module(**batch)
     elif isinstance(batch, (tuple, list)):
         out = module(*batch)
@@ -263,7 +264,7 @@ def restored(module: nn.Module, batch) -> Iterator[None]:
 def _tensors(batch):
     if isinstance(batch, Tensor):
         yield batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for v in batch.values():
             yield from _tensors(v)
     elif isinstance(batch, (tuple, list)):
@@ -276,7 +277,7 @@ def _grad_ready(batch):
     taken during validation may be one; autograd cannot save it for the backward)."""
     if isinstance(batch, Tensor):
         return batch.clone() if batch.is_inference() else batch
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: _grad_ready(v) for k, v in batch.items()}
     if isinstance(batch, list):
         return [_grad_ready(v) for v in batch]

@@ -15,12 +15,15 @@ import math
 
 __all__ = [
     "CATEGORY_ORDER", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES", "INVARIANCE_LAYOUT",
-    "LADDER_LAYOUT", "PREFIX", "PROBE", "finite_metrics", "ladder_metric", "per_norm",
+    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "finite_metrics", "ladder_metric", "per_norm",
+    "unsplit",
 ]
 
 PREFIX = "lnmonitor"
 INVARIANCE = f"{PREFIX}/invariance"
 PROBE = f"{PREFIX}/probe"
+# transformers.Trainer's TensorBoard and W&B integrations put this before every training log
+TRAINER_SPLIT = "train"
 
 # the final-norm invariance cases, logged as lnmonitor/invariance/<case>/...
 INVARIANCE_CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
@@ -44,6 +47,13 @@ def ladder_metric(statistic: str, stack: str = "") -> str:
     logits), ``lnmonitor/ladder/<stack>/<statistic>`` for another stack's, ``<stack>`` the
     qualified name of the module holding it: ``lnmonitor/ladder/model.encoder/attenuation``."""
     return f"{PREFIX}/ladder/{stack}/{statistic}" if stack else f"{PREFIX}/ladder/{statistic}"
+
+
+def unsplit(tag: str) -> str:
+    """``tag`` without the split a transformers.Trainer integration puts before lnmonitor's
+    names (``train/lnmonitor/sigma/x`` -> ``lnmonitor/sigma/x``); any other tag as it is."""
+    split, _, name = tag.partition("/")
+    return name if split == TRAINER_SPLIT and name.startswith(f"{PREFIX}/") else tag
 
 
 def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,18 +1,21 @@
 """The ``transformers.Trainer`` door: the meter and the invariance probe as a ``TrainerCallback``.
 
 Needs the ``hf`` extra (``pip install 'lnmonitor[hf]'``); nothing else in lnmonitor imports
-transformers.
+transformers.  How it reaches the Trainer's reporting integrations and its eval data
+without being handed the Trainer: see :func:`_running_trainer`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
 import torch.distributed as dist
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 except ImportError as err:  # pragma: no cover - the hf extra is not installed
     raise ImportError(
@@ -24,8 +27,9 @@ from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
-from lnmonitor.core.meter import LadderMeter, LadderResult, due
-from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
+from lnmonitor.core.meter import LadderMeter, LadderResult
+from lnmonitor.core.metric_names import CATEGORY_ORDER, INVARIANCE_LAYOUT, LADDER_LAYOUT, TRAINER_SPLIT
+from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 
 __all__ = ["LNMonitorCallback"]
 
@@ -33,25 +37,27 @@ __all__ = ["LNMonitorCallback"]
 class LNMonitorCallback(TrainerCallback):
     r"""Watch the norms of the model a ``transformers.Trainer`` trains.
 
-    At every ``every_n_steps``-th optimizer step (default: the Trainer's
-    ``logging_steps``; gradient accumulation does not multiply the count) and at the last,
-    the norms are measured over every micro-batch of the step on every process
-    (:class:`~lnmonitor.core.meter.LadderMeter`, merged over ``torch.distributed`` under
-    ``accelerate``/``torchrun``); every ``invariance_every_n_steps`` steps and at the end of
-    training the final-norm invariance probe runs (its scale sweep at the end only) on
-    ``probe_size`` held-out rows (the first of the eval dataset, else of the first training
-    batch, said once) with the model's own ``labels`` loss (``model(**batch).loss``).  The
-    metrics -- the names of :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
-    :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor`, with
-    ``<norm>`` qualified from the Trainer's model -- go from the main process to every
-    ``report_to`` integration (TensorBoard, W&B, MLflow, ...) at the Trainer's
-    ``global_step`` after the step's update, as its own loss is; the integrations apply
-    their own naming (TensorBoard's puts ``train/`` before every tag).  They are not added
-    to ``state.log_history``, which every checkpoint saves.
+    The norms are measured over every micro-batch of the optimizer steps whose update brings
+    the Trainer's ``global_step`` to a logging step -- every ``every_n_steps`` (default: the
+    Trainer's ``logging_steps``), the first with ``logging_first_step``, and the last -- on
+    every process (merged over ``torch.distributed`` under ``accelerate``/``torchrun``), and
+    reported at that ``global_step``, where the Trainer logs its loss.  Every
+    ``invariance_every_n_steps`` steps and at the end of training (with its scale sweep) the
+    final-norm invariance probe runs on ``probe_size`` held-out rows (the first of the eval
+    dataset, batched by the Trainer's collator and joined across padded lengths with the
+    tokenizer's or the model config's pad id; else the first training rows, said once) with
+    the model's own ``labels`` loss (``model(**batch).loss``).  The metrics -- the names of
+    :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
+    :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor` -- go from
+    the main process to every ``report_to`` integration (TensorBoard, W&B, MLflow, ...),
+    which apply their own naming (TensorBoard's and W&B's put ``train/`` before every tag;
+    TensorBoard also gets a Custom Scalars layout for those tags).  The end-of-run point is
+    reported at the last epoch's end, before the integrations close: one event file per
+    run.  Nothing is added to ``state.log_history``, which every checkpoint saves.
 
     Args:
-        trainer: the ``transformers.Trainer`` this callback is added to (its reporting
-            integrations, eval data and autocast are used).
+        trainer: not needed (``Trainer(..., callbacks=[LNMonitorCallback()])``); kept for
+            ``trainer.add_callback(LNMonitorCallback(trainer))``, which works as before.
         every_n_steps: measure the norms every this many optimizer steps; None: the
             Trainer's ``logging_steps``.
         include, exclude, final_norm, ladder: as for ``LayerNormMonitor``.
@@ -73,8 +79,8 @@ class LNMonitorCallback(TrainerCallback):
     Example::
 
         >>> from lnmonitor.integrations.transformers import LNMonitorCallback
-        >>> # trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-        >>> # trainer.add_callback(LNMonitorCallback(trainer, every_n_steps=50))
+        >>> # trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+        >>> #                                callbacks=[LNMonitorCallback(every_n_steps=50)])
 
     Every event runs inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
     callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
@@ -86,7 +92,7 @@ class LNMonitorCallback(TrainerCallback):
 
     def __init__(
         self,
-        trainer,
+        trainer=None,
         every_n_steps: int | None = None,
         *,
         include: str | Sequence[str] | None = None,
@@ -98,10 +104,11 @@ class LNMonitorCallback(TrainerCallback):
         probe_size: int | None = PROBE_WINDOWS,
         keep_history: bool | None = None,
     ) -> None:
-        if not hasattr(trainer, "callback_handler"):
+        if trainer is not None and not isinstance(trainer, Trainer):
             raise arguments.ArgumentError(
-                f"trainer must be the transformers.Trainer this callback is added to, got "
-                f"{type(trainer).__name__}: trainer.add_callback(LNMonitorCallback(trainer))"
+                f"trainer must be the transformers.Trainer this callback is added to, or None (it is "
+                f"found when training begins), got {type(trainer).__name__}: pass the other arguments by "
+                "name, LNMonitorCallback(every_n_steps=...)"
             )
         self.trainer = trainer
         self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
@@ -125,10 +132,11 @@ class LNMonitorCallback(TrainerCallback):
         self._prober: InvarianceProbe | None = None
         self._reporters: list = []
         self._measuring: int | None = None
-        self._last_step: int | None = None
+        self._first_step = False
         self._main = True
         self._logged = -1
         self._probed = -1
+        self._layout_written = False
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -154,73 +162,103 @@ class LNMonitorCallback(TrainerCallback):
         self._main = state.is_world_process_zero
         self.voice.reset(speaks=self._main)
         self._logged, self._probed = -1, -1
+        self._layout_written = False
+        trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
-        self._last_step = state.max_steps - 1 if state.max_steps > 0 else None
+        self._first_step = bool(args.logging_first_step)
         self.meter = LadderMeter(
             model, include=self.include, exclude=self.exclude, final_norm=self.final_norm, ladder=self.ladder,
             row_mask=self.row_mask, owner="LNMonitorCallback", say=self._say, warn=self._warn,
         )
-        self._reporters = [cb for cb in self.trainer.callback_handler.callbacks
-                           if type(cb) in INTEGRATION_TO_CALLBACK.values()]
+        callbacks = trainer.callback_handler.callbacks if trainer is not None else []
+        self._reporters = [cb for cb in callbacks if type(cb) in INTEGRATION_TO_CALLBACK.values()]
+        if trainer is None:
+            self._warn("no-trainer", "LNMonitorCallback: no transformers.Trainer runs this callback's events "
+                                     "(none on the call stack holds it), so its metrics go to no report_to "
+                                     "integration: they are kept in .history.")
         self._kept.reset(receivers=bool(self._reporters))
         self._prober, self._probe, self.invariance_off = None, None, None
         if self.invariance_every_n_steps is not None:
-            self._start_probe(model, kwargs.get("train_dataloader"))
+            self._start_probe(trainer, model, kwargs)
+
+    def _due(self, after: int, max_steps: int) -> bool:
+        """Whether the update that brings ``global_step`` to ``after`` is measured: the
+        Trainer logs its loss there (every ``every_n_steps``, the first with
+        ``logging_first_step``) or it is the last."""
+        return (after % self.every_n_steps == 0 or after == max_steps
+                or (after == 1 and self._first_step)) and after > self._logged
 
     @guarded
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
-        step = state.global_step
-        if due(step, self.every_n_steps, self._last_step) and step > self._logged:
-            self._measuring = step
+        if self._due(state.global_step + 1, state.max_steps):
+            self._measuring = state.global_step + 1
             self.meter.start()
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
         if self._measuring is not None:
-            step, self._measuring = self._measuring, None
+            self._measuring = None
             self.meter.stop()
-            result = self.meter.result(dist, label=f"step {step}")
+            result = self.meter.result(dist, label=f"step {state.global_step}")
             if result is not None:
                 self.last_result = result
                 self._report(result.metrics(positions=self._logged < 0), args, state, control)
-                self._logged = step
+                self._logged = state.global_step
         every = self.invariance_every_n_steps
         if every is not None and state.global_step % every == 0:
             self._run_probe(args, state, control, sweep=False)
+
+    @guarded
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # the end of training comes here before on_train_end, where the integrations close
+        if self.invariance_every_n_steps is not None and (
+                control.should_training_stop or state.global_step >= state.max_steps):
+            self._run_probe(args, state, control, sweep=True)
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
         if self.meter is not None:
             self.meter.abort()
         self._measuring = None
-        if self.invariance_every_n_steps is not None:  # the last point, with the scale sweep
-            self._run_probe(args, state, control, sweep=True)
 
     # -- the invariance probe ----------------------------------------------------------
 
-    def _start_probe(self, model, train_loader) -> None:
+    def _probe_rows(self, trainer, model, kwargs):
+        """The probe's rows from the eval data (the Trainer's eval loader), else from the first
+        training rows (said once); None when there are none."""
+        pad = pad_id_of(model, kwargs.get("processing_class"))
+        say = lambda text: self._say(f"LNMonitorCallback: {text}.")  # noqa: E731
+        warn = lambda text: self._warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
+        if trainer is not None and trainer.eval_dataset is not None:
+            batch = first_samples(trainer.get_eval_dataloader(), self.probe_size, pad=pad, say=say, warn=warn)
+            if batch is not None:
+                return batch
+        batch = first_samples(kwargs.get("train_dataloader"), self.probe_size, pad=pad, say=say, warn=warn)
+        if batch is not None:
+            self._warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
+                                      "from, so the invariance probe runs on the first training rows.")
+        return batch
+
+    def _start_probe(self, trainer, model, kwargs) -> None:
         if not self._main:
             return  # the main process probes, alone
         if sharded(model):
             self._invariance_off("the model is sharded (FSDP), and this door probes only unsharded models")
             return
-        batch = None
-        if self.trainer.eval_dataset is not None:
-            batch = first_samples(self.trainer.get_eval_dataloader(), self.probe_size)
-        if batch is None:
-            batch = first_samples(train_loader, self.probe_size)
-            if batch is None:
-                self._invariance_off("there is no eval or training data to take probe rows from")
-                return
-            self._warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
-                                      "from, so the invariance probe runs on the first training rows.")
+        batch = self._probe_rows(trainer, model, kwargs)
+        labels = (getattr(trainer, "label_names", None) if trainer is not None else None) or ["labels"]
+        problem = _unusable(batch, labels)
+        if problem is not None:
+            self._invariance_off(problem)
+            return
         device = next(model.parameters()).device
         self._probe = map_tensors(probe_batch(batch, self.probe_size), lambda t: t.to(device))
         norms = choose_norms(model, None, None, self.final_norm, "LNMonitorCallback", self._warn)
+        autocast = trainer.autocast_smart_context_manager if trainer is not None else contextlib.nullcontext
         self._prober = InvarianceProbe(model, default_loss, final_norm=self.final_norm, norms=norms,
-                                       autocast=self.trainer.autocast_smart_context_manager)
+                                       autocast=autocast)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
         step = state.global_step
@@ -229,16 +267,18 @@ class LNMonitorCallback(TrainerCallback):
             return
         self._probed = step
         try:
-            _, metrics = self._prober.point(self._probe, step, sweep=sweep)
+            result, metrics = self._prober.point(self._probe, step, sweep=sweep)
         except NonFiniteLoss as err:  # this point only
             self._warn("nan-loss", f"LNMonitorCallback: no invariance at step {state.global_step}: {err}.")
             return
         except Exception as err:  # noqa: BLE001 - never stop the user's training
             self._prober = None
             self._invariance_off(
-                f"{type(err).__name__}: {err}. If the model needs another final norm, pass final_norm='...'; "
-                "the probe's loss is model(**batch).loss, so the probe rows need labels")
+                f"{type(err).__name__}: {err}. If the model needs another final norm, pass final_norm='...'")
             return
+        if sweep and not math.isfinite(result.slope):
+            self._warn("no-fit", f"LNMonitorCallback: no scale-sweep slope at step {step}: "
+                                 f"{result.fit_note}.")
         self._report(metrics, args, state, control)
 
     def _invariance_off(self, reason: str) -> None:
@@ -252,6 +292,9 @@ class LNMonitorCallback(TrainerCallback):
         if not self._main or not metrics:
             return
         self._kept.add(state.global_step, metrics)
+        if not self._layout_written:
+            self._layout_written = True
+            self._write_layout()
         for reporter in list(self._reporters):
             try:
                 reporter.on_log(args, state, control, logs=dict(metrics))
@@ -260,6 +303,51 @@ class LNMonitorCallback(TrainerCallback):
                 self._warn(f"report-{type(reporter).__name__}",
                            f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
                            "goes to it (training goes on).")
+
+    def _write_layout(self) -> None:
+        """The Custom Scalars layout, for the tags as the Trainer's TensorBoard writes them."""
+        categories = {**LADDER_LAYOUT, **(INVARIANCE_LAYOUT if self.invariance_every_n_steps else {})}
+        layout = {name: {chart: [kind, [f"{TRAINER_SPLIT}/{regex}" for regex in regexes]]
+                         for chart, (kind, regexes) in categories[name].items()}
+                  for name in CATEGORY_ORDER if name in categories}
+        for reporter in self._reporters:
+            writer = getattr(reporter, "tb_writer", None)
+            if callable(getattr(writer, "add_custom_scalars", None)):
+                try:
+                    writer.add_custom_scalars(layout)
+                except Exception as err:  # noqa: BLE001 - a layout must never stop training
+                    self._warn("layout", f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
+
+
+def _running_trainer(callback) -> Trainer | None:
+    """The ``transformers.Trainer`` running ``callback``'s event: the first on the call stack
+    (its training loop calls its ``CallbackHandler``, which calls the callback) whose
+    callbacks hold ``callback``; None when there is none.  The events hand a callback the
+    model, the data loaders and the tokenizer but neither the Trainer nor the other
+    callbacks, and only the Trainer has the reporting integrations (their writers: new ones
+    would open a second event file or run) and the eval dataset."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and any(cb is callback for cb in owner.callback_handler.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _unusable(batch, label_names: Sequence[str]) -> str | None:
+    """Why the probe cannot run ``model(**batch).loss`` on ``batch``, or None."""
+    if batch is None:
+        return "there is no eval or training data to take probe rows from"
+    if not isinstance(batch, Mapping):
+        return (f"the collator's batches are a {type(batch).__name__}, not a mapping of tensors: the probe "
+                "calls model(**batch) as the Trainer does")
+    if not any(name in batch for name in label_names):
+        return (f"the probe rows have no {' or '.join(map(repr, label_names))} (their keys: "
+                f"{', '.join(map(str, batch))}), so model(**batch) gives no loss: a collator that adds "
+                "labels (DataCollatorForLanguageModeling(tokenizer, mlm=False) for a causal LM) gives the "
+                "probe one")
+    return None
 
 
 def _logging_steps(value: float, max_steps: int) -> int:

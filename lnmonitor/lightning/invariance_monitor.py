@@ -29,7 +29,7 @@ from lnmonitor.core.invariance import (
 )
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_LAYOUT, PREFIX, finite_metrics
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.probe_rows import first_samples, map_tensors, probe_batch
+from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.probe_loss import NoLoss, probe_loss
 from lnmonitor.views.summary import invariance_lines
@@ -342,7 +342,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             return self._probe
         batch = self.probe_batch
         if batch is None:
-            batch = first_samples(trainer.val_dataloaders, self.probe_size)
+            batch = first_samples(
+                trainer.val_dataloaders, self.probe_size, pad=pad_id_of(pl_module),
+                say=lambda text: self._say(f"FinalNormInvarianceMonitor: {text}."),
+                warn=lambda text: self._warn("probe-rows", f"FinalNormInvarianceMonitor: {text}."))
         if batch is None:
             batch = self._first_train_batch
             if batch is None:

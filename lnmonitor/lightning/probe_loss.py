@@ -17,7 +17,7 @@ When neither gives a loss, :class:`NoLoss` says what each did and how to pass on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from lightning.pytorch import LightningModule
@@ -52,7 +52,7 @@ def training_step_loss(module: LightningModule, batch) -> Tensor:
     """The loss ``module.training_step(batch, 0)`` returns, with logging muted."""
     with _muted_logging(module):
         out = module.training_step(batch, 0)
-    if isinstance(out, dict) and "loss" in out:
+    if isinstance(out, Mapping) and "loss" in out:
         out = out["loss"]
     if not isinstance(out, Tensor) or out.numel() != 1:
         raise NoLoss(f"training_step returned {type(out).__name__}, not a loss")

@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from lnmonitor.core.metric_names import unsplit
+
 __all__ = ["event_file_problem", "event_files", "find_runs", "read_csv_scalars", "read_run", "read_scalars"]
 
 Curves = dict[str, list[tuple[int, float]]]
@@ -65,11 +67,24 @@ def event_file_problem(path: Path) -> str | None:
 
 
 def read_run(folder: Path) -> Curves:
-    """A run's scalars: from its event files when it has some, else from its ``metrics.csv``."""
+    """A run's scalars: from its event files when it has some, else from its ``metrics.csv``;
+    lnmonitor's names as every door logs them (a transformers.Trainer run's ``train/`` split
+    taken off: ``train/lnmonitor/...`` reads as ``lnmonitor/...``)."""
     folder = Path(folder)
     if event_files(folder):
-        return read_scalars(folder)
-    return read_csv_scalars(folder / CSV_NAME) if (folder / CSV_NAME).is_file() else {}
+        curves = read_scalars(folder)
+    else:
+        curves = read_csv_scalars(folder / CSV_NAME) if (folder / CSV_NAME).is_file() else {}
+    return _unsplit(curves)
+
+
+def _unsplit(curves: Curves) -> Curves:
+    """``curves`` under :func:`~lnmonitor.core.metric_names.unsplit`'s names; a tag logged both
+    ways keeps the points of the name without the split where both have the step."""
+    out: dict[str, dict[int, float]] = {}
+    for tag in sorted(curves, key=lambda t: unsplit(t) == t):  # split tags first, plain ones win
+        out.setdefault(unsplit(tag), {}).update(curves[tag])
+    return {tag: sorted(points.items()) for tag, points in out.items()}
 
 
 def read_scalars(folder: Path, keep: Callable[[str], bool] = lambda tag: True) -> Curves:
