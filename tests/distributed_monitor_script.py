@@ -86,6 +86,7 @@ class ShardedGPT(TinyGPTModule):
             [self.model.lnf, self.model.head]]
 
     sequence_parallel_norms = True
+    loss_parallel = False  # the head's logits sharded over the vocabulary (torchtitan's loss_parallel)
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # not under ModelParallelStrategy
@@ -109,7 +110,9 @@ class ShardedGPT(TinyGPTModule):
         ``sequence_parallel_norms`` every norm is ``SequenceParallel`` (its input a DTensor
         sharded along the sequence; the stream is sharded from the first block on and gathered
         for attention, whose fused qkv does not split by columns, and for the MLP and the head);
-        without, every norm reads the same replicated stream on every rank."""
+        without, every norm reads the same replicated stream on every rank.  With
+        ``loss_parallel`` the head's logits stay a DTensor sharded over the vocabulary, as
+        torchtitan's are (the loss must then be computed under ``loss_parallel()``)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
@@ -123,7 +126,9 @@ class ShardedGPT(TinyGPTModule):
         sp = self.sequence_parallel_norms
         stream = Shard(1) if sp else Replicate()
         plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate())}
+                "head": ColwiseParallel(input_layouts=stream,
+                                        output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
+                                        use_local_output=not self.loss_parallel)}
         for i in range(len(self.blocks())):
             plan |= {f"blocks.{i}.mlp.fc": ColwiseParallel(input_layouts=stream),
                      f"blocks.{i}.mlp.proj": RowwiseParallel(output_layouts=stream)}

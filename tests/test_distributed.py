@@ -75,27 +75,31 @@ def test_tensor_parallel_meshes_match_one_process(single, tmp_path, strategy, de
     assert tp["world"] == devices and tp["steps"] == 2
     assert tp["off"] is None and tp["disabled"] is None
     assert_matches_one_process(tp, single)
-    for key, value in tp["invariance"][0].items():
-        ref = single["invariance"][0][key]
-        if key.endswith("log10_abs_dloss"):  # |dloss| itself, not its log: one ulp of the loss is 0.3 here
-            value, ref = 10.0**value, 10.0**ref
-        assert value == pytest.approx(ref, rel=1e-4, abs=1e-6), key
+    assert_probe_matches(tp["invariance"][0], single["invariance"][0])
 
 
 @pytest.mark.slow
 def test_plain_loop_with_parallelize_module_matches_one_process(tmp_path):
-    # LoopMonitor on a model laid out by parallelize_module (every norm SequenceParallel), each
-    # rank running the global batch: the rows and figures of one process, and the invariance
-    # probe, run on every rank after two updates, gives one process's numbers to float32 noise
+    # LoopMonitor on a model laid out by parallelize_module (every norm SequenceParallel, the
+    # head's logits sharded over the vocabulary with loss_parallel), each rank running the global
+    # batch: the rows and figures of one process, and the door's invariance probe, run on every
+    # rank after the updates, gives one process's numbers to float32 noise
     single = _script([LOOP_SCRIPT, 1, tmp_path / "one.json"], tmp_path / "one.json")
     tp = _script([LOOP_SCRIPT, 2, tmp_path / "two.json"], tmp_path / "two.json")
     assert tp["off"] is None and single["off"] is None
+    assert tp["disabled"] is None and single["disabled"] is None
     assert tp["rows"] == single["rows"] == [8 * 16] * 5
-    assert_history_matches(tp["history"], single["history"])
-    assert tp["invariance"].keys() == single["invariance"].keys()
-    for key, value in tp["invariance"].items():
-        if "log10" not in key:  # log10 of a delta-loss of 0 or of one ulp
-            assert value == pytest.approx(single["invariance"][key], rel=1e-4, abs=1e-6, nan_ok=True), key
+
+    def split(history):  # the ladder's dicts, and the probe's (at each step, and with the sweep at the end)
+        probe = [h for h in history if any("/invariance/" in key for key in h)]
+        return [h for h in history if h not in probe], probe
+
+    (ladder, probe), (ladder_one, probe_one) = split(tp["history"]), split(single["history"])
+    assert_history_matches(ladder, ladder_one)
+    assert [h["step"] for h in probe] == [h["step"] for h in probe_one] == [0, 1, 1]
+    for a, b in zip(probe, probe_one, strict=True):
+        assert_probe_matches(a, b)
+    assert_probe_matches(tp["invariance"], single["invariance"])
 
 
 def assert_matches_one_process(many: dict, single: dict) -> None:
@@ -107,6 +111,20 @@ def assert_matches_one_process(many: dict, single: dict) -> None:
     assert many["disabled"] is None and single["disabled"] is None
     assert [h["step"] for h in many["invariance"]] == [h["step"] for h in single["invariance"]] == [0, 1, 2]
     assert many["invariance"][0].keys() == single["invariance"][0].keys()
+
+
+def assert_probe_matches(many: dict, single: dict) -> None:
+    """The probe's figures of ``single``: the same names, the delta-losses to float32's resolution
+    of the loss (a split matmul rounds differently), the float64 norm-output residuals alike, and
+    the sweep's fit on those float32 delta-losses to 0.5%."""
+    assert many.keys() == single.keys()
+    for key, value in many.items():
+        ref = single[key]
+        if key.endswith("log10_abs_dloss"):  # |dloss| itself, not its log: one ulp of the loss is 0.3 in it
+            value, ref = 10.0**value, 10.0**ref
+        fit = key.endswith(("scale_slope", "scale_constant"))
+        tolerance = dict(rel=5e-3) if fit else dict(rel=1e-4, abs=1e-6)
+        assert value == pytest.approx(ref, nan_ok=True, **tolerance), key
 
 
 def assert_history_matches(many: list[dict], single: list[dict]) -> None:

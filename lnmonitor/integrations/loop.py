@@ -165,6 +165,7 @@ class LoopMonitor:
         self._ended = False
         self._prober: InvarianceProbe | None = None
         self._probe = None
+        self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if self.invariance_every_n_steps is not None:
             self._start_probe(probe_batch, loss_fn, size, final_norm)
 
@@ -291,24 +292,32 @@ class LoopMonitor:
 
     def _start_probe(self, batch, loss_fn: Callable | None, size: int | None, final_norm: str | None) -> None:
         """The probe of the user's model (its own forward, on rank zero alone: no wrapper's
-        collective), on the first ``size`` rows of ``batch`` moved to the model's device."""
+        collective), on the first ``size`` rows of ``batch`` moved to the model's device.  A
+        sharded model (FSDP2, tensor parallelism) is probed by every rank on rank zero's rows
+        (its forward is a collective)."""
         model = self.meter.model
         if batch is None:
             self.voice.say("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not run; "
                            "pass held-out rows (probe_batch=(x, y), or a dict of the model's inputs) to "
                            "have it.")
             return
-        if sharded(model):
-            self._invariance_off("the model is sharded (FSDP), and this door probes only unsharded models")
+        if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+            self._invariance_off("the model is wrapped by FSDP1, and this door probes FSDP2 and "
+                                 "tensor-parallel models only")
             return
+        rows = probe_batch(batch, size)
+        self._every_rank = sharded(model) and dist.is_available() and dist.is_initialized()
+        if self._every_rank:
+            rows = _from_rank_zero(rows)
         device = next(model.parameters()).device
-        self._probe = map_tensors(probe_batch(batch, size), lambda t: t.to(device))
+        self._probe = map_tensors(rows, lambda t: t.to(device))
         norms = choose_norms(model, None, None, final_norm, self.owner, self.voice.warn)
         self._prober = InvarianceProbe(model, loss_fn, final_norm=final_norm, norms=norms)
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:
-        """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero."""
-        if self._prober is None or not _rank_zero():
+        """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero (every
+        rank of a sharded model, which writes from rank zero)."""
+        if self._prober is None or not (self._every_rank or _rank_zero()):
             return
         add_sweep = sweep and self._prober.sweep_missing(step)
         if step <= self._probed and not add_sweep:
@@ -325,7 +334,8 @@ class LoopMonitor:
                                  "final norm, pass loss_fn=lambda model, batch: ... and final_norm='...'")
             return
         self.last_invariance = result
-        self._emit(step, metrics)
+        if _rank_zero():
+            self._emit(step, metrics)
 
     def _invariance_off(self, reason: str) -> None:
         self.invariance_off = reason
@@ -334,3 +344,10 @@ class LoopMonitor:
 
 def _rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _from_rank_zero(rows):
+    """Rank zero's probe rows on every rank (on the CPU; a collective)."""
+    box = [map_tensors(rows, lambda t: t.detach().cpu()) if _rank_zero() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
