@@ -1,10 +1,16 @@
-"""A transformers causal LM trained by ``transformers.Trainer`` -- no Lightning -- monitored
-by ``LNMonitorCallback``: the ladder and shares every ``logging_steps`` steps, the
-final-norm invariance on held-out rows with the model's own ``labels`` loss, reported to
-TensorBoard (``report_to``; its tags start with ``train/``).  Random weights from a small
-config, the Python help text as bytes.
+"""A transformers causal LM fine-tuned by ``transformers.Trainer`` -- no Lightning -- as a
+fine-tuning script is written: lines of text of different lengths, a tokenizer, the standard
+LM collator (``DataCollatorForLanguageModeling(mlm=False)``: dynamic padding, labels -100 on
+the padding), the Trainer's default arguments, and ``callbacks=[LNMonitorCallback()]``.
+The ladder and shares land on the Trainer's logging steps beside its loss, the final-norm
+invariance on held-out rows (the eval set's first 64, joined across padded lengths) with the
+model's own ``labels`` loss, all in TensorBoard (``report_to``; its tags start with
+``train/``, and a Custom Scalars layout draws them).  Random weights from a small config; the
+text is the Python help text and the tokenizer a character-level WordLevel built here, so
+nothing is downloaded.
 
     python examples/transformers_trainer.py --family llama --steps 300
+    lnmonitor summarize runs/examples/trainer-llama
 """
 
 from __future__ import annotations
@@ -13,23 +19,27 @@ import argparse
 import os
 from pathlib import Path
 
+import tokenizers
 import transformers
-from text_windows import VOCAB, loaders
 
 from lnmonitor.integrations.transformers import LNMonitorCallback
+from lnmonitor.tiny.corpus import load_corpus
 
-LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=4, n_head=4,
-                                            n_positions=128),
-    "llama": lambda: transformers.LlamaConfig(**LLAMA_LIKE),
+    "gpt2": lambda vocab, pad: transformers.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=4, n_head=4,
+                                                       n_positions=128, pad_token_id=pad),
+    "llama": lambda vocab, pad: transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=pad),
 }
 
 
-def as_records(loader) -> list[dict]:
-    """The windows as the Trainer's records: ``input_ids`` and the same ids as ``labels``."""
-    return [{"input_ids": x, "labels": x} for x, _ in loader.dataset]
+def char_tokenizer(text: str) -> transformers.PreTrainedTokenizerFast:
+    """One token per character of ``text`` (WordLevel over single characters), with a pad token."""
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 2 for i, c in enumerate(sorted(set(text)))}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
 
 
 def main() -> None:
@@ -39,8 +49,14 @@ def main() -> None:
     parser.add_argument("--out", default="runs/examples")
     args = parser.parse_args()
     transformers.set_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[args.family]())
-    train, val = loaders(context=64, batch_size=16)
+    text = load_corpus()
+    tokenizer = char_tokenizer(text)
+    lines = [line[:120] for line in text.splitlines() if len(line.strip()) > 8]  # 9 to 120 characters
+    cut = int(0.9 * len(lines))
+    train = [tokenizer(line) for line in lines[:cut]]
+    val = [tokenizer(line) for line in lines[cut:]]
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[args.family](len(tokenizer),
+                                                                               tokenizer.pad_token_id))
     logs = Path(args.out) / f"trainer-{args.family}"
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(logs)  # where the Trainer's TensorBoard writes
     training = transformers.TrainingArguments(
@@ -48,11 +64,13 @@ def main() -> None:
         gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=min(50, args.steps),
         save_strategy="no", report_to=["tensorboard"], use_cpu=True, disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=model, args=training, train_dataset=as_records(train),
-                                   eval_dataset=as_records(val))
-    trainer.add_callback(LNMonitorCallback(trainer, invariance_every_n_steps=min(1000, args.steps)))
+    trainer = transformers.Trainer(
+        model=model, args=training, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
+        data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=[LNMonitorCallback(invariance_every_n_steps=min(1000, args.steps))],
+    )
     trainer.train()
-    print(f"logs: {logs}\nopen with: tensorboard --logdir {args.out}")
+    print(f"logs: {logs}\nopen with: tensorboard --logdir {args.out}\nor: lnmonitor summarize {logs}")
 
 
 if __name__ == "__main__":
