@@ -1,8 +1,12 @@
 """lnmonitor: Lightning callbacks that watch what LayerNorm does to a transformer while it trains."""
 
+from lnmonitor.errors import HealthWarning  # standard library only
+
 __version__ = "0.1.0"
 
-__all__ = ["FinalNormInvarianceMonitor", "LayerNormMonitor", "StructureProbe", "register_norm"]
+__all__ = [
+    "FinalNormInvarianceMonitor", "HealthWarning", "LayerNormMonitor", "StructureProbe", "register_norm",
+]
 
 
 def _lazy_attributes(package: str, table: dict[str, str]):

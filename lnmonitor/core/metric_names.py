@@ -15,8 +15,8 @@ import math
 
 __all__ = [
     "CATEGORY_ORDER", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES", "INVARIANCE_LAYOUT",
-    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "finite_metrics", "ladder_metric", "per_norm",
-    "unsplit",
+    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "finite_metrics", "health_metric", "ladder_metric",
+    "per_norm", "unsplit",
 ]
 
 PREFIX = "lnmonitor"
@@ -54,6 +54,12 @@ def unsplit(tag: str) -> str:
     names (``train/lnmonitor/sigma/x`` -> ``lnmonitor/sigma/x``); any other tag as it is."""
     split, _, name = tag.partition("/")
     return name if split == TRAINER_SPLIT and name.startswith(f"{PREFIX}/") else tag
+
+
+def health_metric(kind: str) -> str:
+    """``lnmonitor/health/<kind>``: 1 while the finding ``kind`` holds, 0 after it ended
+    (docs/findings.md), e.g. ``lnmonitor/health/stream_growth``."""
+    return f"{PREFIX}/health/{kind}"
 
 
 def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -36,6 +36,7 @@ class GPTConfig:
     eps: float = 1e-5
     attention: Literal["sdpa", "explicit"] = "sdpa"
     init: Literal["default", "gpt2"] = "default"
+    qk_norm: bool = False  # a norm of each head's queries and keys (Wortsman et al. 2023's fix)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "width", "depth", "heads", "context", "mlp_ratio"):
@@ -55,12 +56,16 @@ class GPTConfig:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"qk_norm must be True or False, got {self.qk_norm!r}")
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
+def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
+    """The configured norm over ``width`` features (default: the model's width)."""
+    width = width or config.width
     if config.norm == "layer":
-        return nn.LayerNorm(config.width, eps=config.eps)
-    return nn.RMSNorm(config.width, eps=config.eps)
+        return nn.LayerNorm(width, eps=config.eps)
+    return nn.RMSNorm(width, eps=config.eps)
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,11 +77,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.width, config.width, bias=False)
         mask = torch.ones(config.context, config.context, dtype=torch.bool).tril()
         self.register_buffer("causal_mask", mask, persistent=False)
+        if config.qk_norm:  # per head, over the head dimension
+            self.q_norm = make_norm(config, config.width // config.heads)
+            self.k_norm = make_norm(config, config.width // config.heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=-1)
-        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.explicit:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
             scores = scores.masked_fill(~self.causal_mask[:time, :time], float("-inf"))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from lnmonitor.core.kinds import KINDS
 from lnmonitor.errors import UsageError
 
-__all__ = ["ATTENTIONS", "DECAYS", "INITS", "Recipe"]
+__all__ = ["ATTENTIONS", "DECAYS", "INITS", "LATER_OPTIONS", "Recipe", "SCHEDULES"]
 
 ATTENTIONS = ("sdpa", "explicit")  # the tiny GPT's attention implementations
 # "default": PyTorch's own initialisation (embeddings N(0, 1)), as the study;
@@ -21,6 +21,12 @@ ATTENTIONS = ("sdpa", "explicit")  # the tiny GPT's attention implementations
 INITS = ("default", "gpt2")
 # weight decay on every parameter (the study's AdamW), or on the matrices only
 DECAYS = ("all", "matrices")
+# the learning rate over the run: one cycle (warm-up over the first 30%, the study's), or
+# constant from step 0 (no warm-up)
+SCHEDULES = ("one-cycle", "constant")
+# options added after the study's recipe: left out of the hyperparameters and the record
+# while at their defaults, so runs and checkpoints made before them still match
+LATER_OPTIONS = {"qk_norm": False, "z_loss": 0.0, "schedule": "one-cycle"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class Recipe:
     grad_clip: float = 1.0
     seed: int = 0
     val_every: int = 250
+    qk_norm: bool = False
+    z_loss: float = 0.0
+    schedule: str = "one-cycle"
     trainer_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,13 +64,16 @@ class Recipe:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise UsageError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("weight_decay", "grad_clip", "z_loss"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
         if self.norm not in KINDS:
             raise UsageError(f"norm must be one of {', '.join(KINDS)}, got {self.norm!r}")
-        for name, allowed in (("attention", ATTENTIONS), ("init", INITS), ("decay", DECAYS)):
+        if not isinstance(self.qk_norm, bool):
+            raise UsageError(f"qk-norm must be true or false, got {self.qk_norm!r}")
+        for name, allowed in (("attention", ATTENTIONS), ("init", INITS), ("decay", DECAYS),
+                              ("schedule", SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.width % self.heads:
@@ -79,10 +91,16 @@ class Recipe:
             vocab=vocab, width=self.width, depth=self.depth, heads=self.heads,
             context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
             lr=float(self.lr), weight_decay=float(self.weight_decay), decay=self.decay, init=self.init,
-            max_steps=self.max_steps,
+            max_steps=self.max_steps, **self._later_options(),
         )
+
+    def _later_options(self) -> dict:
+        return {k: getattr(self, k) for k, default in LATER_OPTIONS.items() if getattr(self, k) != default}
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("trainer_kwargs")
+        for name in LATER_OPTIONS:
+            out.pop(name)
+        out.update(self._later_options())
         return out

@@ -1,0 +1,203 @@
+"""Findings: what the numbers mean for this run, said once, before the damage.
+
+A :class:`Finding` is a statement about the run that a measured step's figures support: what
+was seen (the numbers), what it meant in the stability testbed (docs/findings.md: the lead
+time before the damage and how often it preceded it), and what to try.  :class:`FindingsReader`
+reads each measured step's :class:`~lnmonitor.core.meter.LadderResult` (and the
+:class:`~lnmonitor.core.scales.Scales` of that step, when the door took them) through
+:func:`~lnmonitor.core.signals.step_signals` -- nothing is recomputed -- and returns a
+:class:`Reading`: the findings raised at this step, the kinds that ended, and the
+``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  Each kind is raised
+once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
+``on_finding(finding)`` (a user can stop the run or lower the lr there).  Thresholds are
+arguments, checked like every other.  Imports no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lnmonitor.core.arguments import ArgumentError, function
+from lnmonitor.core.metric_names import health_metric
+from lnmonitor.core.signals import crosses, step_signals
+from lnmonitor.errors import HealthWarning
+
+if TYPE_CHECKING:
+    from lnmonitor.core.meter import LadderResult
+    from lnmonitor.core.scales import Scales
+
+__all__ = ["EPS_KNEE", "EPS_SLOPE", "KINDS", "Finding", "FindingKind", "FindingsReader", "Reading"]
+
+# the eps law (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps cost
+# validation loss, and that cost per decade of eps/var above it (one corpus, one model size)
+EPS_KNEE, EPS_SLOPE = 27.2, 0.0411
+
+
+@dataclass(frozen=True)
+class FindingKind:
+    """One kind of finding: the ``signal`` it reads (a key of
+    :func:`~lnmonitor.core.signals.step_signals`), its ``direction`` (``">"``, ``"<"``) and
+    default ``threshold``, and its English: ``seen`` (formatted with ``value``, ``threshold``,
+    ``step`` and ``cost``), ``meant`` (the testbed's figures) and ``advice``."""
+
+    name: str
+    signal: str
+    direction: str
+    threshold: float
+    seen: str
+    meant: str
+    advice: str
+
+
+KINDS: dict[str, FindingKind] = {k.name: k for k in (
+    FindingKind(
+        "stream_growth", "growth", ">", 20.0,
+        "the residual stream grew {value:,.0f}x from the first norm's input to the final norm's "
+        "(step {step}; healthy small models sit at 3-5x, and a threshold of {threshold:g}x)",
+        "TESTBED_GROWTH",
+        "lower the learning rate or add a warm-up; the final norm divides its gradient by this "
+        "scale, so the layers before it learn at a rate you did not choose",
+    ),
+    FindingKind(
+        "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
+        "the first norm's eps is {value:,.0f}x the variance it reads (step {step}), above the eps "
+        "law's knee of {threshold:g}: it passes eps/(var+eps) of its gradient along its input "
+        "instead of normalising",
+        "in the eps grid (docs/eps.md) a larger eps cost +0.041 nats/char of validation loss per "
+        "decade of eps/var above the knee, about +{cost:.3f} here; the knee and the cost were "
+        "fitted on one corpus and one model size, so read them as a direction, not a law",
+        "lower eps, or start the stream the first norm reads at a variance well above eps "
+        "(e.g. PyTorch's N(0, 1) embeddings instead of N(0, 0.02))",
+    ),
+)}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A finding raised at ``step``: its ``kind``, the ``value`` seen against the ``threshold``,
+    and the ``message`` (what was seen, what it meant in the testbed, what to try)."""
+
+    kind: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+
+
+@dataclass
+class Reading:
+    """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
+    no longer do) and ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far)."""
+
+    raised: list[Finding] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _thresholds(value, name: str) -> dict[str, float]:
+    """``None`` (the defaults) or a mapping from kind names to finite thresholds > 0; a kind
+    mapped to ``None`` is off."""
+    defaults = {k: kind.threshold for k, kind in KINDS.items()}
+    if value is None:
+        return defaults
+    if not isinstance(value, Mapping):
+        raise ArgumentError(
+            f"{name} must be None or a dict {{kind: threshold}} over {list(KINDS)}, got {value!r}")
+    unknown = [k for k in value if k not in KINDS]
+    if unknown:
+        raise ArgumentError(f"{name} has unknown kind(s) {unknown}: the kinds are {list(KINDS)}")
+    for kind, threshold in value.items():
+        ok = threshold is None or (isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
+                                   and math.isfinite(threshold) and threshold > 0)
+        if not ok:
+            raise ArgumentError(f"{name}[{kind!r}] must be a finite number > 0, or None to turn it off, "
+                                f"got {threshold!r}")
+    return {**defaults, **{k: (None if v is None else float(v)) for k, v in value.items()}}
+
+
+class FindingsReader:
+    """Reads measured steps into findings (see the module docstring).
+
+    Args:
+        thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
+            kind off); the testbed's figures in each message are for the default thresholds.
+        on_finding: called with each :class:`Finding` once per kind per fit; an exception from
+            it is said once and it is not called again (training goes on).
+        owner: the name messages start with.
+        warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
+
+    Raises:
+        ArgumentError: a threshold that is not a finite number > 0 or None, an unknown kind,
+            or an ``on_finding`` that is not callable.
+    """
+
+    def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
+                 on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.thresholds = _thresholds(thresholds, "thresholds")
+        self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
+        self.owner = owner
+        self._warn = warn or (lambda message: warnings.warn(message, HealthWarning, stacklevel=2))
+        self.raised: dict[str, Finding] = {}
+        self.holding: set[str] = set()
+
+    def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
+        """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said)."""
+        reading = Reading()
+        if result is None:
+            return reading
+        signals = step_signals(result.figures, scales)
+        for name, kind in KINDS.items():
+            threshold = self.thresholds[name]
+            value = signals.get(kind.signal, math.nan)
+            if threshold is None or not math.isfinite(value):
+                continue  # no figure this step: a held kind keeps its state
+            holds = crosses(value, kind.direction, threshold)
+            if holds and name not in self.raised:
+                finding = Finding(name, step, value, threshold, self._message(kind, step, value, threshold))
+                self.raised[name] = finding
+                reading.raised.append(finding)
+            if name in self.holding and not holds:
+                reading.ended.append(name)
+            self.holding = (self.holding | {name}) if holds else (self.holding - {name})
+        reading.metrics = {health_metric(k): float(k in self.holding) for k in self.raised}
+        for finding in reading.raised:
+            self._say(finding)
+        return reading
+
+    def _message(self, kind: FindingKind, step: int, value: float, threshold: float) -> str:
+        cost = EPS_SLOPE * math.log10(value / EPS_KNEE) if value > EPS_KNEE else 0.0
+        numbers_ = dict(value=value, threshold=threshold, step=step, cost=cost)
+        return (f"{self.owner}: {kind.seen.format(**numbers_)}. In the stability testbed: "
+                f"{kind.meant.format(**numbers_)}. Try: {kind.advice}. Said once per fit "
+                f"(lnmonitor/health/{kind.name} is 1 while it holds).")
+
+    def _say(self, finding: Finding) -> None:
+        self._warn(finding.message)
+        if self.on_finding is None:
+            return
+        try:
+            self.on_finding(finding)
+        except Exception as err:  # noqa: BLE001 - the user's callable must not stop training
+            self.on_finding = None
+            self._warn(f"{self.owner}: on_finding raised {type(err).__name__}: {err}; it is not called "
+                       "again in this fit (training goes on). To stop a run from it, set the trainer's "
+                       "stop flag instead of raising.")
+
+    def summary(self) -> list[str]:
+        """One line per kind raised in this fit, for the end-of-fit summary."""
+        return [f"{f.kind} at step {f.step}: {f.value:.4g} (threshold {f.threshold:g})"
+                + ("" if f.kind in self.holding else "; ended") for f in self.raised.values()]
+
+    def state_dict(self) -> dict:
+        """What a resumed fit needs so a kind is not raised twice."""
+        return {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.raised = {k: Finding(**f) for k, f in state.get("raised", {}).items()}
+        self.holding = set(state.get("holding", ())) & set(self.raised)

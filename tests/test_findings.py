@@ -1,0 +1,300 @@
+"""Findings (lnmonitor.core.findings), the signals they read (core.signals), the scales no norm
+governs (core.scales), the testbed's events and the peers' rules (experiments.stability_events),
+the tiny recipe's stability options, and no finding where nothing is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+import lnmonitor
+from lnmonitor.core.arguments import ArgumentError
+from lnmonitor.core.findings import EPS_KNEE, EPS_SLOPE, KINDS, Finding, FindingsReader
+from lnmonitor.core.hooks import unmeasured
+from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
+from lnmonitor.core.signals import crosses, growth_rate, step_signals
+from lnmonitor.experiments import stability_events as ev
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+from lnmonitor.tiny.recipe import Recipe
+
+# ---------------------------------------------------------------------------
+# events, exactly as docs/findings.md defines them
+# ---------------------------------------------------------------------------
+
+
+def test_divergence_is_20_steps_above_twice_the_running_minimum_or_a_non_finite_loss():
+    loss = [4.0, 3.0, 2.0] + [4.1] * 19 + [1.0]
+    assert ev.divergence(loss) is None  # 19 steps above 2x the minimum: not yet
+    assert ev.divergence([4.0, 3.0, 2.0] + [4.1] * 20) == 3
+    assert ev.divergence([4.0, 3.0, 2.0] + [4.0] * 30) is None  # 2x exactly is not above
+    assert ev.divergence([4.0, 3.0, math.nan]) == 2
+    assert ev.divergence([4.0, math.inf]) == 1
+
+
+def test_a_spike_is_a_loss_above_1_25x_the_median_of_the_20_before():
+    flat = [2.0] * 30
+    assert ev.spike(flat) is None
+    assert ev.spike(flat[:25] + [2.51] + flat[:4]) == 25
+    assert ev.spike(flat[:25] + [2.5] + flat[:4]) is None
+    assert ev.spike([2.0] * 10 + [9.0]) is None  # fewer than 20 steps before it
+
+
+def test_damage_is_a_final_loss_beyond_the_margin_with_its_onset_on_the_smoothed_training_loss():
+    best = [3.0] * 100 + [1.9] * 200
+    mine = [3.0] * 150 + [2.5] * 150
+    onset = ev.damage_onset(mine, best, final=2.5, best_final=1.9)
+    assert onset == 104
+    # the onset: the first step from which the 50-step means stay more than 0.10 apart
+    gap = [sum(mine[max(0, i - 49):i + 1]) / min(i + 1, 50) - sum(best[max(0, i - 49):i + 1]) / min(i + 1, 50)
+           for i in range(300)]
+    assert onset == next(i for i in range(300) if all(g > 0.10 for g in gap[i:]))
+    assert ev.damage_onset(mine, best, final=2.0, best_final=1.9) is None  # within the margin
+
+
+# ---------------------------------------------------------------------------
+# the peers' rules (llm-foundry KillLossSpike, OLMo-core StabilityMonitorCallback)
+# ---------------------------------------------------------------------------
+
+
+def test_kill_loss_spike_fires_on_the_fifth_outlier_after_a_full_window():
+    loss = [1.0] * 100 + [3.0] * 10
+    assert ev.kill_loss_spike(loss) == 104  # outliers at 100..104: the counter passes patience 4
+    assert ev.kill_loss_spike([1.0] * 100 + [3.0] * 4 + [1.0] + [3.0] * 4) is None  # reset between
+    # step 99 is not checked (the window holds 99 losses): the fifth checked outlier is step 104
+    assert ev.kill_loss_spike([1.0] * 99 + [3.0] * 10) == 104
+    assert ev.kill_loss_spike([1.0] * 50 + [math.nan] * 60) is None  # a nan is no outlier to it
+    assert ev.kill_loss_spike([11.0] * 250) == 200  # persistently above loss_cap 10 after 2 windows
+
+
+def test_olmo_stability_monitor_fires_above_mean_plus_6_population_sd_of_the_last_128():
+    base = [1.0 + 0.1 * (i % 2) for i in range(128)]  # mean 1.05, population sd 0.05
+    assert ev.olmo_stability_monitor(base + [1.05 + 6 * 0.05 + 1e-9]) == 128
+    assert ev.olmo_stability_monitor(base + [1.05 + 6 * 0.05 - 1e-9]) is None
+    assert ev.olmo_stability_monitor([1.0] * 200 + [100.0]) is None  # sd 0: never
+    assert ev.olmo_stability_monitor(base[:127] + [9.0]) is None  # a window of 127 is not full
+    grad = base + [9.0]
+    assert ev.olmo_stability_monitor(base + [1.0], grad) == 128  # the gradient norm counts too
+
+
+# ---------------------------------------------------------------------------
+# scales: attention logits and output logits, against float64
+# ---------------------------------------------------------------------------
+
+
+def _scores64(q, k, scale=None):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return (q.double() @ k.double().transpose(-2, -1)) * scale
+
+
+def test_attention_logit_max_leaves_masked_entries_out():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 6, 8, generator=g), torch.randn(2, 3, 6, 8, generator=g)
+    s = _scores64(q, k)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert attention_logit_max(q, k).item() == pytest.approx(s.max().item(), rel=1e-6)
+    assert attention_logit_max(q, k, is_causal=True).item() == pytest.approx(
+        s.masked_fill(~causal, -math.inf).max().item(), rel=1e-6)
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.5
+    mask[..., 0] = True
+    assert attention_logit_max(q, k, attn_mask=mask, scale=0.3).item() == pytest.approx(
+        _scores64(q, k, 0.3).masked_fill(~mask, -math.inf).max().item(), rel=1e-6)
+    additive = torch.zeros(6, 6).masked_fill(~causal, -math.inf)
+    assert attention_logit_max(q, k, attn_mask=additive).item() == pytest.approx(
+        s.masked_fill(~causal, -math.inf).max().item(), rel=1e-6)
+    kv = torch.randn(2, 1, 6, 8, generator=g)  # grouped-query: one key head for three query heads
+    assert attention_logit_max(q, kv, enable_gqa=True).item() == pytest.approx(
+        _scores64(q, kv.expand(2, 3, 6, 8)).max().item(), rel=1e-6)
+
+
+def test_output_logit_scales_skip_ignored_rows():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 7, generator=g) * 3
+    target = torch.tensor([1, -100, 2, 3, -100])
+    kept = logits.double()[target != -100]
+    got = output_logit_scales(logits, target)
+    assert got[0].item() == pytest.approx(kept.max().item(), rel=1e-6)
+    assert got[1].item() == pytest.approx(kept.logsumexp(-1).mean().item(), rel=1e-6)
+    batched = logits.reshape(1, 5, 7).transpose(1, 2)  # (N, C, d): classes on dim 1
+    assert output_logit_scales(batched, target.reshape(1, 5)).tolist() == pytest.approx(got.tolist())
+
+
+def test_scale_tap_sees_each_layer_on_the_step_only():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(depth=2))
+    x = torch.randint(0, 65, (3, 16))
+    tap = ScaleTap()
+    tap.start()
+    logits, loss = model(x, x)
+    with unmeasured():
+        model(x, x)  # a probe's pass: not the step's
+    with torch.no_grad():
+        model(x, x)
+    tap.stop()
+    model(x, x)  # after the step: not seen
+    scales = tap.result()
+    assert len(scales.attention) == 2
+    assert scales.logit_max == pytest.approx(logits.max().item(), rel=1e-6)
+    assert scales.z_mean == pytest.approx(logits.double().logsumexp(-1).mean().item(), rel=1e-6)
+    # the first layer's largest logit from its own q and k
+    h = model.tok_emb(x) + model.pos_emb(torch.arange(16))
+    q, k, _ = model.blocks[0].attn.qkv(model.blocks[0].ln1(h)).split(128, dim=-1)
+    q, k = (t.view(3, 16, 4, 32).transpose(1, 2) for t in (q, k))
+    s = _scores64(q, k).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf)
+    assert scales.attention[0] == pytest.approx(s.max().item(), rel=1e-5)
+    assert tap.result() is None  # forgotten once read
+
+
+# ---------------------------------------------------------------------------
+# signals and the reader
+# ---------------------------------------------------------------------------
+
+
+def _measured(model, x):
+    meter, tap = LadderMeter(model, say=lambda _: None), ScaleTap()
+    meter.start()
+    tap.start()
+    model(x, x)[1].backward()
+    tap.stop()
+    meter.stop()
+    return meter.result(), tap.result()
+
+
+def test_step_signals_are_the_meters_figures():
+    torch.manual_seed(0)
+    result, scales = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
+    s = step_signals(result.figures, scales)
+    f = result.figures
+    by = f.by_name()
+    assert s["growth"] == f.growth and s["attenuation"] == f.attenuation
+    assert s["inv_sigma_first"] == by[f.rungs[0]].inv_sigma and s["inv_sigma_last"] == by["lnf"].inv_sigma
+    assert s["first_eps_over_var"] == by[f.rungs[0]].eps_over_var
+    assert s["final_share_max"] == by["lnf"].stats.share_max
+    assert s["attention_max"] == max(scales.attention) and s["z_mean"] == scales.z_mean
+    assert math.isnan(step_signals(f)["attention_max"])
+    assert growth_rate((10, 2.0), 20, 20.0) == pytest.approx(0.1)
+    assert math.isnan(growth_rate(None, 20, 20.0)) and math.isnan(growth_rate((20, 2.0), 20, 3.0))
+    assert crosses(-30.0, "abs>", 20.0) and not crosses(math.nan, ">", 0.0) and crosses(0.01, "<", 0.05)
+
+
+def _Figures(result, **changed):
+    """A real measured step with some of its ladder's figures changed (the reader reads
+    ``result.figures`` only)."""
+    return dataclasses.replace(result, figures=dataclasses.replace(result.figures, **changed))
+
+
+def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
+    torch.manual_seed(0)
+    result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
+    seen, said = [], []
+    reader = FindingsReader(on_finding=seen.append, warn=said.append, owner="T")
+    assert reader.read(0, result).raised == []  # a healthy step says nothing
+    big = _Figures(result, growth=50.0)
+    first = reader.read(5, big)
+    assert [f.kind for f in first.raised] == ["stream_growth"] and first.metrics == {
+        "lnmonitor/health/stream_growth": 1.0}
+    assert "50x" in first.raised[0].message and "step 5" in first.raised[0].message
+    assert reader.read(10, big).raised == []  # once per fit
+    later = reader.read(15, result)
+    assert later.ended == ["stream_growth"] and later.metrics == {"lnmonitor/health/stream_growth": 0.0}
+    assert reader.read(20, big).raised == [] and len(seen) == 1 and len(said) == 1
+    assert reader.summary() == ["stream_growth at step 5: 50 (threshold 20)"]
+    again = FindingsReader(warn=said.append)
+    again.load_state_dict(reader.state_dict())
+    assert again.read(25, big).raised == [] and again.raised == reader.raised
+    assert reader.read(30, None).metrics == {}
+
+
+def test_findings_warn_with_health_warning_and_a_failing_on_finding_is_said_once():
+    torch.manual_seed(0)
+    result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
+    calls = []
+
+    def on_finding(finding: Finding):
+        calls.append(finding)
+        raise RuntimeError("boom")
+
+    reader = FindingsReader(on_finding=on_finding, thresholds={"eps_dominates": 1e-9})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reader.read(0, _Figures(result, growth=100.0))
+    kinds = [w.category for w in caught]
+    assert kinds == [lnmonitor.HealthWarning] * 3 and issubclass(lnmonitor.HealthWarning, UserWarning)
+    assert len(calls) == 1 and "on_finding raised RuntimeError: boom" in str(caught[1].message)
+    assert reader.on_finding is None
+
+
+def test_the_eps_finding_cites_the_laws_cost_per_decade():
+    torch.manual_seed(0)
+    # GPT-2's init at eps 0.1: the first norm reads var ~8e-4, eps/var ~130 (docs/eps.md)
+    result, _ = _measured(TinyGPT(GPTConfig(depth=2, eps=0.1, init="gpt2")), torch.randint(0, 65, (4, 32)))
+    value = step_signals(result.figures)["first_eps_over_var"]
+    assert value > EPS_KNEE
+    said = []
+    finding = FindingsReader(warn=said.append).read(0, result).raised
+    eps = [f for f in finding if f.kind == "eps_dominates"][0]
+    assert f"+{EPS_SLOPE * math.log10(value / EPS_KNEE):.3f}" in eps.message
+    assert "one corpus" in eps.message and eps.value == value
+
+
+@pytest.mark.parametrize("bad", [{"nope": 1.0}, {"stream_growth": -1.0}, {"stream_growth": math.inf},
+                                 {"stream_growth": True}, [("stream_growth", 2.0)]])
+def test_thresholds_are_checked(bad):
+    with pytest.raises(ArgumentError):
+        FindingsReader(thresholds=bad)
+    with pytest.raises(ArgumentError):
+        FindingsReader(on_finding=3)
+
+
+def test_a_kind_set_to_none_is_off():
+    reader = FindingsReader(thresholds={"stream_growth": None})
+    assert reader.thresholds["stream_growth"] is None and set(reader.thresholds) == set(KINDS)
+
+
+# ---------------------------------------------------------------------------
+# the recipe's stability options: off by default, and then bit-identical
+# ---------------------------------------------------------------------------
+
+
+def test_the_stability_options_leave_the_default_recipe_as_it_was():
+    recipe = Recipe()
+    assert set(recipe.module_kwargs("ab")) == {
+        "vocab", "width", "depth", "heads", "context", "norm", "eps", "attention", "lr", "weight_decay",
+        "decay", "init", "max_steps"}
+    assert "qk_norm" not in recipe.to_dict() and "schedule" not in recipe.to_dict()
+    changed = Recipe(qk_norm=True, z_loss=1e-4, schedule="constant")
+    assert changed.module_kwargs("ab")["qk_norm"] is True and changed.to_dict()["z_loss"] == 1e-4
+    torch.manual_seed(0)
+    plain = TinyGPT(GPTConfig())
+    torch.manual_seed(0)
+    qk = TinyGPT(GPTConfig(qk_norm=True))
+    assert all(torch.equal(p, qk.state_dict()[n]) for n, p in plain.state_dict().items())
+    assert set(qk.state_dict()) - set(plain.state_dict()) == {
+        f"blocks.{i}.attn.{n}_norm.{p}" for i in range(4) for n in "qk" for p in ("weight", "bias")}
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys_and_z_loss_adds_to_the_objective():
+    from lnmonitor.tiny.module import TinyGPTModule
+
+    torch.manual_seed(0)
+    module = TinyGPTModule("abcdefgh", width=32, depth=1, heads=4, context=8, qk_norm=True, z_loss=1e-2,
+                           schedule="constant")
+    x = torch.randint(0, 8, (2, 8))
+    logits, loss = module(x, x)
+    assert module.objective(logits, loss).item() == pytest.approx(
+        loss.item() + 1e-2 * logits.double().logsumexp(-1).square().mean().item(), rel=1e-6)
+    assert isinstance(module.configure_optimizers(), torch.optim.AdamW)  # constant: no schedule
+    attn = module.model.blocks[0].attn
+    h = module.model.blocks[0].ln1(module.model.tok_emb(x) + module.model.pos_emb(torch.arange(8)))
+    q = attn.qkv(h).split(32, dim=-1)[0].view(2, 8, 4, 8).transpose(1, 2)
+    tap = ScaleTap()
+    tap.start()
+    module(x, x)
+    tap.stop()
+    k = attn.qkv(h).split(32, dim=-1)[1].view(2, 8, 4, 8).transpose(1, 2)
+    expected = attention_logit_max(attn.q_norm(q), attn.k_norm(k), is_causal=True).item()
+    assert tap.result().attention == [pytest.approx(expected, rel=1e-6)]
