@@ -207,6 +207,17 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     again.load_state_dict(reader.state_dict())
     assert again.read(25, big).raised == [] and again.raised == reader.raised
     assert reader.read(30, None).metrics == {}
+    reader.reset()  # a new fit
+    assert [f.kind for f in reader.read(35, big).raised] == ["stream_growth"]
+
+
+def test_on_finding_returning_true_asks_to_stop():
+    torch.manual_seed(0)
+    result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
+    big = _Figures(result, growth=50.0)
+    assert FindingsReader(on_finding=lambda f: True, warn=lambda _: None).read(0, big).stop is True
+    assert FindingsReader(on_finding=lambda f: 1, warn=lambda _: None).read(0, big).stop is False
+    assert FindingsReader(warn=lambda _: None).read(0, big).stop is False
 
 
 def test_findings_warn_with_health_warning_and_a_failing_on_finding_is_said_once():
@@ -298,3 +309,33 @@ def test_qk_norm_normalises_each_heads_queries_and_keys_and_z_loss_adds_to_the_o
     k = attn.qkv(h).split(32, dim=-1)[1].view(2, 8, 4, 8).transpose(1, 2)
     expected = attention_logit_max(attn.q_norm(q), attn.k_norm(k), is_causal=True).item()
     assert tap.result().attention == [pytest.approx(expected, rel=1e-6)]
+
+
+# ---------------------------------------------------------------------------
+# no finding where nothing is wrong
+# ---------------------------------------------------------------------------
+
+
+def _families():
+    compatibility = pytest.importorskip("test_compatibility")
+    return compatibility, [pytest.param(f, id=f.key) for f in compatibility.FAMILIES]
+
+
+@pytest.mark.parametrize("family", _families()[1])
+def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
+    """One measured step of each family of tests/test_compatibility.py (random weights, its
+    default initialisation), read with the default thresholds: nothing is raised; the scales are
+    taken on every family without failing."""
+    compatibility = _families()[0]
+    torch.manual_seed(0)
+    module = compatibility.Wrapped(family.build(), family.hf)
+    batch = next(iter(compatibility.data(0, None, family.decoder)))
+    meter, tap = LadderMeter(module, say=lambda _: None, warn=lambda *_: None), ScaleTap()
+    meter.start()
+    tap.start()
+    module.training_step(batch, 0).backward()
+    tap.stop()
+    meter.stop()
+    said = []
+    reading = FindingsReader(warn=said.append).read(0, meter.result(), tap.result())
+    assert reading.raised == [] and said == [] and tap.error is None

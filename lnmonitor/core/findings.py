@@ -9,8 +9,9 @@ reads each measured step's :class:`~lnmonitor.core.meter.LadderResult` (and the
 :class:`Reading`: the findings raised at this step, the kinds that ended, and the
 ``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  Each kind is raised
 once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
-``on_finding(finding)`` (a user can stop the run or lower the lr there).  Thresholds are
-arguments, checked like every other.  Imports no Lightning.
+``on_finding(finding)`` (a user can lower the lr there; returning True asks the door to stop the
+run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
+Lightning.
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ class Finding:
 @dataclass
 class Reading:
     """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
-    no longer do) and ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far)."""
+    no longer do), ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far) and
+    ``stop`` (``on_finding`` returned True for one of them: the door stops the run)."""
 
     raised: list[Finding] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    stop: bool = False
 
 
 def _thresholds(value, name: str) -> dict[str, float]:
@@ -126,8 +129,9 @@ class FindingsReader:
     Args:
         thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
             kind off); the testbed's figures in each message are for the default thresholds.
-        on_finding: called with each :class:`Finding` once per kind per fit; an exception from
-            it is said once and it is not called again (training goes on).
+        on_finding: called with each :class:`Finding` once per kind per fit; returning True
+            asks the door to stop the run; an exception from it is said once and it is not
+            called again (training goes on).
         owner: the name messages start with.
         warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
 
@@ -167,7 +171,7 @@ class FindingsReader:
             self.holding = (self.holding | {name}) if holds else (self.holding - {name})
         reading.metrics = {health_metric(k): float(k in self.holding) for k in self.raised}
         for finding in reading.raised:
-            self._say(finding)
+            reading.stop = self._say(finding) or reading.stop
         return reading
 
     def _message(self, kind: FindingKind, step: int, value: float, threshold: float) -> str:
@@ -177,22 +181,27 @@ class FindingsReader:
                 f"{kind.meant.format(**numbers_)}. Try: {kind.advice}. Said once per fit "
                 f"(lnmonitor/health/{kind.name} is 1 while it holds).")
 
-    def _say(self, finding: Finding) -> None:
+    def _say(self, finding: Finding) -> bool:
+        """Warn, and call ``on_finding``; True when it asks to stop the run."""
         self._warn(finding.message)
         if self.on_finding is None:
-            return
+            return False
         try:
-            self.on_finding(finding)
+            return self.on_finding(finding) is True
         except Exception as err:  # noqa: BLE001 - the user's callable must not stop training
             self.on_finding = None
             self._warn(f"{self.owner}: on_finding raised {type(err).__name__}: {err}; it is not called "
-                       "again in this fit (training goes on). To stop a run from it, set the trainer's "
-                       "stop flag instead of raising.")
+                       "again in this fit (training goes on). To stop the run from it, return True.")
+            return False
 
     def summary(self) -> list[str]:
         """One line per kind raised in this fit, for the end-of-fit summary."""
         return [f"{f.kind} at step {f.step}: {f.value:.4g} (threshold {f.threshold:g})"
                 + ("" if f.kind in self.holding else "; ended") for f in self.raised.values()]
+
+    def reset(self) -> None:
+        """A new fit: every kind may be raised again."""
+        self.raised, self.holding = {}, set()
 
     def state_dict(self) -> dict:
         """What a resumed fit needs so a kind is not raised twice."""

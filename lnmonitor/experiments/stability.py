@@ -46,7 +46,8 @@ FORMAT = 1
 @dataclass(frozen=True)
 class Config:
     """One testbed configuration: ``recipe`` (its seed is replaced per run), the ``group`` whose
-    best final validation loss defines damage, ``healthy`` (the control expected to train well:
+    best final validation loss defines damage (with the same lr schedule:
+    :func:`lnmonitor.experiments.stability_table.run_group`), ``healthy`` (the control expected to train well:
     its alarms are false alarms unless an event happened), and what it is for."""
 
     name: str

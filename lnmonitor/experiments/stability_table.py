@@ -85,17 +85,24 @@ def first_fire(measured: list[dict], signal: str, direction: str, threshold: flo
     return None
 
 
+def run_group(record: dict) -> str:
+    """The runs a record's damage is judged against: its configuration's group and learning-rate
+    schedule (a warm-up trails a constant lr by more than the margin from step 1, so a warm-up run
+    is compared with the best warm-up run)."""
+    return f"{record['group']}/{record['recipe'].get('schedule', 'one-cycle')}"
+
+
 def _best_runs(records: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per (group, seed): the run of the group's best configuration (lowest mean final loss)."""
+    """Per (group, seed): the run of the group's best configuration (lowest mean final loss), groups by :func:`run_group`."""
     by_config: dict[tuple[str, str], list[float]] = {}
     for r in records:
-        by_config.setdefault((r["group"], r["config"]), []).append(r["final_val_loss"])
+        by_config.setdefault((run_group(r), r["config"]), []).append(r["final_val_loss"])
     best_config = {}
     for (group, config), finals in by_config.items():
         mean = statistics.fmean(f if f is not None and math.isfinite(f) else math.inf for f in finals)
         if group not in best_config or mean < best_config[group][1]:
             best_config[group] = (config, mean)
-    return {(r["group"], r["seed"]): r for r in records if r["config"] == best_config[r["group"]][0]}
+    return {(run_group(r), r["seed"]): r for r in records if r["config"] == best_config[run_group(r)][0]}
 
 
 def analyse(records: list[dict]) -> list[RunEvents]:
@@ -103,7 +110,7 @@ def analyse(records: list[dict]) -> list[RunEvents]:
     runs = []
     for r in records:
         final = r["final_val_loss"] if r["final_val_loss"] is not None else math.nan
-        ref = best.get((r["group"], r["seed"])) or next(v for (g, _), v in best.items() if g == r["group"])
+        ref = best.get((run_group(r), r["seed"])) or next(v for (g, _), v in best.items() if g == run_group(r))
         loss = [v if v is not None else math.nan for v in r["loss"]]
         measured = with_rates(r["measured"])
         fires = {s: first_fire(measured, s, *rule) for s, rule in CANDIDATES.items()}
