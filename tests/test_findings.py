@@ -339,3 +339,116 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
     said = []
     reading = FindingsReader(warn=said.append).read(0, meter.result(), tap.result())
     assert reading.raised == [] and said == [] and tap.error is None
+
+
+# ---------------------------------------------------------------------------
+# the three doors: one shared call each
+# ---------------------------------------------------------------------------
+
+EVERY_STEP = {"stream_growth": 0.5}  # a growth every model has: the finding at the first measured step
+
+
+def _stopper(calls):
+    def on_finding(finding):
+        calls.append(finding)
+        return True
+    return on_finding
+
+
+def test_lightning_logs_the_finding_warns_once_and_stops_when_on_finding_says_so():
+    import lightning as L
+
+    from lnmonitor import LayerNormMonitor
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = TinyGPT(GPTConfig(width=32, depth=2, heads=2, context=16))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch, batch)[1]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    calls = []
+    monitor = LayerNormMonitor(every_n_steps=1, images=False, summary=False, keep_history=True,
+                               findings=EVERY_STEP, on_finding=_stopper(calls))
+    trainer = L.Trainer(max_steps=5, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.randint(0, 65, (40, 16)), batch_size=4))
+    health = [w for w in caught if w.category is lnmonitor.HealthWarning]
+    assert len(health) == 1 and "LayerNormMonitor: the residual stream grew" in str(health[0].message)
+    assert len(calls) == 1 and calls[0].step == 0 and trainer.global_step == 1  # stopped after step 0
+    assert monitor.history[0]["lnmonitor/health/stream_growth"] == 1.0
+    quiet = LayerNormMonitor(findings=False)
+    assert quiet.findings is None
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="thresholds"):
+        LayerNormMonitor(findings={"stream_growth": 0})
+
+
+def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (40, 16))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=5,
+                                          per_device_train_batch_size=4, save_strategy="no", report_to=[],
+                                          use_cpu=True, disable_tqdm=True)
+    records = [{"input_ids": x, "labels": x} for x in ids]
+    hf = transformers.Trainer(model=model, args=args, train_dataset=records)
+    calls = []
+    callback = LNMonitorCallback(hf, every_n_steps=1, invariance_every_n_steps=None, keep_history=True,
+                                 findings=EVERY_STEP, on_finding=_stopper(calls))
+    hf.add_callback(callback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hf.train().global_step == 1
+    assert sum(w.category is lnmonitor.HealthWarning for w in caught) == 1 and len(calls) == 1
+    assert callback.history[0]["lnmonitor/health/stream_growth"] == 1.0
+
+
+def test_the_loop_door_sets_should_stop_and_logs_1_while_it_holds_0_after():
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(width=32, depth=2, heads=2, context=16))
+    calls = []
+    monitor = LoopMonitor(model, every_n_steps=1, findings=EVERY_STEP, on_finding=_stopper(calls),
+                          keep_history=True)
+    x = torch.randint(0, 65, (4, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with monitor.step(0):
+            model(x, x)[1].backward()
+        monitor.findings.thresholds["stream_growth"] = 1e6  # no longer holds at the next step
+        with monitor.step(1):
+            model(x, x)[1].backward()
+    assert monitor.should_stop and len(calls) == 1
+    assert [r["lnmonitor/health/stream_growth"] for r in monitor.history] == [1.0, 0.0]
+    assert sum(w.category is lnmonitor.HealthWarning for w in caught) == 1
+    with pytest.raises(ArgumentError):
+        LoopMonitor(model, on_finding="stop")
+
+
+def test_the_summary_lists_the_findings_with_when_they_were_raised_and_whether_they_held():
+    from lnmonitor.views.summary import health_lines, summary_text
+
+    curves = {"lnmonitor/health/stream_growth": [(5, 1.0), (10, 1.0), (15, 0.0)],
+              "lnmonitor/health/eps_dominates": [(0, 1.0), (15, 1.0)],
+              "lnmonitor/ladder/growth": [(0, 2.0), (15, 30.0)]}
+    assert health_lines(curves) == [
+        "findings (docs/findings.md):",
+        "  eps_dominates: raised at step 0; still held at step 15",
+        "  stream_growth: raised at step 5; had ended at step 15",
+    ]
+    assert summary_text(curves).endswith("had ended at step 15")
+    assert health_lines({"lnmonitor/ladder/growth": [(0, 2.0)]}) == []

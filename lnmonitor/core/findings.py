@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from lnmonitor.core.meter import LadderResult
     from lnmonitor.core.scales import Scales
 
-__all__ = ["EPS_KNEE", "EPS_SLOPE", "KINDS", "Finding", "FindingKind", "FindingsReader", "Reading"]
+__all__ = [
+    "EPS_KNEE", "EPS_SLOPE", "KINDS", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
+    "health",
+]
 
 # the eps law (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps cost
 # validation loss, and that cost per decade of eps/var above it (one corpus, one model size)
@@ -210,3 +213,33 @@ class FindingsReader:
     def load_state_dict(self, state: Mapping) -> None:
         self.raised = {k: Finding(**f) for k, f in state.get("raised", {}).items()}
         self.holding = set(state.get("holding", ())) & set(self.raised)
+
+
+def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str) -> FindingsReader | None:
+    """The reader a door builds from its ``findings`` argument (None: the default thresholds;
+    a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
+    the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
+    if findings is False:
+        function(on_finding, "on_finding", "on_finding(finding)")
+        return None
+    if findings is True:
+        findings = None
+
+    def warn(message: str) -> None:
+        if speaks():
+            warnings.warn(message, HealthWarning, stacklevel=2)
+
+    return FindingsReader(thresholds=findings, on_finding=on_finding, owner=owner, warn=warn)
+
+
+def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
+           stop: Callable[[], object]) -> dict[str, float]:
+    """What a door does with a measured step's findings, in one call: read them (warn, call
+    ``on_finding``), call ``stop()`` when ``on_finding`` asked to stop, and return the
+    ``lnmonitor/health/<kind>`` metrics to log with the step's (empty without a reader)."""
+    if reader is None:
+        return {}
+    reading = reader.read(step, result)
+    if reading.stop:
+        stop()
+    return reading.metrics

@@ -93,7 +93,8 @@ def run_group(record: dict) -> str:
 
 
 def _best_runs(records: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per (group, seed): the run of the group's best configuration (lowest mean final loss), groups by :func:`run_group`."""
+    """Per (group, seed): the run of the group's best configuration (lowest mean final loss),
+    groups by :func:`run_group`."""
     by_config: dict[tuple[str, str], list[float]] = {}
     for r in records:
         by_config.setdefault((run_group(r), r["config"]), []).append(r["final_val_loss"])
@@ -110,7 +111,8 @@ def analyse(records: list[dict]) -> list[RunEvents]:
     runs = []
     for r in records:
         final = r["final_val_loss"] if r["final_val_loss"] is not None else math.nan
-        ref = best.get((run_group(r), r["seed"])) or next(v for (g, _), v in best.items() if g == run_group(r))
+        mine = run_group(r)
+        ref = best.get((mine, r["seed"])) or next(v for (g, _), v in best.items() if g == mine)
         loss = [v if v is not None else math.nan for v in r["loss"]]
         measured = with_rates(r["measured"])
         fires = {s: first_fire(measured, s, *rule) for s, rule in CANDIDATES.items()}
@@ -126,12 +128,13 @@ def _row(name: str, rule: str, runs: list[RunEvents]) -> str:
     bad = [r for r in runs if r.event is not None]
     clean = [r for r in runs if r.event is None]
     leads = [r.event - r.fires[name] for r in bad if r.fires[name] is not None and r.fires[name] <= r.event]
-    late = sum(1 for r in bad if r.fires[name] is not None and r.fires[name] > r.event)
+    lags = [r.fires[name] - r.event for r in bad if r.fires[name] is not None and r.fires[name] > r.event]
     false = sum(1 for r in clean if r.fires[name] is not None)
     if leads:
         lead = f"{statistics.median(leads):g} ({min(leads)} to {max(leads)})"
     else:
         lead = "**does not lead**"
+    late = f"{len(lags)} ({min(lags)} to {max(lags)} steps after)" if lags else "0"
     return (f"| {name} | {rule} | {lead} | {len(leads)}/{len(bad)} | {late} | {false}/{len(clean)} |")
 
 

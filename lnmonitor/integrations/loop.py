@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -22,6 +22,7 @@ from torch import nn
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
+from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, InvarianceResult, NonFiniteLoss
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
@@ -77,6 +78,9 @@ class LoopMonitor:
         summary: print the one-screen summary of the run at the end (rank zero).
         keep_history: keep every written dict in :attr:`history`; None keeps them only
             when there is no ``writer``.
+        findings, on_finding: as for :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`
+            (docs/findings.md); ``on_finding`` returning True sets :attr:`should_stop`, for
+            the loop to check.
 
     Raises:
         lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
@@ -125,6 +129,8 @@ class LoopMonitor:
         image_every_n_steps: int = 50,
         summary: bool = True,
         keep_history: bool | None = None,
+        findings: Mapping[str, float | None] | bool | None = None,
+        on_finding: Callable | None = None,
     ) -> None:
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps", allow_none=False)
         self.max_steps = arguments.positive_int(max_steps, "max_steps")
@@ -144,6 +150,8 @@ class LoopMonitor:
         self._pictures = writer if self.images and hasattr(writer, "add_image") else None
         self.owner = "LoopMonitor"
         self.voice = Voice(speaks=_rank_zero())
+        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
+        self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
         self._kept = History(keep_history)
         self._kept.reset(receivers=writer is not None)
@@ -241,6 +249,7 @@ class LoopMonitor:
             return None
         self.last_result = result
         metrics = result.metrics(positions=not self._logged)
+        metrics.update(health(self.findings, step, result, lambda: setattr(self, "should_stop", True)))
         self._logged = True
         if not _rank_zero():
             return metrics

@@ -25,6 +25,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
+from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult
@@ -70,6 +71,9 @@ class LNMonitorCallback(TrainerCallback):
         probe_size: the probe's rows (default 64, as ``FinalNormInvarianceMonitor``).
         keep_history: keep every reported dict in :attr:`history`; None keeps them only
             when the Trainer reports to no integration.
+        findings, on_finding: as for :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`
+            (docs/findings.md); ``on_finding`` returning True stops training
+            (``control.should_training_stop``).
 
     Raises:
         lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
@@ -103,6 +107,8 @@ class LNMonitorCallback(TrainerCallback):
         invariance_every_n_steps: int | None = 1000,
         probe_size: int | None = PROBE_WINDOWS,
         keep_history: bool | None = None,
+        findings: Mapping[str, float | None] | bool | None = None,
+        on_finding: Callable | None = None,
     ) -> None:
         if trainer is not None and not isinstance(trainer, Trainer):
             raise arguments.ArgumentError(
@@ -123,6 +129,7 @@ class LNMonitorCallback(TrainerCallback):
         self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
         self.owner = "LNMonitorCallback"
         self.voice = Voice()
+        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
         self.off_reason: str | None = None
         self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
@@ -161,6 +168,8 @@ class LNMonitorCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._main = state.is_world_process_zero
         self.voice.reset(speaks=self._main)
+        if self.findings is not None:
+            self.findings.reset()  # each kind is raised once per fit
         self._logged, self._probed = -1, -1
         self._layout_written = False
         trainer = self.trainer or _running_trainer(self)
@@ -204,7 +213,10 @@ class LNMonitorCallback(TrainerCallback):
             result = self.meter.result(dist, label=f"step {state.global_step}")
             if result is not None:
                 self.last_result = result
-                self._report(result.metrics(positions=self._logged < 0), args, state, control)
+                metrics = result.metrics(positions=self._logged < 0)
+                metrics.update(health(self.findings, step, result,
+                                      lambda: setattr(control, "should_training_stop", True)))
+                self._report(metrics, args, state, control)
                 self._logged = state.global_step
         every = self.invariance_every_n_steps
         if every is not None and state.global_step % every == 0:

@@ -8,7 +8,7 @@ Watch every normalisation layer's 1/sigma ladder and dead-plane share while trai
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.door import guarded
+from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
 from lnmonitor.core.metric_names import LADDER_LAYOUT, PREFIX, per_norm
 from lnmonitor.core.norms import NormInfo
@@ -76,6 +77,12 @@ class LayerNormMonitor(MonitorCallback):
             when every step is measured).
         summary: print a one-screen summary of the ladder and the shares at the end of the
             fit (global rank zero).
+        findings: the findings read from each measured step (docs/findings.md): None for the
+            default thresholds, a dict ``{kind: threshold}`` (None turns a kind off), or False
+            for none.  Each kind is warned once per fit (``lnmonitor.HealthWarning``) and
+            logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after).
+        on_finding: called with each :class:`~lnmonitor.core.findings.Finding` once per kind
+            per fit; returning True stops the fit (``trainer.should_stop``).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
             when the Trainer has no logger.
 
@@ -164,6 +171,8 @@ class LayerNormMonitor(MonitorCallback):
         image_every_n_steps: int = 50,
         summary: bool = True,
         row_mask: Callable | bool | None = None,
+        findings: Mapping[str, float | None] | bool | None = None,
+        on_finding: Callable | None = None,
     ) -> None:
         with misconfiguration():
             self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
@@ -180,6 +189,8 @@ class LayerNormMonitor(MonitorCallback):
         with misconfiguration():
             keep_history = arguments.optional_flag(keep_history, "keep_history")
         super().__init__(keep_history)
+        with misconfiguration():
+            self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
         self.every_n_steps: int | None = self._every_arg
         self.meter: LadderMeter | None = None
         self.last_summaries: list[NormSummary] = []
@@ -218,6 +229,8 @@ class LayerNormMonitor(MonitorCallback):
         self._last_picture = -math.inf
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
+        if self.findings is not None:
+            self.findings.reset()  # each kind is raised once per fit
 
     @override
     @guarded
@@ -301,6 +314,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self.last_summaries = result.summaries
         metrics = result.metrics(positions=self._sink.last_step < 0)
+        metrics.update(health(self.findings, step, result, lambda: setattr(trainer, "should_stop", True)))
         if self._sink.last_step < 0:
             self._sink.add_layout(LADDER_LAYOUT)
         logged = self._sink.log(

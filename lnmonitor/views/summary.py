@@ -23,7 +23,8 @@ import numpy as np
 from lnmonitor.core.metric_names import PREFIX as P
 
 __all__ = [
-    "Curves", "Trail", "comparison_lines", "invariance_lines", "ladder_grid", "ladder_lines", "ladder_of",
+    "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "ladder_grid", "ladder_lines",
+    "ladder_of",
     "last", "name_prefix", "short_names", "summary_text",
 ]
 
@@ -152,7 +153,20 @@ def summary_text(curves: Curves, title: str = "") -> str:
     if not steps:
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
     head = f"lnmonitor summary{': ' + title if title else ''}"
-    return "\n".join([head, *ladder_lines(curves), *invariance_lines(curves)])
+    return "\n".join([head, *ladder_lines(curves), *invariance_lines(curves), *health_lines(curves)])
+
+
+def health_lines(curves: Curves) -> list[str]:
+    """The findings of the run (``lnmonitor/health/<kind>``, docs/findings.md): the step each was
+    raised at and whether it still held at its last logged step."""
+    tags = sorted(t for t in curves if t.startswith(f"{P}/health/") and curves[t])
+    lines = ["findings (docs/findings.md):"] if tags else []
+    for tag in tags:
+        points = curves[tag]
+        raised = next((s for s, v in points if v >= 1), points[0][0])
+        held = "still held" if points[-1][1] >= 1 else "had ended"
+        lines.append(f"  {tag.rsplit('/', 1)[1]}: raised at step {raised}; {held} at step {points[-1][0]}")
+    return lines
 
 
 def ladder_lines(curves: Curves) -> list[str]:
