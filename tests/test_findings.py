@@ -452,3 +452,27 @@ def test_the_summary_lists_the_findings_with_when_they_were_raised_and_whether_t
     ]
     assert summary_text(curves).endswith("had ended at step 15")
     assert health_lines({"lnmonitor/ladder/growth": [(0, 2.0)]}) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, folder", [
+    (["plain_loop.py"], "plain_loop"),
+    (["own_module.py"], "own_module/version_0"),
+    (["transformers_causal_lm.py", "--family", "gpt2"], "transformers-gpt2/version_0"),
+])
+def test_the_examples_raise_no_finding(tmp_path, script, folder):
+    """The examples as written (their few test steps): no HealthWarning, no health metric."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import events
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    proc = subprocess.run([sys.executable, str(examples / script[0]), *script[1:], "--steps", "3", "--out",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HealthWarning" not in proc.stderr
+    tags = set(events(tmp_path / folder).Tags()["scalars"])
+    assert any(t.startswith("lnmonitor/ladder/") for t in tags)
+    assert not any(t.startswith("lnmonitor/health/") for t in tags)
