@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from lnmonitor.core.arguments import ArgumentError, function
 from lnmonitor.core.metric_names import health_metric
-from lnmonitor.core.signals import crosses, step_signals
+from lnmonitor.core.signals import CANDIDATES, crosses, step_signals
 from lnmonitor.errors import HealthWarning
 
 if TYPE_CHECKING:
@@ -33,13 +33,24 @@ if TYPE_CHECKING:
     from lnmonitor.core.scales import Scales
 
 __all__ = [
-    "EPS_KNEE", "EPS_SLOPE", "KINDS", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
+    "EPS_KNEE", "EPS_SLOPE", "KINDS", "TESTBED", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
     "health",
 ]
 
+# What each kind did in the stability testbed at its default threshold (docs/findings.md):
+# the figures of lnmonitor.experiments.stability_table.signal_figures over the records in
+# results/stability, which tests/test_findings.py holds these to; peer_hits: the bad runs the
+# better of the two peers' loss rules flagged in time.
+TESTBED: dict[str, dict] = {
+    "stream_growth": dict(bad=7, clean=4, hits=4, lead=87, lead_min=18, lead_max=138, late=3, late_max=17,
+                          false=0, peer_hits=0),
+    "eps_dominates": dict(bad=7, clean=4, hits=1, lead=3, lead_min=3, lead_max=3, late=0, late_max=None,
+                          false=0, peer_hits=0),
+}
+
 # the eps law (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps cost
 # validation loss, and that cost per decade of eps/var above it (one corpus, one model size)
-EPS_KNEE, EPS_SLOPE = 27.2, 0.0411
+EPS_KNEE, EPS_SLOPE = CANDIDATES["first_eps_over_var"][1], 0.0411
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,12 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "stream_growth", "growth", ">", 20.0,
         "the residual stream grew {value:,.0f}x from the first norm's input to the final norm's "
         "(step {step}; healthy small models sit at 3-5x, and a threshold of {threshold:g}x)",
-        "TESTBED_GROWTH",
+        "growth above 20x came before the loss fell behind in {hits} of the {bad} runs that went "
+        "wrong, by a median of {lead:g} steps ({lead_min} to {lead_max}); in {late} more it came at "
+        "most {late_max} steps after (runs hurt from their first steps, measured every 5 steps); it "
+        "fired on {false} of the {clean} runs that trained well, and the peers' loss rules "
+        "(llm-foundry KillLossSpike, OLMo-core StabilityMonitorCallback) flagged {peer_hits} of the "
+        "{bad} in time",
         "lower the learning rate or add a warm-up; the final norm divides its gradient by this "
         "scale, so the layers before it learn at a rate you did not choose",
     ),
@@ -73,8 +89,10 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "law's knee of {threshold:g}: it passes eps/(var+eps) of its gradient along its input "
         "instead of normalising",
         "in the eps grid (docs/eps.md) a larger eps cost +0.041 nats/char of validation loss per "
-        "decade of eps/var above the knee, about +{cost:.3f} here; the knee and the cost were "
-        "fitted on one corpus and one model size, so read them as a direction, not a law",
+        "decade of eps/var above the knee, about +{cost:.3f} here (the knee and the cost were "
+        "fitted on one corpus and one model size: read them as a direction, not a law); in the "
+        "stability testbed it fired in {hits} of the {bad} runs that went wrong, {lead:g} steps "
+        "before the loss fell behind, and on {false} of the {clean} runs that trained well",
         "lower eps, or start the stream the first norm reads at a variance well above eps "
         "(e.g. PyTorch's N(0, 1) embeddings instead of N(0, 0.02))",
     ),
@@ -179,8 +197,8 @@ class FindingsReader:
 
     def _message(self, kind: FindingKind, step: int, value: float, threshold: float) -> str:
         cost = EPS_SLOPE * math.log10(value / EPS_KNEE) if value > EPS_KNEE else 0.0
-        numbers_ = dict(value=value, threshold=threshold, step=step, cost=cost)
-        return (f"{self.owner}: {kind.seen.format(**numbers_)}. In the stability testbed: "
+        numbers_ = dict(value=value, threshold=threshold, step=step, cost=cost, **TESTBED[kind.name])
+        return (f"{self.owner}: {kind.seen.format(**numbers_)}. What it meant: "
                 f"{kind.meant.format(**numbers_)}. Try: {kind.advice}. Said once per fit "
                 f"(lnmonitor/health/{kind.name} is 1 while it holds).")
 

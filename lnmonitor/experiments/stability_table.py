@@ -33,7 +33,7 @@ from lnmonitor.experiments.stability_events import (
     spike,
 )
 
-__all__ = ["RunEvents", "analyse", "load_records", "markdown", "write_table"]
+__all__ = ["PEERS", "RunEvents", "analyse", "load_records", "markdown", "run_group", "signal_figures", "write_table"]
 
 START, END = "<!-- stability-table:start -->", "<!-- stability-table:end -->"
 PEERS = ("KillLossSpike (llm-foundry)", "StabilityMonitorCallback (OLMo-core)")
@@ -124,18 +124,29 @@ def analyse(records: list[dict]) -> list[RunEvents]:
     return sorted(runs, key=lambda e: (e.name, e.seed))
 
 
-def _row(name: str, rule: str, runs: list[RunEvents]) -> str:
+def signal_figures(runs: list[RunEvents], name: str) -> dict:
+    """What a signal (or peer) did over ``runs``: ``bad`` and ``clean`` runs, ``hits`` (bad runs
+    flagged at or before their event), the lead times of those (``lead`` median, ``lead_min``,
+    ``lead_max``; None without a hit), ``late`` (flagged only after) with ``late_max`` (the
+    longest lag) and ``false`` (clean runs flagged)."""
     bad = [r for r in runs if r.event is not None]
     clean = [r for r in runs if r.event is None]
     leads = [r.event - r.fires[name] for r in bad if r.fires[name] is not None and r.fires[name] <= r.event]
     lags = [r.fires[name] - r.event for r in bad if r.fires[name] is not None and r.fires[name] > r.event]
-    false = sum(1 for r in clean if r.fires[name] is not None)
-    if leads:
-        lead = f"{statistics.median(leads):g} ({min(leads)} to {max(leads)})"
-    else:
-        lead = "**does not lead**"
-    late = f"{len(lags)} ({min(lags)} to {max(lags)} steps after)" if lags else "0"
-    return (f"| {name} | {rule} | {lead} | {len(leads)}/{len(bad)} | {late} | {false}/{len(clean)} |")
+    return {
+        "bad": len(bad), "clean": len(clean), "hits": len(leads),
+        "lead": statistics.median(leads) if leads else None,
+        "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None,
+        "late": len(lags), "late_max": max(lags) if lags else None,
+        "false": sum(1 for r in clean if r.fires[name] is not None),
+    }
+
+
+def _row(name: str, rule: str, runs: list[RunEvents]) -> str:
+    f = signal_figures(runs, name)
+    lead = f"{f['lead']:g} ({f['lead_min']} to {f['lead_max']})" if f["hits"] else "**does not lead**"
+    late = f"{f['late']} (up to {f['late_max']} steps after)" if f["late"] else "0"
+    return f"| {name} | {rule} | {lead} | {f['hits']}/{f['bad']} | {late} | {f['false']}/{f['clean']} |"
 
 
 def _separating(signal: str, records: list[dict], runs: list[RunEvents]) -> str:
