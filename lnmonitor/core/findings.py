@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from lnmonitor.core.scales import Scales
 
 __all__ = [
-    "EPS_KNEE", "EPS_SLOPE", "KINDS", "TESTBED", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
-    "health",
+    "EPS_KNEE", "EPS_SLOPE", "KINDS", "TESTBED", "Finding", "FindingKind", "FindingsReader", "Reading",
+    "door_reader", "health",
 ]
 
 # What each kind did in the stability testbed at its default threshold (docs/findings.md):

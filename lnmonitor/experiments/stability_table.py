@@ -33,7 +33,9 @@ from lnmonitor.experiments.stability_events import (
     spike,
 )
 
-__all__ = ["PEERS", "RunEvents", "analyse", "load_records", "markdown", "run_group", "signal_figures", "write_table"]
+__all__ = [
+    "PEERS", "RunEvents", "analyse", "load_records", "markdown", "run_group", "signal_figures", "write_table",
+]
 
 START, END = "<!-- stability-table:start -->", "<!-- stability-table:end -->"
 PEERS = ("KillLossSpike (llm-foundry)", "StabilityMonitorCallback (OLMo-core)")
