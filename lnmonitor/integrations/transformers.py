@@ -214,7 +214,7 @@ class LNMonitorCallback(TrainerCallback):
             if result is not None:
                 self.last_result = result
                 metrics = result.metrics(positions=self._logged < 0)
-                metrics.update(health(self.findings, step, result,
+                metrics.update(health(self.findings, state.global_step, result,
                                       lambda: setattr(control, "should_training_stop", True)))
                 self._report(metrics, args, state, control)
                 self._logged = state.global_step
