@@ -184,3 +184,19 @@ def test_a_wrong_trainer_argument_is_refused_by_name():
 
     with pytest.raises(ArgumentError, match=r"pass the other arguments by name"):
         LNMonitorCallback(50)
+
+
+def test_logging_first_step_is_measured_too(tmp_path):
+    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well: so does the door."""
+    tok = tokenizer()
+    callback = LNMonitorCallback(invariance_every_n_steps=None, keep_history=True)
+    trainer = transformers.Trainer(
+        model=llama(), args=training_args(tmp_path, max_steps=5, logging_steps=2, logging_first_step=True,
+                                          report_to=[]),
+        train_dataset=records(tok, 32, 0), processing_class=tok, callbacks=[callback],
+        data_collator=transformers.DataCollatorForLanguageModeling(tok, mlm=False),
+    )
+    trainer.train()
+    loss_steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert loss_steps == [1, 2, 4]
+    assert [h["step"] for h in callback.history] == [1, 2, 4, 5]
