@@ -119,17 +119,25 @@ def test_every_image_under_docs_img_is_shown_or_made_by_the_docs():
 
 
 def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
+    """As a fine-tune script has it: lines of different lengths, a tokenizer (built here), the LM
+    collator padding each batch to its longest line, the Trainer's default eval batch size."""
     transformers = pytest.importorskip("transformers")
-    import torch
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from transformers_trainer import char_tokenizer
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
-    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2)
-    records = [{"input_ids": x, "labels": x} for x in torch.randint(0, 32, (8, 8))]
+    lines = [("abcdefgh" * 4)[: 5 + (7 * i) % 24] for i in range(24)]
+    tok = char_tokenizer("".join(lines))
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                     pad_token_id=tok.pad_token_id)
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1,
                                           per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
                                           report_to=["tensorboard"], disable_tqdm=True)
-    scope = {"transformers": transformers, "model": transformers.GPT2LMHeadModel(config), "args": args,
-             "train": records, "val": records}
+    scope = {"model": transformers.GPT2LMHeadModel(config), "args": args, "tok": tok,
+             "train": [tok(line) for line in lines[:16]], "val": [tok(line) for line in lines[16:]]}
     exec(python_block("LNMonitorCallback"), scope)
     tags = set(events(tmp_path / "tb").Tags()["scalars"])
     assert "train/lnmonitor/ladder/attenuation" in tags and "train/lnmonitor/invariance/axis_5/dloss" in tags
