@@ -221,7 +221,8 @@ def test_skipped_rows_are_counted_and_training_goes_on():
         t.fit(module)
     assert t.global_step == 3 and all(torch.isfinite(p).all() for p in module.parameters())
     for h in monitor.history:
-        assert h["lnmonitor/skipped_rows/norm"] == 2 * 4  # two of six rows, batch of 4
+        assert h["lnmonitor/skipped_rows/norm"] == 4  # the NaN row (one of six, batch of 4)
+        assert h["lnmonitor/zero_grad_rows/norm"] == 4  # the row the loss does not read
         assert 0.0 <= h["lnmonitor/share_median/norm"] <= 1.0
     assert monitor.last_summaries[0].measured_rows == 5 * 4  # only the NaN row has no sigma
 

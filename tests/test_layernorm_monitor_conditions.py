@@ -478,9 +478,12 @@ def test_a_fault_in_one_step_is_counted_and_training_goes_on(kind, fault, rows):
     assert trainer.global_step == 3
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert [h["step"] for h in mon.history] == [0, 1, 2]
+    zero = fault == "zero_gradient"  # no fault: a row without gradient, counted apart
     for h in mon.history:
-        skipped = h["lnmonitor/skipped_rows/norm"]
-        assert skipped == (4 * len(rows) if h["step"] == 1 else 0)
+        skipped, bad = h["lnmonitor/skipped_rows/norm"], (4 * len(rows) if h["step"] == 1 else 0)
+        assert skipped == (0 if zero else bad)
+        assert h["lnmonitor/zero_grad_rows/norm"] == (bad if zero else 0)
+        skipped += h["lnmonitor/zero_grad_rows/norm"]
         if skipped < 4 * FaultModule.R:
             assert 0.0 < h["lnmonitor/share_median/norm"] <= h["lnmonitor/share_max/norm"] <= 1.0
         else:  # every row bad: no share at all rather than a made-up one

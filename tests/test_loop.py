@@ -258,3 +258,31 @@ def test_under_fabric_ddp_the_names_and_numbers_are_one_processs(tmp_path):
                 assert b[tag] == pytest.approx(value, rel=1e-2, abs=1e-3), tag
     assert any("lnmonitor/sigma/blocks.0.ln1" in h for h in two["history"])
     assert any("lnmonitor/invariance/axis_5/dloss" in h for h in two["history"])
+
+
+# -- skipped_rows means faults (item 8) ------------------------------------------------
+
+
+def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsys):
+    """GPT-2 with labels: the last token of each sequence has no target, so every norm's row
+    there gets exactly zero gradient. Those rows are zero_grad_rows (one per sequence, said
+    once), and skipped_rows, the faults, is 0."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    monitor = LoopMonitor(model, every_n_steps=1, invariance_every_n_steps=None, keep_history=True)
+    x = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        with monitor.step(step):
+            model(input_ids=x, labels=x).loss.backward()
+    norms = [n.name for n in monitor.meter.norms]
+    assert len(norms) == 5
+    for h in monitor.history:
+        for name in norms:
+            assert h[f"lnmonitor/skipped_rows/{name}"] == 0, name
+            assert h[f"lnmonitor/zero_grad_rows/{name}"] == 6, name  # one per sequence
+    for s in monitor.last_result.summaries:
+        assert s.share_rows == 6 * 15 and s.rows == 6 * 16
+    assert capsys.readouterr().err.count("carry no gradient by construction") == 1

@@ -135,7 +135,8 @@ def test_summarise_equals_a_per_norm_reference():
     bins = (data[:2].numpy().view(np.int32) >> S.VALUE_SHIFT).astype(np.float64)
     for i in range(3):
         mine, sb, vb = norm == i, layout.share_bins, layout.value_bins
-        assert sums[i, 0] == mine.sum() and sums[i, 1:].tolist() == [0, 0, 0]
+        assert sums[i, 0] == mine.sum() and sums[i, 1:4].tolist() == [0, 0, 0]
+        assert sums[i, 4] == (mine & stat & (ww == 0)).sum()  # rows without gradient, finite input
         share_bin = np.minimum((share[mine & ok] * sb).astype(int), sb - 1)
         assert np.array_equal(hist[i, :sb], np.bincount(share_bin, minlength=sb))
         for k, (lo, hi) in enumerate(((sb, sb + vb), (sb + vb, sb + 2 * vb))):

@@ -35,7 +35,9 @@ class NormStats:
     ``var``: median over rows of the norm's input variance ``v`` (mean square for
     RMSNorm); ``ms``: median of the stream's mean square ``mean(x^2)``; the shares: median,
     90th percentile and maximum of the dead-plane share over ``share_rows`` rows;
-    ``skipped_rows``: rows without a share.  nan where nothing was measured.
+    ``skipped_rows``: rows without a share that are faults (non-finite, constant);
+    ``zero_grad_rows``: rows without gradient by construction (a causal LM's last token).
+    nan where nothing was measured.
     """
 
     name: str
@@ -49,6 +51,7 @@ class NormStats:
     share_max: float = math.nan
     share_rows: int = 0
     skipped_rows: int = 0
+    zero_grad_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class LadderFigures:
             m[per_norm("share_p90", n)] = s.share_p90
             m[per_norm("share_max", n)] = s.share_max
             m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
+            m[per_norm("zero_grad_rows", n)] = float(s.zero_grad_rows)
         m.update(self.baselines)
         for ladder in (self.main, *self.stacks):
             if len(ladder.rungs) >= 2:

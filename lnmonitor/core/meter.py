@@ -149,6 +149,7 @@ class LadderMeter:
         self._forward_only: set[int] = set()
         self._unmasked: set[int] = set()  # norms whose rows the step's padding mask did not fit
         self._ran_forward = False
+        self._said_zero_grad = False  # rows without gradient by construction: said once
         self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
         # each norm's stack (residual stream), and the stack of the model's ladder: known with the roles
         self.stacks: dict[str, str] = {}
@@ -351,6 +352,17 @@ class LadderMeter:
                 f"{self.owner}: {self._mask_source} marks padding; its rows are left out of every "
                 "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
                 "Said once."))
+        zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, summaries, strict=True)
+                if s.zero_grad_rows]
+        if zero and not self._said_zero_grad:
+            self._said_zero_grad = True
+            name, count = zero[0]
+            more = " (and of other norms)" if len(zero) > 1 else ""
+            self._say(
+                f"{self.owner}: {count} rows of {name}{more} carry no gradient by construction (an exactly "
+                "zero or rounding-level gradient with a finite input: each sequence's last token in a causal "
+                "LM, which has no target): they have no share and are counted in zero_grad_rows, not in "
+                "skipped_rows, which counts faults (non-finite or constant rows). Said once.")
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
             self._warn("unmasked", (
@@ -375,6 +387,7 @@ class LadderMeter:
             name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
             var=s.var_median, ms=s.ms_median, share_median=s.share_median, share_p90=s.share_p90,
             share_max=s.share_max, share_rows=s.share_rows, skipped_rows=s.skipped_rows,
+            zero_grad_rows=s.zero_grad_rows,
         )
 
     def rungs(self) -> list[str]:

@@ -83,7 +83,8 @@ LADDER_LAYOUT = {
         "p90 share": ["Multiline", [f"{PREFIX}/share_p90/.*"]],
         "max share vs random max": [
             "Multiline", [f"{PREFIX}/share_max/.*", f"{PREFIX}/share_baseline/max.*"]],
-        "skipped rows": ["Multiline", [f"{PREFIX}/skipped_rows/.*"]],
+        "skipped rows (faults: non-finite or constant)": ["Multiline", [f"{PREFIX}/skipped_rows/.*"]],
+        "rows without gradient by construction": ["Multiline", [f"{PREFIX}/zero_grad_rows/.*"]],
     },
 }
 

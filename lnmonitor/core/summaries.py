@@ -19,8 +19,11 @@ laid out by :class:`Layout`:
 
 * per norm, sums: the rows seen and, on the step that tells residual-stream norms from
   branch norms, ``|dL/dx|^2`` and ``|dL/dx - J^T dL/dy|^2`` at the norm's input (the part of
-  the gradient that goes around the norm, :attr:`NormSummary.bypass`), and the padding rows
-  the batch's row mask left out (:attr:`NormSummary.pad_rows`);
+  the gradient that goes around the norm, :attr:`NormSummary.bypass`), the padding rows
+  the batch's row mask left out (:attr:`NormSummary.pad_rows`), and the rows with a finite
+  input that carry no gradient (:attr:`NormSummary.zero_grad_rows`: zero or rounding-level
+  ``|w|``, as a causal LM's last token, which has no target), counted in the same
+  ``index_add_`` as the histograms;
 * per norm, the exact maximum share, and the lowest and highest occupied bin of the
   ``var`` and ``ms`` histograms (so that reading them touches only the occupied span).
 
@@ -71,7 +74,7 @@ VALUE_BINS = 1 << (31 - VALUE_SHIFT)  # every non-negative float32 bit pattern, 
 VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 4  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows
+N_SUMS = 5  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows, rows without gradient
 N_MAX = 5  # share max; top var bin, -(bottom var bin), top ms bin, -(bottom ms bin): merged by max
 
 
@@ -163,16 +166,20 @@ def summarise(rows: StepRows, layout: Layout, device: torch.device | str,
     sb, vb = layout.share_bins, layout.value_bins
     # per row, its share, var and ms bins and whether each counts (1.0) or not (0.0)
     bins = data[:2].view(torch.int32).bitwise_right_shift(VALUE_SHIFT)  # top 15 bits of var, ms
-    weight = torch.empty((3, m), dtype=torch.float32, device=device)
+    weight = torch.empty((4, m), dtype=torch.float32, device=device)
     weight[0].copy_(share_ok.view(torch.uint8))
-    weight[1:].copy_(stat_ok.view(torch.uint8).expand(2, m))
-    index = torch.empty((3, m), dtype=torch.long, device=device)
+    weight[1:3].copy_(stat_ok.view(torch.uint8).expand(2, m))
+    # a row without gradient by construction (exactly or rounding-level zero |w|, finite input:
+    # a causal LM's last token) counts in its norm's sum of such rows, not as a fault
+    torch.eq(data[3], 0.0, out=weight[3]).mul_(weight[1])
+    index = torch.empty((4, m), dtype=torch.long, device=device)
     index[0].copy_(torch.mul(share, sb).clamp_(max=sb - 1))  # share: 0 where it has none
-    index[1:].copy_(bins)
+    index[1:3].copy_(bins)
     index[1].clamp_(min=-sb)  # a negative or nan var's bin (weight 0) stays inside its norm
     index[1].add_(sb)
     index[2].add_(sb + vb)
-    index.add_(nid, alpha=layout.per_norm)
+    index[:3].add_(nid, alpha=layout.per_norm)
+    torch.mul(nid, N_SUMS, out=index[3]).add_(layout.hist_size + 4)  # the norm's fifth sum
     flat = torch.zeros(layout.size, dtype=torch.float32, device=device)
     flat.index_add_(0, index.view(-1), weight.view(-1))
 
@@ -343,15 +350,17 @@ class NormSummary:
     layout: Layout
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
+    zero_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
     ms_counts: np.ndarray | None = None
 
     @property
     def skipped_rows(self) -> int:
-        """Rows without a share, padding apart: zero or non-finite gradient or input, constant
-        row, or no gradient at all (a frozen norm's rows)."""
-        return self.rows - self.pad_rows - self.share_rows
+        """Rows without a share that are faults or cannot be read: a non-finite gradient or
+        input, a constant row.  Padding (:attr:`pad_rows`) and rows without gradient by
+        construction (:attr:`zero_grad_rows`: a causal LM's last token, a frozen norm) apart."""
+        return self.rows - self.pad_rows - self.zero_grad_rows - self.share_rows
 
     def _need_counts(self) -> None:
         if self.share_counts is None:
@@ -435,6 +444,7 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 layout=layout,
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
+                zero_grad_rows=int(round(sums[i, 4])),
                 share_counts=share_c[i] if counts else None,
                 var_counts=hist[i, sb : sb + lb] if counts else None,
                 ms_counts=hist[i, sb + lb :] if counts else None,

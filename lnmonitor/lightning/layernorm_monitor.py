@@ -117,8 +117,12 @@ class LayerNormMonitor(MonitorCallback):
     ``lnmonitor/share_median/<norm>``           median dead-plane share ``|P w| / |w|`` (0..1)
     ``lnmonitor/share_p90/<norm>``              its 90th percentile
     ``lnmonitor/share_max/<norm>``              its exact maximum
-    ``lnmonitor/skipped_rows/<norm>``           rows without a share (zero or non-finite
-                                                gradient or input, constant row), count
+    ``lnmonitor/skipped_rows/<norm>``           rows without a share that are faults
+                                                (non-finite gradient or input, constant
+                                                row), count: 0 on a healthy run
+    ``lnmonitor/zero_grad_rows/<norm>``         rows with no gradient by construction
+                                                (zero or rounding-level, finite input: a
+                                                causal LM's last token), count
     ``lnmonitor/share_baseline/median``         median share of a random direction for this
                                                 width and dead-subspace dimension
     ``lnmonitor/share_baseline/max``            median of the max of as many random rows as
@@ -146,8 +150,9 @@ class LayerNormMonitor(MonitorCallback):
     What real training throws at it (docs/conditions.md):
 
     * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
-      a ratio, so the loss scale cancels; rows whose gradient or input is zero or not
-      finite (an fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``;
+      a ratio, so the loss scale cancels; rows whose gradient or input is not finite (an
+      fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``, rows whose
+      gradient is zero in ``zero_grad_rows``;
     * gradient accumulation: one measured step covers all its micro-batches;
     * ``torch.compile``: compiled code does not run hooks registered after it compiled, so
       the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
