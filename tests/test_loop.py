@@ -55,7 +55,7 @@ class _CallsAtTrainStart(Callback):
         self.seen = list(self.calls)
 
 
-def test_building_a_door_runs_no_hook_the_user_put_on_a_norm():
+def test_building_a_door_runs_no_hook_the_user_put_on_a_norm(tmp_path):
     """The float64 self-check of every norm (when a meter, a loop monitor or a Lightning
     monitor is set up) evaluates a float64 twin, never the user's module: a user's forward
     hook on a norm sees nothing until the user's own forward runs."""
@@ -74,6 +74,33 @@ def test_building_a_door_runs_no_hook_the_user_put_on_a_norm():
     fit(module, loader(4, 4), [*monitors, recorder], 1)
     assert recorder.seen == []  # after LayerNormMonitor and FinalNormInvarianceMonitor set up
     assert calls  # then training ran the norms
+    _the_trainer_door_runs_no_user_hook_when_training_begins(tmp_path)
+
+
+def _the_trainer_door_runs_no_user_hook_when_training_begins(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    class Recorder(transformers.TrainerCallback):
+        seen = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            Recorder.seen = list(calls)
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    calls = counted(model)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True,
+                                          per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                                          disable_tqdm=True)
+    data = [{"input_ids": r, "labels": r} for r in x]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[LNMonitorCallback(), Recorder()])
+    trainer.train()
+    assert Recorder.seen == []  # after the Trainer door's on_train_begin (meter and probe built)
+    assert calls
 
 
 # -- names of wrapped models (item 6) -------------------------------------------------
