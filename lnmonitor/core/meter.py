@@ -38,13 +38,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import meter_messages as words
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.door import Voice
 from lnmonitor.core.hooks import compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
-from lnmonitor.core.metric_names import finite_metrics, ladder_metric
+from lnmonitor.core.meter_messages import Roles
+from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.padding import padding_mask
+from lnmonitor.core.padding import RowMasks
 from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stacks
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
@@ -131,12 +133,9 @@ class LadderMeter:
                 "names the same whatever wraps the model. Said once."))
         for info in self.norms:
             if info.width is not None and info.width <= info.dead_dim:
-                raise NormSelectionError(
-                    f"{owner}: norm {info.name!r} has width {info.width}, not more than its "
-                    f"dead-subspace dimension {info.dead_dim} ({info.kind} norm): the dead subspace "
-                    f"is the whole space and the share is trivially 1. Leave it out with "
-                    f"exclude=[{info.name!r}]."
-                )
+                raise NormSelectionError(words.narrow_message(owner, info.name, info.width, info.dead_dim,
+                                                              info.kind))
+        self._names = [info.name for info in self.norms]
         self.layout = Layout(len(self.norms))
         self.order: list[str] = []
         self.roles_known = False
@@ -154,23 +153,17 @@ class LadderMeter:
         # each norm's stack (residual stream), and the stack of the model's ladder: known with the roles
         self.stacks: dict[str, str] = {}
         self.main_stack = ""
-        self._row_mask = row_mask
-        self._mask_source: str | None = None
         # an encoder-decoder's decoder norms: their padding is the batch's decoder_attention_mask
         named = stacks([n.name for n in self.norms])
-        self._decoder_norms = {i for i, n in enumerate(self.norms)
-                               if named[n.name].rsplit(".", 1)[-1] == "decoder"}
+        decoder = {i for i, n in enumerate(self.norms) if named[n.name].rsplit(".", 1)[-1] == "decoder"}
+        self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
         self._inputs_hook = None
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         said = measured_eps_message(owner, self.norms)
         if said:
             self._say(said)
         if compiled(model):
-            self._say(
-                f"{owner}: the model is compiled (torch.compile); its measured steps run eagerly "
-                "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, "
-                "and the other steps run the compiled code."
-            )
+            self._say(words.compiled_message(owner))
 
     # -- one measured step -------------------------------------------------------------
 
@@ -188,13 +181,13 @@ class LadderMeter:
         self._stance.__enter__()
         self._tap.row_mask = None
         self._tap.attach(bypass=not self.roles_known)
-        if self._row_mask is not False:
+        if self._rows.row_mask is not False:
             self._inputs_hook = self.model.register_forward_pre_hook(self._on_inputs, with_kwargs=True)
 
     def use_batch(self, batch) -> None:
         """The (micro-)batch about to run: its padding rows are left out (see ``row_mask``)."""
-        if self.measuring and self._row_mask is not False:
-            self._tap.row_mask = self._keep(batch)
+        if self.measuring and self._rows.row_mask is not False:
+            self._tap.row_mask = self._rows(batch)
 
     def _on_inputs(self, module, args, kwargs) -> None:
         """The model's keyword inputs (``model(**batch)``): a padding mask there is used; a
@@ -202,40 +195,9 @@ class LadderMeter:
         step's and leaves the mask alone."""
         if not (kwargs and measuring() and torch.is_grad_enabled()):
             return
-        keep = self._keep(kwargs)
+        keep = self._rows(kwargs)
         if keep is not None:
             self._tap.row_mask = keep
-
-    def _keep(self, batch) -> Tensor | dict[int, Tensor | None] | None:
-        """The rows to measure: one mask for every norm, or (an encoder-decoder, the padding
-        taken from the batch) one per norm: the decoder's norms read the decoder's tokens."""
-        try:
-            if callable(self._row_mask):
-                return self._as_rows(self._row_mask(batch), "row_mask")
-            keep = self._as_rows(*(padding_mask(batch) or (None, None)))
-            if not self._decoder_norms:
-                return keep
-            decoder = self._as_rows(*(padding_mask(batch, "decoder_attention_mask") or (None, None)))
-            if keep is None and decoder is None:
-                return None
-            if decoder is None:
-                self._warn("decoder-padding", (
-                    f"{self.owner}: the batch marks the encoder's padding (attention_mask) but not the "
-                    "decoder's (no decoder_attention_mask): the decoder's norms count every row, padding "
-                    "included. Pass decoder_attention_mask, or row_mask=. Said once."))
-            return {i: decoder if i in self._decoder_norms else keep for i in range(len(self.norms))}
-        except Exception as err:  # noqa: BLE001 - the user's row_mask must not stop training
-            self._row_mask = False
-            self._warn("row-mask", f"{self.owner}: the row mask failed ({type(err).__name__}: {err}); every "
-                                   "row is measured from now on (training goes on).")
-            return None
-
-    def _as_rows(self, keep, source: str | None) -> Tensor | None:
-        if keep is None:
-            return None
-        self._mask_source = source
-        keep = torch.as_tensor(keep).to(_device(self.model), non_blocking=True).bool()
-        return keep if keep.ndim == 2 else keep.reshape(-1)  # (batch, tokens) lines up with per-head rows
 
     def stop(self) -> None:
         """Unhook, and leave the step's summary on the device for :meth:`result`."""
@@ -244,11 +206,8 @@ class LadderMeter:
         self._unhook()
         rows = self._tap.collect()
         if self._tap.error is not None:  # a hook could not measure this model: say so, stop
-            err = self._tap.error
-            self.off_reason = (f"measuring a step failed inside a norm's hook ({type(err).__name__}: "
-                               f"{err}); training goes on. If a norm computes something lnmonitor "
-                               "misreads, leave it out with exclude=[...].")
-            self._warn("off", f"{self.owner} is off for the rest of this run: {self.off_reason}")
+            self.off_reason = words.off_reason(self._tap.error)
+            self._warn("off", words.off_message(self.owner, self.off_reason))
             self._pending = None
             return
         if rows.order:
@@ -310,11 +269,10 @@ class LadderMeter:
         unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
-            self._say(f"{self.owner}: {label} ran its forward but no backward (the training step returned no "
-                      "loss?): nothing is logged for it.")
+            self._say(words.no_backward_message(self.owner, label))
             return None
         if unmeasured:
-            self._warn_unmeasured(label, unmeasured)
+            self._warn("unmeasured", words.unmeasured_message(self.owner, label, unmeasured, len(self.norms)))
             if len(unmeasured) == len(self.norms):
                 return None
         self._say_conditions(summaries)
@@ -348,34 +306,20 @@ class LadderMeter:
     def _say_conditions(self, summaries: list[NormSummary]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
         if any(s.pad_rows for s in summaries):
-            self._warn("padding", (
-                f"{self.owner}: {self._mask_source} marks padding; its rows are left out of every "
-                "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
-                "Said once."))
+            self._warn("padding", words.padding_message(self.owner, self._rows.source))
         zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, summaries, strict=True)
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
             name, count = zero[0]
             more = " (and of other norms)" if len(zero) > 1 else ""
-            self._say(
-                f"{self.owner}: {count} rows of {name}{more} carry no gradient by construction (an exactly "
-                "zero or rounding-level gradient with a finite input: each sequence's last token in a causal "
-                "LM, which has no target): they have no share and are counted in zero_grad_rows, not in "
-                "skipped_rows, which counts faults (non-finite or constant rows). Said once.")
+            self._say(words.zero_grad_message(self.owner, name, count, more))
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
-            self._warn("unmasked", (
-                f"{self.owner}: {self._mask_source} does not line up with the rows of "
-                f"{_some(names)}: their statistics count "
-                "every row, padding included. Pass row_mask= for them, or leave them out with exclude=. "
-                "Said once."))
+            self._warn("unmasked", words.unmasked_message(self.owner, self._rows.source, names))
         if self._forward_only:
             names = [self.norms[i].name for i in sorted(self._forward_only)]
-            self._warn("forward-only", (
-                f"{self.owner}: no gradient reaches {_some(names)} "
-                "(frozen inputs and gain, e.g. frozen embeddings or LoRA): their sigma, rms, eps/var and "
-                "transmission come from the forward, and they have no share. Said once."))
+            self._warn("forward-only", words.forward_only_message(self.owner, names))
 
     def eps(self, index: int) -> float:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
@@ -393,16 +337,18 @@ class LadderMeter:
     def rungs(self) -> list[str]:
         """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
         role = {info.name: info.role for info in self.norms}
-        order = self.order + [n.name for n in self.norms if n.name not in self.order]
-        return [name for name in order
+        return [name for name in self._forward_order()
                 if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused
                 and name not in self.refused]
+
+    def _forward_order(self) -> list[str]:
+        """The norms' names in the order they ran, those that did not run after them."""
+        return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, summaries: list[NormSummary]) -> None:
         """Which norms are rungs, from what this step's gradient does at each norm's input."""
         by_name = {n.name: n for n in self.norms}
-        ordered = [by_name[n] for n in self.order if n in by_name]
-        ordered += [n for n in self.norms if n.name not in self.order]
+        ordered = [by_name[n] for n in self._forward_order()]
         bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
         # a low-precision gradient rounds: what goes around a norm is measured to about its
         # resolution (bfloat16: 2^-7), so a branch norm's rounding is not read as a residual path
@@ -412,81 +358,36 @@ class LadderMeter:
         roles = {n.name: n.role for n in found}
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
-        rungs = [n for n in ordered if roles[n.name] in RUNGS and n.name not in self.reused
-                 and n.name not in self.refused]
-        others = [n for n in ordered if roles[n.name] not in RUNGS]
         if self.reused:
-            names = sorted(self.reused)
-            self._warn("reused", (
-                f"{self.owner}: the forward calls {_some(names)} "
-                "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
-                "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
-                "depth each. Said once."))
+            self._warn("reused", words.reused_message(self.owner, sorted(self.reused)))
         self.stacks = stacks([n.name for n in ordered])
         ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
         self.main_stack = self.stacks[self.final_norm if self.final_norm in self.stacks else ran[-1]]
-        # forward order of the stacks: the model's ladder is the one of the norm before the logits
-        ladders = {stack: [n.name for n in rungs if self.stacks[n.name] == stack]
-                   for stack in dict.fromkeys(self.stacks[n.name] for n in ordered)}
-        finals = {self.stacks[n.name]: n.name for n in ordered if roles[n.name] == FINAL}
-        main, models = self.main_stack, ", the model's ladder (its final norm is the one before the logits),"
-        if len(ladders) == 1:
-            said = f"{self.owner}: the ladder has {_span(ladders[main], finals.get(main))}"
-        else:
-            each = [f"{stack!r}{models if stack == main else ''} has {_span(names, finals.get(stack))}"
-                    + (f", logged as {ladder_metric('...', '' if stack == main else stack)}"
-                       if len(names) > 1 else "") for stack, names in ladders.items()]
-            said = (f"{self.owner}: {len(ladders)} stacks, each its own residual stream and ladder: "
-                    + "; ".join(each))
-        if others:
-            groups = sorted({roles[n.name] for n in others})
-            said += (f"; {len(others)} norms of other roles ({', '.join(groups)}: "
-                     f"{_some([n.name for n in others], 3)}) "
-                     "are measured but are not rungs")
-        said += " (as ladder=... says)." if self.ladder else "; ladder=[...] names the rungs instead."
-        self._say(said)
-        short = {stack: names for stack, names in ladders.items() if len(names) < 2}
+        decided = self._roles(ordered, roles)
+        self._say(words.roles_message(self.owner, decided, bool(self.ladder)))
+        short = words.short_ladder_message(self.owner, decided)
         if short:
-            post = [n.name for n in ordered if roles[n.name] == POST and self.stacks[n.name] in short]
-            count = sum(len(names) for names in short.values())
-            why = (f"no pre-norm ladder: {len(post)} norms normalise a sublayer's output (post-LN, as "
-                   "BERT's), and sigma is logged per norm" if post and len(post) >= count else
-                   "only these norms read the residual stream")
-            which = (f"the ladder has {count} rung(s)" if len(ladders) == 1 else ", ".join(
-                f"the ladder of {stack!r} has {len(names)} rung(s)" for stack, names in short.items()))
-            self._warn("one-rung", (
-                f"{self.owner}: {which}, so no attenuation or growth is "
-                f"logged: {why}. Name the rungs with ladder=[...] if they are others."))
+            self._warn("one-rung", short)
 
-    def _warn_unmeasured(self, label: str, missing: list[str]) -> None:
-        """Say once when selected norms had no row in a measured step (never zero data
-        without a word): a norm the forward does not call, or a model run by code the hooks
-        cannot see (e.g. torch.compile on a torch without set_stance, TorchScript)."""
-        if len(missing) == len(self.norms):
-            what = f"none of the {len(missing)} selected norms ran with gradient"
-        else:
-            what = f"{len(missing)} of the {len(self.norms)} selected norms did not run with gradient"
-        self._warn("unmeasured", (
-            f"{self.owner}: {what} during {label} ({_some(missing, 8)}), so nothing is logged for them. "
-            "Either the "
-            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
-            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
-            "TorchScript). Said once."))
-
-
-def _some(names: Sequence[str], limit: int = 4) -> str:
-    """The first ``limit`` names, comma-separated, and ``, ...`` when there are more."""
-    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-
-
-def _span(rungs: Sequence[str], final: str | None) -> str:
-    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``;
-    a final norm alone (post-LN: BERT's MLM head) reads no stream that flows on past it."""
-    if len(rungs) == 1 and rungs[0] == final:
-        return f"1 rung, its final norm {final!r} alone (no other norm's input flows on past it)"
-    ends = f"{rungs[0]} ... {rungs[-1]}" if rungs else "- ... -"
-    return (f"{len(rungs)} rungs, the norms that read the residual stream ({ends}), "
-            f"final norm {repr(final) if final else 'none'}")
+    def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
+        """The role decision by stack, stacks in forward order (the model's ladder is the one
+        of the norm before the logits)."""
+        order = dict.fromkeys(self.stacks[n.name] for n in ordered)
+        ladders: dict[str, list[str]] = {stack: [] for stack in order}
+        post: dict[str, list[str]] = {stack: [] for stack in order}
+        finals: dict[str, str] = {}
+        others: list[tuple[str, str]] = []
+        for n in ordered:
+            stack, role = self.stacks[n.name], roles[n.name]
+            if role in RUNGS and n.name not in self.reused and n.name not in self.refused:
+                ladders[stack].append(n.name)
+            if role not in RUNGS:
+                others.append((n.name, role))
+            if role == POST:
+                post[stack].append(n.name)
+            if role == FINAL:
+                finals[stack] = n.name
+        return Roles(ladders, finals, self.main_stack, others, post)
 
 
 def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:

@@ -15,11 +15,14 @@ token the model reads; a batch whose padding only its labels mark needs ``row_ma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+import torch
 from torch import Tensor
 
-__all__ = ["padding_mask"]
+from lnmonitor.core.meter_messages import decoder_padding_message, row_mask_message
+
+__all__ = ["RowMasks", "padding_mask"]
 
 
 def padding_mask(batch, key: str = "attention_mask") -> tuple[Tensor, str] | None:
@@ -32,3 +35,45 @@ def padding_mask(batch, key: str = "attention_mask") -> tuple[Tensor, str] | Non
     if isinstance(mask, Tensor) and mask.ndim == 2 and not mask.is_floating_point():
         return mask != 0, f"the batch's {key}"
     return None
+
+
+class RowMasks:
+    """The rows a meter measures in a (micro-)batch: ``mask(batch)`` is one bool mask for every
+    norm, or (an encoder-decoder, its padding taken from the batch) ``{norm index: mask}``, the
+    decoder's norms reading the decoder's tokens; or None (every row counts).
+
+    ``row_mask``: the user's ``row_mask(batch)``, False (every row counts) or None
+    (:func:`padding_mask`); ``decoder``: the indices of the decoder's norms; ``device()``: where
+    the masks go.  A ``row_mask`` that raises is said once through ``warn`` and turned off
+    (training goes on); :attr:`source` says where the last mask came from."""
+
+    def __init__(self, row_mask: Callable | bool | None, decoder: set[int], n_norms: int,
+                 device: Callable[[], torch.device], owner: str, warn: Callable[[str, str], None]) -> None:
+        self.row_mask = row_mask
+        self.source: str | None = None
+        self._decoder, self._n, self._device, self._owner, self._warn = decoder, n_norms, device, owner, warn
+
+    def __call__(self, batch) -> Tensor | dict[int, Tensor | None] | None:
+        try:
+            if callable(self.row_mask):
+                return self._as_rows(self.row_mask(batch), "row_mask")
+            keep = self._as_rows(*(padding_mask(batch) or (None, None)))
+            if not self._decoder:
+                return keep
+            decoder = self._as_rows(*(padding_mask(batch, "decoder_attention_mask") or (None, None)))
+            if keep is None and decoder is None:
+                return None
+            if decoder is None:
+                self._warn("decoder-padding", decoder_padding_message(self._owner))
+            return {i: decoder if i in self._decoder else keep for i in range(self._n)}
+        except Exception as err:  # noqa: BLE001 - the user's row_mask must not stop training
+            self.row_mask = False
+            self._warn("row-mask", row_mask_message(self._owner, err))
+            return None
+
+    def _as_rows(self, keep, source: str | None) -> Tensor | None:
+        if keep is None:
+            return None
+        self.source = source
+        keep = torch.as_tensor(keep).to(self._device(), non_blocking=True).bool()
+        return keep if keep.ndim == 2 else keep.reshape(-1)  # (batch, tokens) lines up with per-head rows
