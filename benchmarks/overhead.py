@@ -80,7 +80,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lnmonitor.core.invariance import InvarianceProbe
+from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus

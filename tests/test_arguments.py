@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core.invariance import CASES
+from lnmonitor.core.invariance_results import CASES
 
 
 def _int(v, low=None):

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.invariance import CASES
+from lnmonitor.core.invariance_results import CASES
 from lnmonitor.core.reductions import ROUNDING_ROW
 from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION
 

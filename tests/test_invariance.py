@@ -14,14 +14,10 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor.core.invariance import (
-    CASES,
-    SWEEP_SCALES,
-    default_loss,
-    final_norm_invariance,
-    find_final_norm,
-    split_output,
-)
+from lnmonitor.core.final_norm import find_final_norm
+from lnmonitor.core.invariance import final_norm_invariance
+from lnmonitor.core.invariance_results import CASES, SWEEP_SCALES
+from lnmonitor.core.loss_contract import default_loss, split_output
 from lnmonitor.core.norms import find_norms
 from lnmonitor.core.taps import NormTap
 
@@ -203,11 +199,11 @@ def test_split_output_forms():
 def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch):
     """If entering one part of ``restored`` raises, the parts entered before it are undone at
     once, even while a handler keeps the traceback alive: the taps listen again."""
-    import lnmonitor.core.invariance as invariance
+    import lnmonitor.core.hooks as hooks
 
     model = tiny()
     model.train()
-    monkeypatch.setattr(invariance, "eager", lambda: (_ for _ in ()).throw(RuntimeError("no stance")))
+    monkeypatch.setattr(hooks, "eager", lambda: (_ for _ in ()).throw(RuntimeError("no stance")))
     with pytest.raises(RuntimeError) as raised:
         final_norm_invariance(model, batch())
     monkeypatch.undo()
@@ -221,13 +217,13 @@ def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch
 
 
 def _points(*pairs):
-    from lnmonitor.core.invariance import SweepPoint
+    from lnmonitor.core.invariance_results import SweepPoint
 
     return [SweepPoint(a, dl, ev, True, False) for a, dl, ev in pairs]
 
 
 def test_the_sweep_is_fitted_on_one_sign_and_at_least_three_points():
-    from lnmonitor.core.invariance import fit_sweep
+    from lnmonitor.core.sweep import fit_sweep, fitted
 
     law = _points(*[(a, 0.05 * ev, ev) for a, ev in ((0.1, 1e-4), (0.01, 1e-2), (0.003, 0.1), (0.001, 1.0))])
     slope, constant, note = fit_sweep(law)
@@ -236,7 +232,8 @@ def test_the_sweep_is_fitted_on_one_sign_and_at_least_three_points():
     mixed = _points((0.1, -2e-6, 1e-4), (0.01, -2e-4, 1e-2), (0.003, -2e-3, 0.1), (0.001, 0.3, 1.0))
     slope, _, note = fit_sweep(mixed)
     assert slope == pytest.approx(1.0) and "changes sign" in note and "negative" in note
-    assert [p.in_fit for p in mixed] == [True, True, True, False]
+    assert [p.in_fit for p in fitted(mixed)] == [True, True, True, False]
+    assert not any(p.in_fit for p in mixed)  # fitting computes in_fit on new points, it mutates none
     two = _points((10.0, 1e-4, 1e-4), (0.1, 0.05, 1.0))  # eps = 0.1: two points in the window
     slope, constant, note = fit_sweep(two)
     assert math.isnan(slope) and math.isnan(constant) and "2 point(s) in the window" in note

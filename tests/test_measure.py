@@ -8,7 +8,7 @@ import math
 import torch
 from conftest import MemoryLogger
 
-from lnmonitor.core.invariance import PROBE_WINDOWS
+from lnmonitor.core.invariance_results import PROBE_WINDOWS
 from lnmonitor.core.probe_rows import first_samples, probe_batch
 from lnmonitor.experiments.measure import measure_held_out, probe_rows
 from lnmonitor.lightning import FinalNormInvarianceMonitor

@@ -12,7 +12,8 @@ import torch
 from test_compatibility import FAMILIES, data
 from torch import nn
 
-from lnmonitor.core.invariance import CASES, final_norm_invariance
+from lnmonitor.core.invariance import final_norm_invariance
+from lnmonitor.core.invariance_results import CASES
 from lnmonitor.core.replay import PrefixReplay
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 

@@ -3,7 +3,8 @@
 import pytest
 
 from lnmonitor.core import sweep
-from lnmonitor.core.invariance import SweepPoint, fit_sweep
+from lnmonitor.core.invariance_results import SweepPoint
+from lnmonitor.core.sweep import fit_sweep, fitted
 
 
 @pytest.mark.parametrize("eps_over_var, in_fit, rounding, fitted, reason", [
@@ -28,5 +29,5 @@ def test_points_left_out_for_a_sign_change_are_not_called_outside_the_window():
     points.append(SweepPoint(1e-4, 2.0, 500.0, False, False))  # beyond the window
     slope, _, note = fit_sweep(points)
     assert slope == slope and "changes sign" in note  # fitted on the three positive ones
-    reasons = [sweep.sweep_reason(p.eps_over_var, p.in_fit, p.rounding, True) for p in points]
+    reasons = [sweep.sweep_reason(p.eps_over_var, p.in_fit, p.rounding, True) for p in fitted(points)]
     assert reasons == ["sign", "sign", "fitted", "fitted", "fitted", "outside"]

@@ -6,6 +6,8 @@
 * :func:`unmeasured`: forward passes run inside it are invisible to the norm taps (the
   invariance monitor's and the probes' own passes).
 * :func:`eval_mode`: a module in eval mode for a while, every train flag restored after.
+* :func:`restored`: a probe's passes leave no trace: eval mode, eager code, no tap, and the
+  train flags and the RNG state back after.
 * :func:`eager` and :func:`compiled`: ``torch.compile``-d code ignores hooks registered
   after it compiled, so lnmonitor runs such code eagerly while it measures.
 * :func:`sharded`: whether a module's forward is a collective (FSDP), which every rank
@@ -21,14 +23,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
     "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring",
-    "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
+    "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
 ]
 
 # the attribute a wrapper whose forward is a plain call of the model keeps it in, by class name:
@@ -130,6 +132,31 @@ def eager():
     if set_stance is None:  # pragma: no cover - torch < 2.6
         return contextlib.nullcontext()
     return set_stance("force_eager")
+
+
+@contextlib.contextmanager
+def restored(module: nn.Module, batch) -> Iterator[None]:
+    """Eval mode, eager code and no tap for the duration; then every submodule's train
+    flag and the torch RNG state (CPU and the batch's CUDA devices) back as they were.
+    Each part is undone even when entering a later one raises."""
+    devices = sorted({t.device.index or 0 for t in _tensors(batch) if t.device.type == "cuda"})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(eval_mode(module))
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(unmeasured())
+        stack.enter_context(eager())
+        yield
+
+
+def _tensors(batch):
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from _tensors(v)
 
 
 def compiled(module: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lnmonitor.core.hooks import Hooks, eval_mode
-from lnmonitor.core.invariance import InvarianceResult
+from lnmonitor.core.invariance_results import InvarianceResult
 from lnmonitor.core.ladder import NormFigures
 from lnmonitor.core.meter import LadderResult
 from lnmonitor.core.probes import (

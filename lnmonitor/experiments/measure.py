@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from lnmonitor.core.heldout import held_out_result
 from lnmonitor.core.hooks import eval_mode
-from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceResult, final_norm_invariance
+from lnmonitor.core.invariance import final_norm_invariance
+from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.probe_rows import first_samples, probe_batch

@@ -27,7 +27,9 @@ from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, NonFiniteLoss, default_loss
+from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_results import PROBE_WINDOWS
+from lnmonitor.core.loss_contract import default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import CATEGORY_ORDER, INVARIANCE_LAYOUT, LADDER_LAYOUT, TRAINER_SPLIT
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch

@@ -17,16 +17,10 @@ from typing_extensions import override
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import choose_norms, measured_eps_message
 from lnmonitor.core.door import guarded
+from lnmonitor.core.final_norm import NotAFinalNorm
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance import (
-    CASES,
-    PROBE_WINDOWS,
-    SWEEP_SCALES,
-    InvarianceProbe,
-    InvarianceResult,
-    NonFiniteLoss,
-    NotAFinalNorm,
-)
+from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
 from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_LAYOUT, PREFIX, finite_metrics
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
@@ -40,7 +34,7 @@ __all__ = ["FinalNormInvarianceMonitor"]
 class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    The Lightning door of :class:`lnmonitor.core.invariance.InvarianceProbe`: it decides when
+    The Lightning door of :class:`lnmonitor.core.invariance_probe.InvarianceProbe`: it decides when
     the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
     batch, at step indices that are multiples of
     ``every_n_steps`` (before that step's update: taken as soon as the previous update is
@@ -63,7 +57,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     reaches the end of training.
 
     Before its first run it checks, with one gradient pass on the probe batch
-    (:func:`lnmonitor.core.invariance.final_norm_bypass`), that the final norm's input reaches
+    (:func:`lnmonitor.core.final_norm.final_norm_bypass`), that the final norm's input reaches
     the loss only through the norm.  When it does not -- a model without a final norm,
     whose last norm sits inside a block -- the cases would read zero although the loss
     is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs
