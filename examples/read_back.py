@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lnmonitor.core.metric_names import parse, per_norm
 from lnmonitor.experiments.plotting import new_figure, save_png, short_name
-from lnmonitor.views.events import read_csv_scalars, read_scalars
+from lnmonitor.views.events import read_run
 
 
 def main() -> None:
@@ -19,18 +20,16 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a run folder (event files or metrics.csv)")
     parser.add_argument("--png", type=Path, default=None, help="where to write the figure")
     args = parser.parse_args()
-    keep = lambda tag: tag.startswith("lnmonitor/")  # noqa: E731
-    csv = args.run / "metrics.csv"
-    curves = read_csv_scalars(csv, keep) if csv.is_file() else read_scalars(args.run, keep)
-    ladder = {tag.removeprefix("lnmonitor/inv_sigma/"): points for tag, points in curves.items()
-              if tag.startswith("lnmonitor/inv_sigma/")}
+    curves = read_run(args.run)  # lnmonitor's names, also a transformers.Trainer run's (train/...)
+    ladder = {parse(tag).name: points for tag, points in curves.items()
+              if parse(tag)[:2] == ("norm", "inv_sigma")}
     if not ladder:
         raise SystemExit(f"no lnmonitor/inv_sigma/* metrics in {args.run}")
     print(f"{'norm':40s} {'step':>6s} {'1/sigma':>8s} {'rms':>8s} {'share median':>12s}")
     for norm, points in ladder.items():
         step, value = points[-1]
-        rms = dict(curves.get(f"lnmonitor/rms/{norm}", [])).get(step, float("nan"))
-        share = dict(curves.get(f"lnmonitor/share_median/{norm}", [])).get(step, float("nan"))
+        rms = dict(curves.get(per_norm("rms", norm), [])).get(step, float("nan"))
+        share = dict(curves.get(per_norm("share_median", norm), [])).get(step, float("nan"))
         print(f"{short_name(norm):40s} {step:6d} {value:8.3f} {rms:8.3f} {share:12.4f}")
     fig = new_figure(7, 4)
     ax = fig.add_subplot()

@@ -69,6 +69,24 @@ def test_summarize_a_csv_run_reads_the_same_numbers(logdir, capsys):
         assert math.isclose(from_csv[name], from_tensorboard[name], rel_tol=5e-3), name
 
 
+def test_summarize_reads_a_run_whose_tags_an_integration_prefixed(logdir, tmp_path, capsys):
+    """A transformers Trainer's TensorBoard puts ``train/`` before every tag: the same run
+    summarizes to the same ladder, figures and invariance."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(tmp_path / "trainer") as writer:
+        for tag, points in read_scalars(logdir / "a" / "version_0").items():
+            for step, value in points:
+                writer.add_scalar(f"train/{tag}", value, step)
+    assert main(["summarize", str(logdir / "a" / "version_0"), "--no-figures"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["summarize", str(tmp_path / "trainer"), "--out", str(tmp_path / "figures")]) == 0
+    out = capsys.readouterr().out
+    assert list(_ladder_rows(out)) == NORMS and _ladder_rows(out) == _ladder_rows(plain)
+    assert out.split("wrote ")[0].split("\n", 1)[1].rstrip() == plain.split("\n", 1)[1].rstrip()
+    assert (tmp_path / "figures" / "trainer_shares.png").is_file()
+
+
 def test_summarize_a_folder_of_runs_sets_them_side_by_side(logdir, tmp_path, capsys):
     assert main(["summarize", str(logdir), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
-from lnmonitor.core.metric_names import PREFIX
+from lnmonitor.core.metric_names import parse
 from lnmonitor.errors import UsageError
 
 __all__ = ["register", "run"]
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{path} is not a readable event file ({problem}): move it out of "
                                  f"{logdir} and run summarize again")
     runs = {_run_name(logdir, folder): read_run(folder) for folder in folders}
-    measured = {name: c for name, c in runs.items() if any(t.startswith(f"{PREFIX}/") for t in c)}
+    measured = {name: c for name, c in runs.items() if any(parse(t) for t in c)}
     if not measured:
         raise UsageError(f"no lnmonitor metric in the {len(runs)} run(s) under {logdir}: was a "
                          "LayerNormMonitor or FinalNormInvarianceMonitor among the Trainer's callbacks?")

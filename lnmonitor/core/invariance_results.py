@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_CASES
+from lnmonitor.core.metric_names import INVARIANCE_CASES, invariance_metric
 
 __all__ = [
     "CASES", "CASE_TRANSFORMS", "PROBE_WINDOWS", "SWEEP_SCALES", "CaseResult", "InvarianceResult",
@@ -81,20 +81,21 @@ class InvarianceResult:
     def rounding_scales(self) -> list[float]:
         return [p.scale for p in self.sweep if p.rounding]
 
-    def metrics(self, prefix: str = INVARIANCE) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The logged metric names and values (cases without logits omit max_dlogit; a
         delta-loss of exactly zero has no log10 and gets none, which the caller drops)."""
         out: dict[str, float] = {}
         for name, c in self.cases.items():
-            out[f"{prefix}/{name}/dloss"] = c.dloss
-            out[f"{prefix}/{name}/log10_abs_dloss"] = math.log10(abs(c.dloss)) if c.dloss else math.nan
+            out[invariance_metric("dloss", name)] = c.dloss
+            log10 = math.log10(abs(c.dloss)) if c.dloss else math.nan
+            out[invariance_metric("log10_abs_dloss", name)] = log10
             if c.max_dlogit is not None:
-                out[f"{prefix}/{name}/max_dlogit"] = c.max_dlogit
-            out[f"{prefix}/{name}/out_residual"] = c.out_residual
+                out[invariance_metric("max_dlogit", name)] = c.max_dlogit
+            out[invariance_metric("out_residual", name)] = c.out_residual
         if self.sweep:
-            out[f"{prefix}/scale_slope"] = self.slope
-            out[f"{prefix}/scale_constant"] = self.constant
-            out[f"{prefix}/scale_rounding_points"] = float(len(self.rounding_scales))
+            out[invariance_metric("scale_slope")] = self.slope
+            out[invariance_metric("scale_constant")] = self.constant
+            out[invariance_metric("scale_rounding_points")] = float(len(self.rounding_scales))
         return out
 
 

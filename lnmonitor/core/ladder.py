@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from lnmonitor.core import geometry
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.metric_names import PREFIX, ladder_metric, per_norm
+from lnmonitor.core.metric_names import baseline_metric, ladder_metric, per_norm
 
 __all__ = [
     "Ladder", "LadderFigures", "NormFigures", "NormStats", "baseline_max", "baseline_median",
@@ -110,8 +110,8 @@ class LadderFigures:
         share are compared with (the shared pair, or the norm's own; nan where there is none)."""
         pair = []
         for which in ("median", "max"):
-            shared = self.baselines.get(_baseline_tag(which), math.nan)
-            pair.append(self.baselines.get(_baseline_tag(which, name), shared))
+            shared = self.baselines.get(baseline_metric(which), math.nan)
+            pair.append(self.baselines.get(baseline_metric(which, name), shared))
         return pair[0], pair[1]
 
     @property
@@ -207,24 +207,19 @@ def _baselines(stats: Sequence[NormStats]) -> dict[str, float]:
         d, k = next(iter(shapes))
         if d is None or d <= k:
             return out
-        out[_baseline_tag("median")] = baseline_median(d, k)
+        out[baseline_metric("median")] = baseline_median(d, k)
         n = max(s.share_rows for s in stats)
         if n >= 1:
-            out[_baseline_tag("max")] = baseline_max(d, k, n)
+            out[baseline_metric("max")] = baseline_max(d, k, n)
         return out
     for s in stats:
         k = geometry.dead_dim(s.kind)
         if s.width is None or s.width <= k:
             continue
-        out[_baseline_tag("median", s.name)] = baseline_median(s.width, k)
+        out[baseline_metric("median", s.name)] = baseline_median(s.width, k)
         if s.share_rows >= 1:
-            out[_baseline_tag("max", s.name)] = baseline_max(s.width, k, s.share_rows)
+            out[baseline_metric("max", s.name)] = baseline_max(s.width, k, s.share_rows)
     return out
-
-
-def _baseline_tag(which: str, name: str | None = None) -> str:
-    """``lnmonitor/share_baseline/<which>``, or ``.../<which>/<norm>`` for one norm's own."""
-    return f"{PREFIX}/share_baseline/{which}" + (f"/{name}" if name else "")
 
 
 @lru_cache(maxsize=256)

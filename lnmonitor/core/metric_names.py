@@ -4,19 +4,24 @@ Per norm: ``lnmonitor/<statistic>/<norm>`` with ``<norm>`` the module's qualifie
 the model the monitor was given; the ladder's ``lnmonitor/ladder/<statistic>``, and another
 stack's ladder (an encoder-decoder's encoder) ``lnmonitor/ladder/<stack>/<statistic>``;
 the invariance monitor under ``lnmonitor/invariance/``,
-the structure probe under ``lnmonitor/probe/``.  This module also holds the invariance
-cases and the TensorBoard custom-scalars layouts, which are regexes over these names, so
-every run's layout is the same.
+the structure probe under ``lnmonitor/probe/``, the findings under ``lnmonitor/health/``.
+This module builds every one of them and reads them back (:func:`parse`, also under an
+integration's prefix such as the ``train/`` TensorBoard puts before a transformers
+Trainer's tags: :func:`unsplit`); it also holds the invariance cases and the
+TensorBoard custom-scalars layouts, which are regexes over these names, so every run's
+layout is the same.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 __all__ = [
     "CATEGORY_ORDER", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES", "INVARIANCE_LAYOUT",
-    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "finite_metrics", "health_metric", "ladder_metric",
-    "per_norm", "unsplit",
+    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "Metric", "baseline_metric", "finite_metrics",
+    "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
+    "run_metric", "unsplit",
 ]
 
 PREFIX = "lnmonitor"
@@ -37,6 +42,12 @@ HEADLINE_METRICS = (
 )
 
 
+def run_metric(name: str) -> str:
+    """``lnmonitor/<name>``: a run's setting (``eps``, ``norm_kind``, ``final_norm``, ...) or
+    picture (``ladder``, ``ladder_over_training``)."""
+    return f"{PREFIX}/{name}"
+
+
 def per_norm(statistic: str, norm: str) -> str:
     """``lnmonitor/<statistic>/<norm>``, e.g. ``lnmonitor/inv_sigma/model.lnf``."""
     return f"{PREFIX}/{statistic}/{norm}"
@@ -49,6 +60,59 @@ def ladder_metric(statistic: str, stack: str = "") -> str:
     return f"{PREFIX}/ladder/{stack}/{statistic}" if stack else f"{PREFIX}/ladder/{statistic}"
 
 
+def baseline_metric(statistic: str, norm: str = "") -> str:
+    """``lnmonitor/share_baseline/<statistic>`` (``median`` or ``max``), one for every norm, or
+    ``lnmonitor/share_baseline/<statistic>/<norm>`` when the norms' widths differ."""
+    return f"{PREFIX}/share_baseline/{statistic}/{norm}" if norm else f"{PREFIX}/share_baseline/{statistic}"
+
+
+def invariance_metric(statistic: str, case: str = "") -> str:
+    """``lnmonitor/invariance/<case>/<statistic>`` (``dloss``, ``max_dlogit``, ...) of one case,
+    ``lnmonitor/invariance/<statistic>`` of the sweep (``scale_slope``, ``scale_constant``, ...)."""
+    return f"{INVARIANCE}/{case}/{statistic}" if case else f"{INVARIANCE}/{statistic}"
+
+
+def probe_metric(statistic: str, name: str) -> str:
+    """``lnmonitor/probe/<statistic>/<block or norm>`` of the structure probe."""
+    return f"{PROBE}/{statistic}/{name}"
+
+
+def health_metric(kind: str) -> str:
+    """``lnmonitor/health/<kind>``: 1 while the finding ``kind`` holds, 0 after it ended
+    (docs/findings.md), e.g. ``lnmonitor/health/stream_growth``."""
+    return f"{PREFIX}/health/{kind}"
+
+
+def hist_metric(statistic: str, norm: str) -> str:
+    """``lnmonitor/hist/<statistic>/<norm>``: a histogram (``share``, ``sigma``)."""
+    return f"{PREFIX}/hist/{statistic}/{norm}"
+
+
+class Metric(NamedTuple):
+    """A logged name read back: ``group`` says which builder made it (``norm``, ``ladder``,
+    ``baseline``, ``invariance``, ``probe``, ``health``, ``hist``, ``run``), ``statistic`` what
+    it measures, and ``name`` of what: the norm, the stack (``""``: the model's ladder), the
+    invariance case (``""``: the sweep), the probe's block or norm (``""``: none)."""
+
+    group: str
+    statistic: str
+    name: str = ""
+
+    @property
+    def tag(self) -> str:
+        """The name this metric is logged under (``parse(m.tag) == m``)."""
+        return _BUILD[self.group](self.statistic, self.name)
+
+
+_BUILD = {
+    "norm": per_norm, "ladder": ladder_metric, "baseline": baseline_metric, "invariance": invariance_metric,
+    "probe": probe_metric, "health": lambda kind, _: health_metric(kind), "hist": hist_metric,
+    "run": lambda name, _: run_metric(name),
+}
+_GROUPS = {"share_baseline": "baseline", "invariance": "invariance", "probe": "probe", "health": "health",
+           "hist": "hist"}
+
+
 def unsplit(tag: str) -> str:
     """``tag`` without the split a transformers.Trainer integration puts before lnmonitor's
     names (``train/lnmonitor/sigma/x`` -> ``lnmonitor/sigma/x``); any other tag as it is."""
@@ -56,10 +120,23 @@ def unsplit(tag: str) -> str:
     return name if split == TRAINER_SPLIT and name.startswith(f"{PREFIX}/") else tag
 
 
-def health_metric(kind: str) -> str:
-    """``lnmonitor/health/<kind>``: 1 while the finding ``kind`` holds, 0 after it ended
-    (docs/findings.md), e.g. ``lnmonitor/health/stream_growth``."""
-    return f"{PREFIX}/health/{kind}"
+def parse(tag: str) -> Metric | None:
+    """The :class:`Metric` a logged name stands for (also under a transformers.Trainer's
+    split, see :func:`unsplit`), or None when it is not lnmonitor's."""
+    name = unsplit(tag)
+    if not name.startswith(f"{PREFIX}/"):
+        return None
+    parts = name[len(PREFIX) + 1:].split("/")
+    head, rest = parts[0], parts[1:]
+    if not rest:
+        return Metric("run", head)
+    if head == "ladder":
+        return Metric("ladder", rest[-1], "/".join(rest[:-1]))
+    if head == "invariance":
+        return Metric("invariance", rest[-1], "/".join(rest[:-1]))
+    if head in _GROUPS:
+        return Metric(_GROUPS[head], rest[0], "/".join(rest[1:]))
+    return Metric("norm", head, "/".join(rest))
 
 
 def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:

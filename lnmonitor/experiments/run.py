@@ -19,7 +19,7 @@ __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
     "measure_run", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
-from lnmonitor.core.metric_names import PREFIX, per_norm
+from lnmonitor.core.metric_names import parse
 from lnmonitor.experiments.store import (
     RECORD_FORMAT,
     RECORD_NAME,
@@ -252,12 +252,15 @@ def run_one(
 
 # What a record keeps of the training logs: the losses and, per norm, what the ladder and
 # the eps question read (a report then needs no event file).
-CURVES = ("val/loss", "train/loss", f"{PREFIX}/ladder/")
+CURVES = ("val/loss", "train/loss")
 NORM_CURVES = ("eps_over_var", "transmission", "inv_sigma", "rms")
 
 
 def _is_curve(tag: str) -> bool:
-    return tag.startswith(CURVES) or any(tag.startswith(per_norm(q, "")) for q in NORM_CURVES)
+    metric = parse(tag)
+    if metric is None:
+        return tag.startswith(CURVES)
+    return metric.group == "ladder" or (metric.group == "norm" and metric.statistic in NORM_CURVES)
 
 
 def remeasure_run(out: Path, eps: float, seed: int, text: str, record: dict,

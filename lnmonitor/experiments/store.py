@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from lnmonitor.core.metric_names import PREFIX, per_norm
+from lnmonitor.core.metric_names import baseline_metric, per_norm
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.files import read_json
 
@@ -202,7 +202,7 @@ def share_baseline(record: dict) -> dict | None:
     every norm, or None (no record of it, or the norms have their own)."""
     if "metrics" not in record:
         return record.get("share_baseline") or None
-    median = record["metrics"].get(f"{PREFIX}/share_baseline/median")
+    median = record["metrics"].get(baseline_metric("median"))
     if median is None:
         return None
     info = next(iter((record.get("norm_info") or {}).values()), {})

@@ -21,7 +21,7 @@ from lnmonitor.core.final_norm import NotAFinalNorm
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance_results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
-from lnmonitor.core.metric_names import INVARIANCE, INVARIANCE_LAYOUT, PREFIX, finite_metrics
+from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, finite_metrics, invariance_metric, run_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
@@ -201,10 +201,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     @guarded
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(pl_module)
-        metrics = [f"{INVARIANCE}/{c}/log10_abs_dloss" for c in ("scale_3", "axis_5") if c in self.cases]
+        metrics = [invariance_metric("log10_abs_dloss", c) for c in ("scale_3", "axis_5") if c in self.cases]
         if self.scales:
-            metrics.append(f"{INVARIANCE}/scale_slope")
-        params = {f"{PREFIX}/final_norm": self._final_name or "auto"}
+            metrics.append(invariance_metric("scale_slope"))
+        params = {run_metric("final_norm"): self._final_name or "auto"}
         self._sink.give_hparams(trainer, pl_module, params, metrics)
 
     @override

@@ -20,7 +20,7 @@ from lnmonitor.core import arguments
 from lnmonitor.core.door import guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
-from lnmonitor.core.metric_names import LADDER_LAYOUT, PREFIX, per_norm
+from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, ladder_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.summaries import NormSummary
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
@@ -230,7 +230,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self._stop()
         self.meter, self.last_summaries, self._order = None, [], []
-        self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
+        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
@@ -272,7 +272,7 @@ class LayerNormMonitor(MonitorCallback):
             curves = self._trail.curves()
             heatmap = over_training_picture(curves) if self.images else None
             if heatmap is not None:
-                self._sink.log_image(trainer, f"{PREFIX}/ladder_over_training", *heatmap)
+                self._sink.log_image(trainer, run_metric("ladder_over_training"), *heatmap)
             if self.summary:
                 self._say(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
         except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
@@ -330,7 +330,7 @@ class LayerNormMonitor(MonitorCallback):
             self._trail.add(step, metrics)
             spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
             if self.images and spaced:
-                self._sink.log_image(trainer, f"{PREFIX}/ladder", step, step_picture(result.figures, step))
+                self._sink.log_image(trainer, run_metric("ladder"), step, step_picture(result.figures, step))
                 self._last_picture = step
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
@@ -340,23 +340,23 @@ class LayerNormMonitor(MonitorCallback):
         epss = sorted({n.eps(dtype) for n in norms})
         widths = sorted({n.width for n in norms if n.width is not None})
         params = {
-            f"{PREFIX}/norm_kind": ",".join(kinds),
-            f"{PREFIX}/eps": epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
-            f"{PREFIX}/width": widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
-            f"{PREFIX}/n_norms": len(norms),
-            f"{PREFIX}/every_n_steps": self.every_n_steps,
+            run_metric("norm_kind"): ",".join(kinds),
+            run_metric("eps"): epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
+            run_metric("width"): widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
+            run_metric("n_norms"): len(norms),
+            run_metric("every_n_steps"): self.every_n_steps,
         }
         last = self.final_norm or norms[-1].name
-        metrics = [f"{PREFIX}/ladder/attenuation", per_norm("log10_eps_over_var", last),
-                   per_norm("share_median", last), f"{PREFIX}/ladder/growth"]
+        metrics = [ladder_metric("attenuation"), per_norm("log10_eps_over_var", last),
+                   per_norm("share_median", last), ladder_metric("growth")]
         return params, metrics
 
     def _histograms(self, writer, step: int, result: LadderResult) -> None:
         for i, (info, s) in enumerate(zip(result.norms, result.summaries, strict=True)):
-            write_histogram(writer, f"{PREFIX}/hist/share/{info.name}", step,
+            write_histogram(writer, hist_metric("share", info.name), step,
                             s.share_counts, s.layout.share_edges(), group=64)
             sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))
-            write_histogram(writer, f"{PREFIX}/hist/sigma/{info.name}", step,  # 1/8 octave buckets
+            write_histogram(writer, hist_metric("sigma", info.name), step,  # 1/8 octave buckets
                             s.var_counts, sigma_edges, group=16)
 
     # -- checkpointing ---------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.door import guarded
-from lnmonitor.core.metric_names import PROBE
+from lnmonitor.core.metric_names import probe_metric
 from lnmonitor.core.norms import NormInfo, find_norms
 from lnmonitor.core.probes import (
     BlockRankProbe,
@@ -43,17 +43,17 @@ class ProbeResult:
     blocks: list[BlockRankProbe] = field(default_factory=list)
     norms: list[NormJacobianProbe] = field(default_factory=list)
 
-    def metrics(self, prefix: str = PROBE) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for b in self.blocks:
-            out[f"{prefix}/block_rank/{b.name}"] = float(b.block_rank)
-            out[f"{prefix}/block_sv_min/{b.name}"] = b.block_sv_min
-            out[f"{prefix}/block_sv_max/{b.name}"] = b.block_sv_max
-            out[f"{prefix}/branch_rank/{b.name}"] = float(b.branch_rank)
-            out[f"{prefix}/branch_sv_min/{b.name}"] = b.branch_sv_min
-            out[f"{prefix}/branch_sv_max/{b.name}"] = b.branch_sv_max
+            out[probe_metric("block_rank", b.name)] = float(b.block_rank)
+            out[probe_metric("block_sv_min", b.name)] = b.block_sv_min
+            out[probe_metric("block_sv_max", b.name)] = b.block_sv_max
+            out[probe_metric("branch_rank", b.name)] = float(b.branch_rank)
+            out[probe_metric("branch_sv_min", b.name)] = b.branch_sv_min
+            out[probe_metric("branch_sv_max", b.name)] = b.branch_sv_max
         for n in self.norms:
-            out[f"{prefix}/gain_spread/{n.name}"] = n.gain_spread
+            out[probe_metric("gain_spread", n.name)] = n.gain_spread
         return out
 
 

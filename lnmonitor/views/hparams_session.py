@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lnmonitor.core.metric_names import PREFIX
+from lnmonitor.core.metric_names import run_metric
 
 __all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "session_summaries"]
 
@@ -20,7 +20,8 @@ SHOWN_HPARAMS = 5
 # preferred columns, most wanted first: the knobs an eps comparison turns, then what the
 # monitors measured (a model of one's own has these), then the tiny GPT's other choices
 FIRST_HPARAMS = (
-    "eps", "seed", f"{PREFIX}/eps", f"{PREFIX}/norm_kind", f"{PREFIX}/final_norm", "norm", "init", "decay",
+    "eps", "seed", run_metric("eps"), run_metric("norm_kind"), run_metric("final_norm"), "norm", "init",
+    "decay",
 )
 
 

@@ -20,7 +20,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lnmonitor.core.metric_names import PREFIX as P
+from lnmonitor.core.metric_names import (
+    INVARIANCE_CASES,
+    baseline_metric,
+    health_metric,
+    invariance_metric,
+    ladder_metric,
+    parse,
+    per_norm,
+)
 
 __all__ = [
     "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "ladder_grid", "ladder_lines",
@@ -94,8 +102,9 @@ def _natural(name: str) -> list:
 def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
     """``(rungs in forward order, other norms)``; without ladder positions (a log from an
     older lnmonitor) every norm is a rung, in natural name order."""
-    norms = sorted({t.split("/", 2)[2] for t in curves if t.startswith(f"{P}/inv_sigma/")}, key=_natural)
-    position = {n: last(curves, f"{P}/ladder_position/{n}") for n in norms}
+    metrics = [m for m in map(parse, curves) if m]
+    norms = sorted({m.name for m in metrics if m[:2] == ("norm", "inv_sigma")}, key=_natural)
+    position = {n: last(curves, per_norm("ladder_position", n)) for n in norms}
     if all(math.isnan(p) for p in position.values()):
         return norms, []
     rungs = sorted((n for n in norms if position[n] >= 0), key=lambda n: position[n])
@@ -106,7 +115,7 @@ def ladder_grid(curves: Curves, tag: str = "inv_sigma") -> tuple[list[str], list
     """``(rungs, steps, values)``: ``lnmonitor/<tag>/<rung>`` as a rungs x steps array
     (forward order top down; NaN where a rung has no point at a step)."""
     rungs, _ = ladder_of(curves)
-    series = [dict(curves.get(f"{P}/{tag}/{name}", ())) for name in rungs]
+    series = [dict(curves.get(per_norm(tag, name), ())) for name in rungs]
     steps = sorted({s for points in series for s in points})
     grid = np.array([[points.get(s, np.nan) for s in steps] for points in series], dtype=float)
     return rungs, steps, grid.reshape(len(rungs), len(steps))
@@ -149,7 +158,7 @@ def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
 
 def summary_text(curves: Curves, title: str = "") -> str:
     """The summary (see the module docstring); says so when nothing of lnmonitor was logged."""
-    steps = sorted({s for t, pts in curves.items() if t.startswith(f"{P}/") for s, _ in pts})
+    steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
     if not steps:
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
     head = f"lnmonitor summary{': ' + title if title else ''}"
@@ -159,13 +168,14 @@ def summary_text(curves: Curves, title: str = "") -> str:
 def health_lines(curves: Curves) -> list[str]:
     """The findings of the run (``lnmonitor/health/<kind>``, docs/findings.md): the step each was
     raised at and whether it still held at its last logged step."""
-    tags = sorted(t for t in curves if t.startswith(f"{P}/health/") and curves[t])
-    lines = ["findings (docs/findings.md):"] if tags else []
-    for tag in tags:
-        points = curves[tag]
+    kinds = sorted(m.statistic for t, m in zip(curves, map(parse, curves), strict=True)
+                   if m and m.group == "health" and curves[t])
+    lines = ["findings (docs/findings.md):"] if kinds else []
+    for kind in kinds:
+        points = curves[health_metric(kind)]
         raised = next((s for s, v in points if v >= 1), points[0][0])
         held = "still held" if points[-1][1] >= 1 else "had ended"
-        lines.append(f"  {tag.rsplit('/', 1)[1]}: raised at step {raised}; {held} at step {points[-1][0]}")
+        lines.append(f"  {kind}: raised at step {raised}; {held} at step {points[-1][0]}")
     return lines
 
 
@@ -174,9 +184,9 @@ def ladder_lines(curves: Curves) -> list[str]:
     rungs, others = ladder_of(curves)
     if not rungs and not others:
         return []
-    base_med = last(curves, f"{P}/share_baseline/median")
-    base_max = last(curves, f"{P}/share_baseline/max")
-    steps = sorted({s for n in rungs + others for s, _ in curves.get(f"{P}/inv_sigma/{n}", ())})
+    base_med = last(curves, baseline_metric("median"))
+    base_max = last(curves, baseline_metric("max"))
+    steps = sorted({s for n in rungs + others for s, _ in curves.get(per_norm("inv_sigma", n), ())})
     prefix = name_prefix(rungs + others)
     shared = f"; names without {prefix!r}" if prefix else ""
     lines = [f"  the ladder at step {steps[-1]} ({len(steps)} measured steps, the first at {steps[0]}"
@@ -184,26 +194,26 @@ def ladder_lines(curves: Curves) -> list[str]:
              f"  {'norm':{NAME_WIDTH}s} {'1/sigma':>8s} {'rms':>8s} {'eps/var':>9s} {'share med':>9s} "
              f"{'share max':>9s}"]
     for name, short in zip(rungs + others, short_names(rungs + others), strict=True):
-        med = last(curves, f"{P}/share_median/{name}")
-        row_base = last(curves, f"{P}/share_baseline/median/{name}")
+        med = last(curves, per_norm("share_median", name))
+        row_base = last(curves, baseline_metric("median", name))
         mark = "" if name in rungs else "  (not a rung)"
         lines.append(
-            f"  {short:{NAME_WIDTH}s} {_f(last(curves, f'{P}/inv_sigma/{name}')):>8s} "
-            f"{_f(last(curves, f'{P}/rms/{name}')):>8s} "
-            f"{_f(last(curves, f'{P}/eps_over_var/{name}'), 2):>9s} "
-            f"{_f(med):>9s} {_f(last(curves, f'{P}/share_max/{name}')):>9s}{mark}"
+            f"  {short:{NAME_WIDTH}s} {_f(last(curves, per_norm('inv_sigma', name))):>8s} "
+            f"{_f(last(curves, per_norm('rms', name))):>8s} "
+            f"{_f(last(curves, per_norm('eps_over_var', name)), 2):>9s} "
+            f"{_f(med):>9s} {_f(last(curves, per_norm('share_max', name))):>9s}{mark}"
             + (f"  random {_f(row_base)}" if math.isfinite(row_base) else "")
         )
     if math.isfinite(base_med):
         lines.append(f"  random direction: median share {_f(base_med)}, "
                      f"max of as many rows {_f(base_max)}")
     # an encoder-decoder's other stack (its encoder) has its own ladder: lnmonitor/ladder/<stack>/...
-    others = sorted({t[len(f"{P}/ladder/"):-len("/attenuation")] for t in curves
-                     if t.startswith(f"{P}/ladder/") and t.endswith("/attenuation") and t.count("/") == 3})
+    others = sorted({m.name for m in map(parse, curves)
+                     if m and m.group == "ladder" and m.statistic == "attenuation" and m.name})
     for stack in ("", *others):
         for key, word in (("attenuation", "1/sigma of the first rung / the last"),
                           ("growth", "rms of the last rung / the first")):
-            tag = f"{P}/ladder/{stack}/{key}" if stack else f"{P}/ladder/{key}"
+            tag = ladder_metric(key, stack)
             start, now = _first(curves, tag), last(curves, tag)
             label = f"{key} of {stack}'s ladder" if stack else (
                 f"{key} of the model's ladder" if others else key)
@@ -215,19 +225,18 @@ def ladder_lines(curves: Curves) -> list[str]:
 
 def invariance_lines(curves: Curves) -> list[str]:
     """The final-norm invariance residuals at the last probed point, one column per case."""
-    cases = [c for c in ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
-             if math.isfinite(last(curves, f"{P}/invariance/{c}/dloss"))]
+    cases = [c for c in INVARIANCE_CASES if math.isfinite(last(curves, invariance_metric("dloss", c)))]
     if not cases:
         return []
     width = max(len(c) for c in cases) + 1
-    step = (curves.get(f"{P}/invariance/{cases[0]}/dloss") or [(None,)])[-1][0]
+    step = (curves.get(invariance_metric("dloss", cases[0])) or [(None,)])[-1][0]
     lines = [f"  {f'final-norm invariance at step {step}':33s}" + "".join(f"{c:>{width}s}" for c in cases)]
     for statistic, label in (("dloss", "delta-loss (nats)"), ("out_residual", "float64 output residual")):
-        values = "".join(f"{_f(last(curves, f'{P}/invariance/{c}/{statistic}'), 2):>{width}s}" for c in cases)
+        values = "".join(f"{_f(last(curves, invariance_metric(statistic, c)), 2):>{width}s}" for c in cases)
         lines.append(f"    {label:31s}{values}")
-    slope = last(curves, f"{P}/invariance/scale_slope")
+    slope = last(curves, invariance_metric("scale_slope"))
     if math.isfinite(slope):
-        lines.append(f"    scale sweep: |dloss| = {_f(last(curves, f'{P}/invariance/scale_constant'))} "
+        lines.append(f"    scale sweep: |dloss| = {_f(last(curves, invariance_metric('scale_constant')))} "
                      f"nats x (eps/var)^{_f(slope)}")
     return lines
 
@@ -242,17 +251,18 @@ def comparison_lines(runs: Mapping[str, Curves]) -> list[str]:
     for name, curves in runs.items():
         rungs, _ = ladder_of(curves)
         final = rungs[-1] if rungs else ""
-        steps = [s for t, pts in curves.items() if t.startswith(f"{P}/") for s, _ in pts]
-        base = last(curves, f"{P}/share_baseline/median/{final}")
+        steps = [s for t, pts in curves.items() if parse(t) for s, _ in pts]
+        base = last(curves, baseline_metric("median", final))
         loss = next((last(curves, t) for t in ("val/loss", "val_loss", "validation/loss") if t in curves),
                     math.nan)
         rows.append((
             name, str(max(steps)) if steps else "-",
-            _f(last(curves, f"{P}/ladder/attenuation")), _f(last(curves, f"{P}/ladder/growth")),
-            _f(last(curves, f"{P}/inv_sigma/{final}")), _f(last(curves, f"{P}/eps_over_var/{final}"), 2),
-            _f(last(curves, f"{P}/share_median/{final}")),
-            _f(base if math.isfinite(base) else last(curves, f"{P}/share_baseline/median")),
-            _f(last(curves, f"{P}/invariance/scale_3/dloss"), 2), _f(loss, 4),
+            _f(last(curves, ladder_metric("attenuation"))), _f(last(curves, ladder_metric("growth"))),
+            _f(last(curves, per_norm("inv_sigma", final))),
+            _f(last(curves, per_norm("eps_over_var", final)), 2),
+            _f(last(curves, per_norm("share_median", final))),
+            _f(base if math.isfinite(base) else last(curves, baseline_metric("median"))),
+            _f(last(curves, invariance_metric("dloss", "scale_3")), 2), _f(loss, 4),
         ))
     widths = [max(len(row[k]) for row in rows) for k in range(len(header))]
     return ["  " + f"{row[0]:{widths[0]}s}" + "".join(f"  {c:>{w}s}" for c, w in zip(row[1:], widths[1:],

@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from lnmonitor.core.metric_names import PREFIX as P
+from lnmonitor.core.metric_names import baseline_metric, per_norm
 from lnmonitor.experiments.files import atomic_write_bytes
 from lnmonitor.experiments.plotting import new_figure, save_png
 from lnmonitor.views.pictures import heatmap_picture
@@ -44,7 +44,7 @@ def figure_heatmap(curves: Curves, title: str, path: Path) -> bool:
 
 def figure_shares(curves: Curves, title: str, path: Path) -> bool:
     rungs, others = ladder_of(curves)
-    names = [n for n in rungs + others if math.isfinite(last(curves, f"{P}/share_median/{n}"))]
+    names = [n for n in rungs + others if math.isfinite(last(curves, per_norm("share_median", n)))]
     if not names:
         return False
     labels = short_names(names)
@@ -56,12 +56,12 @@ def figure_shares(curves: Curves, title: str, path: Path) -> bool:
     x = range(len(names))
     for stat, marker, label in (("share_median", "o", "median"), ("share_p90", "^", "p90"),
                                 ("share_max", "v", "max")):
-        ax.plot(x, [last(curves, f"{P}/{stat}/{n}") for n in names], marker, label=f"{label} share")
+        ax.plot(x, [last(curves, per_norm(stat, n)) for n in names], marker, label=f"{label} share")
     for stat, style in (("median", "--"), ("max", ":")):
-        per_norm = [last(curves, f"{P}/share_baseline/{stat}/{n}") for n in names]
-        if all(math.isfinite(v) for v in per_norm):
-            ax.plot(x, per_norm, "k" + style, lw=1, label=f"random direction, {stat}")
-        elif math.isfinite(shared := last(curves, f"{P}/share_baseline/{stat}")):
+        each = [last(curves, baseline_metric(stat, n)) for n in names]
+        if all(math.isfinite(v) for v in each):
+            ax.plot(x, each, "k" + style, lw=1, label=f"random direction, {stat}")
+        elif math.isfinite(shared := last(curves, baseline_metric(stat))):
             ax.axhline(shared, color="k", ls=style, lw=1, label=f"random direction, {stat}")
     ax.set_xticks(list(x), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=7)
     ax.set_ylabel("dead-plane share |P w| / |w|")
@@ -79,7 +79,7 @@ def figure_ladders(runs: Mapping[str, Curves], path: Path) -> bool:
     drawn = 0
     for name, curves in runs.items():
         rungs, _ = ladder_of(curves)
-        values = [last(curves, f"{P}/inv_sigma/{n}") for n in rungs]
+        values = [last(curves, per_norm("inv_sigma", n)) for n in rungs]
         if len(rungs) > 1 and all(math.isfinite(v) and v > 0 for v in values):
             ax.plot(range(len(rungs)), values, "o-", ms=3, label=name)
             drawn += 1
