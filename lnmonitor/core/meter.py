@@ -13,14 +13,12 @@ plain loop all do)::
 Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
 every forward and backward with gradient is measured, so the micro-batches of a step
 with gradient accumulation are one measured step.  Padding rows are left out of every
-statistic when a micro-batch says which they are (:mod:`lnmonitor.core.padding`: its
-``attention_mask``, given with :meth:`~LadderMeter.use_batch` or seen in the
-model's keyword inputs; or ``row_mask``).  A norm that gets no gradient (frozen inputs and
-gain, as with frozen embeddings or LoRA) is measured from its forward alone: sigma, rms,
-eps/var and the transmission, no share.  ``stop()`` leaves the step's summary
-on the device (no host sync); :meth:`~LadderMeter.result` merges it across processes
-(``gather``), reads it on the host once, assigns the norms' roles on the first step, and
-computes every figure with :func:`lnmonitor.core.ladder.ladder_figures`.
+statistic (:class:`lnmonitor.core.padding.RowMasks`).  A norm without gradient (frozen
+inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no share.
+``stop()`` leaves the step's summary on the device (no host sync);
+:meth:`~LadderMeter.result` merges it across processes (``gather``), reads it on the host
+once, assigns the norms' roles on the first step, and computes every figure with
+:func:`lnmonitor.core.ladder.ladder_figures`.
 
 The meter never raises into training: a hook that cannot measure the model turns the
 meter off (:attr:`LadderMeter.off_reason`, said once), and what it needs to say goes to
@@ -278,10 +276,11 @@ class LadderMeter:
         self._say_conditions(summaries)
         stats = [self._stats(i, s) for i, s in enumerate(summaries)]
         # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
-        finals = {self._stack(n.name): n.name for n in self.norms if n.role == FINAL}
+        stack = {n.name: self.stacks.get(n.name, self.main_stack) for n in self.norms}
+        finals = {stack[n.name]: n.name for n in self.norms if n.role == FINAL}
         ladders: dict[str, list[str]] = {}
         for name in self.rungs():
-            ladders.setdefault(self._stack(name), []).append(name)
+            ladders.setdefault(stack[name], []).append(name)
         rungs = ladders.pop(self.main_stack, [])
         others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
         figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
@@ -294,14 +293,7 @@ class LadderMeter:
         if not new:
             return
         self.refused.update(new)
-        self._warn(f"layout:{','.join(sorted(new))}", (
-            f"{self.owner}: the rows of {len(new)} norm(s) are laid out across processes in a way they "
-            "cannot be read from, so they are not measured (the other norms are): "
-            + "; ".join(f"{name}: {why}" for name, why in list(new.items())[:4])
-            + ("; ..." if len(new) > 4 else "") + ". Said once."))
-
-    def _stack(self, name: str) -> str:
-        return self.stacks.get(name, self.main_stack)
+        self._warn(f"layout:{','.join(sorted(new))}", words.layout_message(self.owner, new))
 
     def _say_conditions(self, summaries: list[NormSummary]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""

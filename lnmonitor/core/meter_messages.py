@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from lnmonitor.core.metric_names import ladder_metric
 
 __all__ = [
-    "Roles", "compiled_message", "decoder_padding_message", "forward_only_message", "narrow_message",
+    "Roles", "compiled_message", "decoder_padding_message", "forward_only_message", "layout_message",
+    "narrow_message",
     "no_backward_message", "off_message", "off_reason", "padding_message", "reused_message",
     "roles_message", "row_mask_message", "short_ladder_message", "some", "span", "unmasked_message",
     "unmeasured_message", "zero_grad_message",
@@ -157,6 +158,14 @@ def narrow_message(owner: str, name: str, width: int, dead_dim: int, kind: str) 
             f"dead-subspace dimension {dead_dim} ({kind} norm): the dead subspace "
             f"is the whole space and the share is trivially 1. Leave it out with "
             f"exclude=[{name!r}].")
+
+
+def layout_message(owner: str, refused: Mapping[str, str]) -> str:
+    """Norms whose rows are laid out across processes where they cannot be read: ``{name: why}``."""
+    return (f"{owner}: the rows of {len(refused)} norm(s) are laid out across processes in a way they "
+            "cannot be read from, so they are not measured (the other norms are): "
+            + "; ".join(f"{name}: {why}" for name, why in list(refused.items())[:4])
+            + ("; ..." if len(refused) > 4 else "") + ". Said once.")
 
 
 def compiled_message(owner: str) -> str:
