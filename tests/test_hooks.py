@@ -98,3 +98,20 @@ def test_a_forward_hook_may_replace_the_output_and_is_removed_with_its_pre_hook(
         assert torch.equal(lin(torch.randn(2, 4)), torch.zeros(2, 4))
     assert not lin._forward_hooks and not lin._forward_pre_hooks
 
+
+
+def test_every_module_hook_goes_through_the_one_door():
+    """Only :class:`lnmonitor.core.hooks.Hooks` registers module hooks (its handles are
+    removed together, also when a forward raises); tensor and autograd-node hooks die with
+    their graph and are not module hooks."""
+    import re
+    from pathlib import Path
+
+    import lnmonitor
+
+    root = Path(lnmonitor.__file__).parent
+    call = re.compile(r"\.register_(forward|forward_pre|full_backward|full_backward_pre|module_\w+)_hook\(")
+    outside = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+               if path.name != "hooks.py"
+               for n, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+    assert not outside, f"module hooks registered beside Hooks: {outside}"

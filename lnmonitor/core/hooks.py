@@ -74,10 +74,17 @@ class Hooks:
         self._handles.append(module.register_forward_pre_hook(before, prepend=True))
         self._handles.append(module.register_forward_hook(after))
 
-    def forward_pre(self, module: nn.Module, fn: Callable, prepend: bool = False) -> None:
-        """``fn(module, args)`` before each forward of ``module``; ``prepend``: before the hooks it
-        has already (tensor parallelism's, which lay its input out as a ``DTensor``)."""
-        self._handles.append(module.register_forward_pre_hook(fn, prepend=prepend))
+    def forward_pre(self, module: nn.Module, fn: Callable, prepend: bool = False,
+                    with_kwargs: bool = False) -> None:
+        """``fn(module, args)`` before each forward of ``module`` (``fn(module, args, kwargs)``
+        ``with_kwargs``); ``prepend``: before the hooks it has already (tensor parallelism's,
+        which lay its input out as a ``DTensor``)."""
+        self._handles.append(module.register_forward_pre_hook(fn, prepend=prepend, with_kwargs=with_kwargs))
+
+    def forward_post(self, module: nn.Module, fn: Callable) -> None:
+        """``fn(module, args, output)`` after each forward of ``module``, with the arguments as
+        the module got them (:meth:`forward` gives them as its caller passed them)."""
+        self._handles.append(module.register_forward_hook(fn))
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

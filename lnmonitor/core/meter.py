@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from lnmonitor.core import meter_messages as words
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.door import Voice
-from lnmonitor.core.hooks import compiled, eager, measuring, unknown_wrapper, unwrap
+from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.meter_messages import Roles
 from lnmonitor.core.metric_names import finite_metrics
@@ -155,7 +155,7 @@ class LadderMeter:
         named = stacks([n.name for n in self.norms])
         decoder = {i for i, n in enumerate(self.norms) if named[n.name].rsplit(".", 1)[-1] == "decoder"}
         self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
-        self._inputs_hook = None
+        self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         said = measured_eps_message(owner, self.norms)
         if said:
@@ -180,7 +180,7 @@ class LadderMeter:
         self._tap.row_mask = None
         self._tap.attach(bypass=not self.roles_known)
         if self._rows.row_mask is not False:
-            self._inputs_hook = self.model.register_forward_pre_hook(self._on_inputs, with_kwargs=True)
+            self._inputs_hooks.forward_pre(self.model, self._on_inputs, with_kwargs=True)
 
     def use_batch(self, batch) -> None:
         """The (micro-)batch about to run: its padding rows are left out (see ``row_mask``)."""
@@ -229,9 +229,7 @@ class LadderMeter:
     def _unhook(self) -> None:
         self._tap.detach()
         self._tap.row_mask = None
-        if self._inputs_hook is not None:
-            self._inputs_hook.remove()
-            self._inputs_hook = None
+        self._inputs_hooks.remove()
         stance, self._stance = self._stance, None
         stance.__exit__(None, None, None)
 

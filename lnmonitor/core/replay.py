@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core.hooks import Hooks
+
 __all__ = ["REPLAY_BUDGET", "PrefixReplay"]
 
 # bytes of recorded outputs at most (on a GPU also at most a quarter of its free memory)
@@ -116,16 +118,12 @@ class PrefixReplay:
             except Exception:  # noqa: BLE001 - an output it cannot copy: that call runs in every pass
                 pass
 
-        handles = []
-        try:
+        with Hooks() as hooks:
             for module in self.model.modules():
                 if module not in self._around:  # an ancestor of ``stop`` is never finished before it
-                    handles.append(module.register_forward_pre_hook(before))
-                    handles.append(module.register_forward_hook(after))
+                    hooks.forward_pre(module, before)
+                    hooks.forward_post(module, after)
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
