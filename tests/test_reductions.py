@@ -13,14 +13,23 @@ from lnmonitor.core.reductions import (
     finish_layernorm_backward,
     finish_rows,
     layernorm_backward_raw,
-    layernorm_backward_reductions,
     mask_rows,
     row_raw,
-    row_reductions,
     row_values,
     stack_raw,
 )
 from lnmonitor.core.taps import NormTap
+
+
+def row_reductions(x, g, kind, weight=None):
+    """The (5, rows) reductions of one call from its input, as the taps compose the halves."""
+    return finish_rows(stack_raw([row_raw(x, g, kind, weight)]), kind, x.shape[-1])
+
+
+def layernorm_backward_reductions(g, dx, mean, rstd, eps, weight=None):
+    """The same from what a LayerNorm's backward has, as the taps compose the halves."""
+    return finish_layernorm_backward(stack_raw([layernorm_backward_raw(g, dx, mean, rstd, weight)]), eps,
+                                     g.shape[-1])
 
 
 def test_layernorm_backward_path_matches_the_input_path():

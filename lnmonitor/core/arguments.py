@@ -74,6 +74,8 @@ def _strings(value) -> tuple | None:
 
 
 def patterns(value, name: str) -> tuple[str, ...] | None:
+    """One glob or several as a tuple (None stays None): the one normaliser of the
+    ``include``/``exclude``/``ladder`` patterns, for the doors and for core alike."""
     if value is None:
         return None
     items = _strings(value)

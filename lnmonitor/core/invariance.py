@@ -18,7 +18,7 @@ checks this on one batch by transforming the final norm's input inside the forwa
 
 How the input is transformed.  A forward hook on the final norm takes its input ``h``,
 applies the transform in float64 and replaces the norm's output by the norm evaluated
-there in float64 from its checked form (:meth:`lnmonitor.core.norms.NormInfo.reference`:
+there in float64 from its checked form (:meth:`lnmonitor.core.norms.NormInfo.affine` of ``xhat``:
 ``gain * xhat + bias``, which the norm reproduced in float64 before it was measured), cast
 back to the output's dtype; the untransformed baseline goes through the same float64
 path.  The delta-loss is therefore what the *transformation* does to the loss through

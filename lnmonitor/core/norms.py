@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.geometry import dead_dim, row_stats
+from lnmonitor.core.arguments import patterns
+from lnmonitor.core.geometry import dead_dim
 from lnmonitor.core.hooks import float64_twin, unmeasured, unwrap, user_name
 from lnmonitor.core.kinds import KINDS, NormKind
 
@@ -56,7 +57,6 @@ __all__ = [
     "describe_norm",
     "discover_norms",
     "find_norms",
-    "glob_patterns",
     "norm_eps",
     "register_norm",
     "select_norms",
@@ -330,14 +330,10 @@ class NormInfo:
         """The epsilon the norm uses for an input of ``dtype``."""
         return norm_eps(self.module, dtype, self.spec.eps)
 
-    def reference(self, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The norm's output for ``x`` in float64 from its checked form: ``gain * xhat + bias``
-        with the eps it applies to ``dtype`` input (what the module computes, without its
-        rounding).  The gain is read now: inside the model's forward for a sharded model."""
-        return self.affine(row_stats(x.to(torch.float64), self.eps(dtype), self.kind).xhat)
-
     def affine(self, xhat: Tensor) -> Tensor:
-        """``gain * xhat + bias`` in float64 for a float64 ``xhat`` (the gain and bias read now)."""
+        """``gain * xhat + bias`` in float64 for a float64 ``xhat``: the norm's output from its
+        checked form, without its rounding (the gain and bias read now: inside the model's
+        forward for a sharded model)."""
         gain, bias = self.spec.gain_of(self.module, torch.float64), getattr(self.module, "bias", None)
         if gain is not None:
             xhat = xhat * gain.to(xhat.device)
@@ -477,14 +473,6 @@ def find_norms(module: nn.Module) -> list[NormInfo]:
     return discover_norms(module).norms
 
 
-def glob_patterns(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
 def select_norms(
     norms: Iterable[NormInfo],
     include: str | Sequence[str] | None = None,
@@ -492,7 +480,7 @@ def select_norms(
 ) -> list[NormInfo]:
     """Norms whose qualified name matches an ``include`` glob (all when ``None``) and no
     ``exclude`` glob (``fnmatch`` patterns: ``*`` matches dots too, e.g. ``"*.ln1"``)."""
-    inc, exc = glob_patterns(include), glob_patterns(exclude)
+    inc, exc = patterns(include, "include"), patterns(exclude, "exclude")
     out = []
     for info in norms:
         if inc is not None and not any(fnmatch.fnmatchcase(info.name, p) for p in inc):

@@ -28,7 +28,7 @@ from lnmonitor.core.kinds import NormKind
 __all__ = [
     "CHUNK_ELEMENTS", "FIELDS", "ROUNDING_ROW", "chunk_rows", "drop_rounding_rows",
     "finish_layernorm_backward", "finish_rows", "forward_raw", "layernorm_backward_raw",
-    "layernorm_backward_reductions", "mask_rows", "row_raw", "row_reductions", "row_values", "stack_raw",
+    "mask_rows", "row_raw", "row_values", "stack_raw",
 ]
 
 FIELDS = ("var", "ms", "sw", "ww", "wx2v")
@@ -125,7 +125,8 @@ def row_raw(
     weight: Tensor | None = None,
     workspace: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
-    """The hot half of :func:`row_reductions`: five float32 ``(rows,)`` tensors ``mu``
+    """The hot half of the per-row reductions from a norm's input: five float32 ``(rows,)`` tensors
+    ``mu``
     (RMSNorm: 0), ``|x - mu|`` (RMSNorm: ``|x|``), ``sum(w)``, ``|w|`` and ``w . (x - mu)``.
     The ``(rows, d)`` temporaries go into ``workspace`` when given; no host synchronisation."""
     d = x.shape[-1]
@@ -158,28 +159,6 @@ def finish_rows(raw: Tensor, kind: NormKind, d: int) -> Tensor:
     return torch.stack((var, ms, sw, wn.square(), wx.square().div_(var)))
 
 
-def row_reductions(
-    x: Tensor,
-    grad_output: Tensor,
-    kind: NormKind,
-    weight: Tensor | None = None,
-    workspace: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """The five per-row reductions of :data:`FIELDS` as a float32 ``(5, rows)`` tensor:
-    ``var`` (LayerNorm: ``mean((x-mu)^2)``; RMSNorm: ``mean(x^2)``), ``ms = mean(x^2)``,
-    ``sw = sum(w)``, ``ww = |w|^2`` and ``wx2v = (w . (x - mu))^2 / var`` (RMSNorm:
-    ``(w . x)^2 / var``), with ``w = weight * grad_output``.
-
-    ``x`` and ``grad_output`` have shape ``(..., d)``; rows are all leading dimensions.
-    Low-precision inputs are promoted to float32; no host synchronisation.  The two
-    ``(rows, d)`` float32 temporaries (``w`` and the centred ``x``) are written into
-    ``workspace`` (two flat float32 tensors of at least ``rows * d`` elements) when given.
-    The taps run its two halves apart (:func:`row_raw` in the backward, :func:`finish_rows`
-    once per step); this is their composition, to the bit.
-    """
-    return finish_rows(stack_raw([row_raw(x, grad_output, kind, weight, workspace)]), kind, x.shape[-1])
-
-
 def layernorm_backward_raw(
     grad_output: Tensor,
     grad_input: Tensor,
@@ -188,9 +167,9 @@ def layernorm_backward_raw(
     weight: Tensor | None = None,
     workspace: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, ...]:
-    """The hot half of :func:`layernorm_backward_reductions`: five float32 ``(rows,)`` tensors
-    ``rstd``, ``mean`` (views of the saved ones when float32), ``sum(w)``, ``|w|`` and
-    ``|grad_input|``."""
+    """The hot half of the reductions from what a LayerNorm's backward already has: five
+    float32 ``(rows,)`` tensors ``rstd``, ``mean`` (views of the saved ones when float32),
+    ``sum(w)``, ``|w|`` and ``|grad_input|``."""
     d = grad_output.shape[-1]
     gamma = _gain(weight)
 
@@ -207,7 +186,15 @@ def layernorm_backward_raw(
 
 def finish_layernorm_backward(raw: Tensor, eps: float, d: int) -> Tensor:
     """:data:`FIELDS` from the raw rows of :func:`layernorm_backward_raw` (any number of calls
-    with one eps and width, side by side); see :func:`layernorm_backward_reductions`."""
+    with one eps and width, side by side), without reading the input again: from the saved
+    per-row ``mean`` and ``rstd = 1/sqrt(var + eps)``, ``grad_output = dL/dy`` and
+    ``grad_input``, the gradient the norm passes to its input.
+
+    ``var = 1/rstd^2 - eps`` (0, a constant row, below ``1e-5 eps``); and since
+    ``grad_input = rstd (w - sum(w)/d - (w.xhat/d) xhat)`` with ``|xhat|^2 = d (1 - t)``,
+    ``t = eps/(var + eps)``:
+    ``wx2v = (d |w|^2 - sum(w)^2 - d |grad_input|^2 / rstd^2) / (1 - t^2)``.  The share is
+    then exact to ~1e-7 / share (1e-4 at a share of 1e-3)."""
     rstd, mu, sw, wn, dxn = raw.unbind(0)
     rs2 = rstd.square()
     var = rs2.reciprocal().sub_(eps)
@@ -221,35 +208,11 @@ def finish_layernorm_backward(raw: Tensor, eps: float, d: int) -> Tensor:
     return torch.stack((var, ms, sw, ww, wx2v))
 
 
-def layernorm_backward_reductions(
-    grad_output: Tensor,
-    grad_input: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    eps: float,
-    weight: Tensor | None = None,
-    workspace: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """:func:`row_reductions` for a LayerNorm from what its backward already has, without
-    reading the input again: its saved per-row ``mean`` and ``rstd = 1/sqrt(var + eps)``,
-    ``grad_output = dL/dy`` and ``grad_input``, the gradient it passes to its input.
-
-    ``var = 1/rstd^2 - eps`` (0, a constant row, below ``1e-5 eps``); and since
-    ``grad_input = rstd (w - sum(w)/d - (w.xhat/d) xhat)`` with ``|xhat|^2 = d (1 - t)``,
-    ``t = eps/(var + eps)``:
-    ``wx2v = (d |w|^2 - sum(w)^2 - d |grad_input|^2 / rstd^2) / (1 - t^2)``.  The share is
-    then exact to ~1e-7 / share (1e-4 at a share of 1e-3).  The composition of
-    :func:`layernorm_backward_raw` and :func:`finish_layernorm_backward`, as the taps run them.
-    """
-    raw = layernorm_backward_raw(grad_output, grad_input, mean, rstd, weight, workspace)
-    return finish_layernorm_backward(stack_raw([raw]), eps, grad_output.shape[-1])
-
-
 def row_values(
     data: Tensor, d: Tensor | float, layer: Tensor | float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Per-row ``(share, share_ok, var, ms, stat_ok)`` from the ``(5, rows)`` reductions of
-    :func:`row_reductions`; ``d`` is the width and ``layer`` 1.0 for
+    :func:`finish_rows`; ``d`` is the width and ``layer`` 1.0 for
     LayerNorm rows and 0.0 for RMSNorm rows (scalars or per-row tensors).
 
     ``share^2 = (layer * sw^2 + wx2v) / (d ww)`` (docs/design.md: ``u1 = 1/sqrt(d)``,

@@ -9,7 +9,8 @@ import fnmatch
 import math
 from collections.abc import Sequence
 
-from lnmonitor.core.norms import NormInfo, glob_patterns
+from lnmonitor.core.arguments import patterns as glob_patterns
+from lnmonitor.core.norms import NormInfo
 
 __all__ = [
     "EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "STACK_NAMES",
@@ -94,7 +95,7 @@ def assign_roles(
     is added: no gradient goes around either, and a post-LN model has no pre-norm ladder).
     """
     bypass = bypass or {}
-    patterns = glob_patterns(ladder)
+    patterns = glob_patterns(ladder, "ladder")
     tolerance = tolerance or {}
 
     def goes_around(name: str) -> bool:  # unmeasured (nan): yes

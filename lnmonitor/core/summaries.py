@@ -332,7 +332,7 @@ class NormSummary:
     Quantiles: ``share_median``, ``share_p90`` (resolution ``SHARE_RESOLUTION``),
     ``var_median`` and ``ms_median`` (relative resolution ``VAR_RESOLUTION``).  The
     histograms themselves (``*_counts``) are present only when read with ``counts=True``;
-    then ``share_quantile``/``var_quantile`` give any other quantile.
+    then ``share_quantile`` gives any other quantile of the share.
     """
 
     rows: int
@@ -345,15 +345,12 @@ class NormSummary:
     share_max: float
     var_min: float  # lower edge of the lowest occupied var bin
     var_max: float  # upper edge of the highest occupied var bin
-    ms_min: float
-    ms_max: float
     layout: Layout
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
     zero_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
-    ms_counts: np.ndarray | None = None
 
     @property
     def skipped_rows(self) -> int:
@@ -370,13 +367,6 @@ class NormSummary:
         self._need_counts()
         return hist_quantile(self.share_counts, self.layout.share_edges(), q, 0.0, self.share_max)
 
-    def var_quantile(self, q: float) -> float:
-        self._need_counts()
-        if not self.measured_rows:
-            return math.nan
-        return hist_quantile(
-            self.var_counts, _edges(self.layout, "value"), q, self.var_min, self.var_max
-        )
 
 
 def _span(bottom: np.ndarray, top: np.ndarray) -> tuple[int, int]:
@@ -439,15 +429,12 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 share_max=share_max if math.isfinite(share_max) else math.nan,
                 var_min=float(var_lo[i]),
                 var_max=float(var_hi[i]),
-                ms_min=float(ms_lo[i]),
-                ms_max=float(ms_hi[i]),
                 layout=layout,
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
                 zero_grad_rows=int(round(sums[i, 4])),
                 share_counts=share_c[i] if counts else None,
                 var_counts=hist[i, sb : sb + lb] if counts else None,
-                ms_counts=hist[i, sb + lb :] if counts else None,
             )
         )
     return out

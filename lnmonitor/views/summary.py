@@ -100,8 +100,9 @@ def _natural(name: str) -> list:
 
 
 def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
-    """``(rungs in forward order, other norms)``; without ladder positions (a log from an
-    older lnmonitor) every norm is a rung, in natural name order."""
+    """``(rungs in forward order, other norms)``; without ladder positions (a run resumed from a
+    checkpoint into a fresh log logs none: the positions went to the first run's log) every
+    norm is taken for a rung, in natural name order."""
     metrics = [m for m in map(parse, curves) if m]
     norms = sorted({m.name for m in metrics if m[:2] == ("norm", "inv_sigma")}, key=_natural)
     position = {n: last(curves, per_norm("ladder_position", n)) for n in norms}
