@@ -11,8 +11,9 @@ import argparse
 from pathlib import Path
 
 from lnmonitor.core.metric_names import parse, per_norm
-from lnmonitor.experiments.plotting import new_figure, save_png, short_name
+from lnmonitor.experiments.plotting import short_name
 from lnmonitor.views.events import read_run
+from lnmonitor.views.plotting import new_figure, save_png
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ import pytest
 
 from lnmonitor.commands.cli import main
 from lnmonitor.commands.eps_compare import parse_shard
+from lnmonitor.core import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import files, report, store
+from lnmonitor.experiments import report, store
 from lnmonitor.experiments.eps_compare import run_experiment
 from lnmonitor.experiments.grid import Experiment, experiment_config, parse_eps, parse_seeds
 from lnmonitor.tiny.corpus import load_corpus

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.files: atomic writes keep the old file when a write fails; JSON is strict."""
+"""lnmonitor.core.files: atomic writes keep the old file when a write fails; JSON is strict."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lnmonitor.experiments import files
+from lnmonitor.core import files
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
@@ -34,7 +34,7 @@ def test_json_is_strict_non_finite_floats_become_null(tmp_path):
 def test_written_files_get_the_mode_the_umask_gives_like_any_other_file(tmp_path, umask):
     """Under umask 022 a report, its JSON and its PNGs are 0644 (readable by colleagues), not
     the 0600 of a temporary file; the reference is a file opened the ordinary way."""
-    from lnmonitor.experiments.plotting import new_figure, save_png
+    from lnmonitor.views.plotting import new_figure, save_png
 
     old = os.umask(umask)
     try:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from lnmonitor.commands.cli import main
+from lnmonitor.core import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import files, law, store
+from lnmonitor.experiments import law, store
 from lnmonitor.experiments.statistics import paired_difference
 from lnmonitor.experiments.store import eps_label
 

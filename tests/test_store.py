@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from lnmonitor.core import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import files, law, store
+from lnmonitor.experiments import law, store
 from lnmonitor.experiments.over_training import ladder_ends
 
 STORED = Path(__file__).resolve().parent.parent / "results" / "eps-compare"

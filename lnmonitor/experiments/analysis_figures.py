@@ -11,7 +11,8 @@ import numpy as np
 
 from lnmonitor.core import geometry
 from lnmonitor.experiments.analysis import Analysis
-from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
+from lnmonitor.experiments.plotting import scatter_sweep, short_name, sweep_legend
+from lnmonitor.views.plotting import new_figure, save_png
 
 __all__ = ["write_figures"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from lnmonitor.core import geometry
+from lnmonitor.core.files import finite
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import REFERENCE, STUDY_NOTE, Analysis
 from lnmonitor.experiments.analysis_figures import write_figures
-from lnmonitor.experiments.files import finite
 from lnmonitor.experiments.plotting import short_name
 
 __all__ = ["summary_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]

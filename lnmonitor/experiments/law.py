@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lnmonitor.core.files import atomic_write_json, atomic_write_text
 from lnmonitor.core.metric_names import per_norm
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.files import atomic_write_json, atomic_write_text
 from lnmonitor.experiments.store import eps_label, norm_value, record_rungs
 
 __all__ = [
@@ -295,7 +295,7 @@ def render_law(result: dict, figure: bool) -> str:
 def figure_law(result: dict, path: Path) -> bool:
     """One panel per predictor: the points (marker: grid, colour: eps) against the predictor
     (log), the hinge and its 95% bootstrap band."""
-    from lnmonitor.experiments.plotting import new_figure, save_png
+    from lnmonitor.views.plotting import new_figure, save_png
 
     fits = [f for f in result["fits"].values() if f["n"]]
     if not fits:

@@ -1,35 +1,13 @@
-"""What every lnmonitor figure shares: matplotlib's object API (no pyplot, no global
-backend state), atomic PNG writes, the short names of norms on an axis, and the scale
-sweep's points drawn by why each is in its fit or not."""
+"""What the experiments' figures share beside :mod:`lnmonitor.views.plotting`: the short
+names of norms on an axis, and the scale sweep's points drawn by why each is in its fit or not."""
 
 from __future__ import annotations
 
-import io
 import math
-from pathlib import Path
 
 from lnmonitor.core.sweep import REASONS, sweep_reason
-from lnmonitor.experiments.files import atomic_write_bytes
 
-__all__ = ["new_figure", "save_png", "scatter_sweep", "short_name", "sweep_legend"]
-
-
-def new_figure(width: float = 7.0, height: float = 4.5):
-    """A matplotlib ``Figure`` on its own Agg canvas, ``width`` x ``height`` inches at 110 dpi."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def save_png(fig, path: Path) -> None:
-    """Lay out ``fig`` and write it to ``path`` as a PNG, atomically."""
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    atomic_write_bytes(Path(path), buf.getvalue())
+__all__ = ["scatter_sweep", "short_name", "sweep_legend"]
 
 
 def short_name(name: str) -> str:

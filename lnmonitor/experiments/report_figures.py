@@ -10,9 +10,10 @@ import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
 from lnmonitor.experiments.over_training import curve_mean, ladder_ends, loss_gap
-from lnmonitor.experiments.plotting import new_figure, save_png, scatter_sweep, short_name, sweep_legend
+from lnmonitor.experiments.plotting import scatter_sweep, short_name, sweep_legend
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label, norm_value, record_norms, record_rungs, share_baseline
+from lnmonitor.views.plotting import new_figure, save_png
 
 __all__ = [
     "FIGURES", "figure_dose_response", "figure_invariance", "figure_ladder", "figure_loss_gap",

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from lnmonitor.core.files import atomic_write_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.files import atomic_write_json
 from lnmonitor.experiments.grid import Experiment, experiment_config
 
 __all__ = [

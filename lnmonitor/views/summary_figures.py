@@ -16,10 +16,10 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+from lnmonitor.core.files import atomic_write_bytes
 from lnmonitor.core.metric_names import baseline_metric, per_norm
-from lnmonitor.experiments.files import atomic_write_bytes
-from lnmonitor.experiments.plotting import new_figure, save_png
 from lnmonitor.views.pictures import heatmap_picture
+from lnmonitor.views.plotting import new_figure, save_png
 from lnmonitor.views.summary import Curves, ladder_grid, ladder_of, last, short_names
 
 __all__ = ["figure_heatmap", "figure_ladders", "figure_shares"]
