@@ -24,9 +24,10 @@ from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance import PROBE_WINDOWS, InvarianceProbe, InvarianceResult, NonFiniteLoss
+from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter import LadderMeter, LadderResult, due
-from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, PREFIX
+from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, per_norm, run_metric
 from lnmonitor.core.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.writers import metric_writer
 from lnmonitor.views.pictures import over_training_picture, step_picture
@@ -164,7 +165,7 @@ class LoopMonitor:
             ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
             owner=self.owner, say=self.voice.say, warn=self.voice.warn,
         )
-        self._trail = Trail(series=(f"{PREFIX}/inv_sigma/",))
+        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._measuring: int | None = None
         self._started: int | None = None  # the last step given to start()
         self._logged = False
@@ -257,7 +258,7 @@ class LoopMonitor:
         last = self.max_steps is not None and step == self.max_steps - 1
         if self._pictures is not None and (step - self._last_picture >= self.image_every_n_steps or last):
             self._last_picture = step
-            self._picture(f"{PREFIX}/ladder", step, lambda: step_picture(result.figures, step))
+            self._picture(run_metric("ladder"), step, lambda: step_picture(result.figures, step))
         return metrics
 
     def _end(self, step: int) -> None:
@@ -272,7 +273,7 @@ class LoopMonitor:
         if self._pictures is not None:
             heatmap = over_training_picture(curves)
             if heatmap is not None:
-                self._picture(f"{PREFIX}/ladder_over_training", heatmap[0], lambda: heatmap[1])
+                self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
         if self.summary:
             self.voice.say(summary_text(curves, f"{type(self.meter.model).__name__}, end of training"))
 
