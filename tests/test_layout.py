@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import lnmonitor
@@ -23,3 +26,26 @@ def test_every_folder_imports_only_the_floors_below_it():
                         wrong.append(f"{path.relative_to(root)} imports lnmonitor.{name}")
         below |= set(floor)
     assert not wrong, wrong
+
+
+def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
+    script = textwrap.dedent("""
+        import sys
+        for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            sys.modules[name] = None  # any import of Lightning now fails
+        import torch
+        from lnmonitor.core.meter import LadderMeter
+        from lnmonitor.integrations.loop import LoopMonitor
+        import lnmonitor.core.invariance_probe, lnmonitor.core.heldout, lnmonitor.core.writers
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                    torch.nn.LayerNorm(8))
+        meter = LadderMeter(model)
+        with meter.step():
+            model(torch.randn(5, 8)).square().sum().backward()
+        result = meter.result()
+        assert result.summaries[0].rows == 5 and "lnmonitor/sigma/1" in result.metrics()
+        print("ok", sorted(n for n in sys.modules if n.startswith("lightning")))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout

@@ -313,3 +313,21 @@ def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsy
     for s in monitor.last_result.summaries:
         assert s.share_rows == 6 * 15 and s.rows == 6 * 16
     assert capsys.readouterr().err.count("carry no gradient by construction") == 1
+
+
+def test_the_loop_door_refuses_nonsense_and_survives_a_failing_writer():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
+        LoopMonitor(model, every_n_steps=0)
+    with pytest.raises(TypeError, match="writer must be a SummaryWriter, a callable"):
+        LoopMonitor(model, writer="runs/x")
+
+    def broken(metrics, step):
+        raise OSError("disk full")
+
+    monitor = LoopMonitor(model, broken, every_n_steps=1, keep_history=True)
+    with pytest.warns(UserWarning, match="the writer failed.*disk full"):
+        for step in range(2):
+            with monitor.step(step):
+                model(torch.randn(4, 8)).square().sum().backward()
+    assert [h["step"] for h in monitor.history] == [0, 1]  # measuring went on
