@@ -18,12 +18,24 @@ def test_runs_side_by_side_occupy_the_wall_time_once():
     assert report.occupied_seconds([{"train_seconds": 5.0}]) == 0.0  # no finish time: no span
 
 
-def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path):
-    from lnmonitor.experiments.report_figures import figure_transmission_by_norm
+def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, monkeypatch):
+    import numpy as np
+
+    from lnmonitor.experiments import report_figures
 
     norms = ["model.blocks.0.ln1", "model.lnf"]
-    curves = {f"lnmonitor/transmission/{n}": [[0, 0.5], [50, 0.4]] for n in norms}
-    records = {(0.1, 0): {"eps": 0.1, "seed": 0, "norm_order": norms, "curves": curves}}
-    assert figure_transmission_by_norm(records, [1e-5, 0.1, 1.0], tmp_path / "heat.png")  # 1.0 not finished
-    assert (tmp_path / "heat.png").stat().st_size > 0
-    assert not figure_transmission_by_norm({}, [1e-5, 1.0], tmp_path / "none.png")
+
+    def record(eps, values):
+        curves = {f"lnmonitor/transmission/{n}": [[0, v], [50, v / 2]]
+                  for n, v in zip(norms, values, strict=True)}
+        return {"eps": eps, "seed": 0, "norm_order": norms, "curves": curves}
+
+    # two finished eps (1e-5, 0.1) with different curves, and 1.0 not finished: the heatmap is 0.1's
+    records = {(1e-5, 0): record(1e-5, [1e-6, 2e-6]), (0.1, 0): record(0.1, [0.5, 0.25])}
+    drawn = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
+    assert report_figures.figure_transmission_by_norm(records, [1e-5, 0.1, 1.0], tmp_path / "heat.png")
+    (ax, _) = drawn[0].axes
+    assert ax.get_title().startswith("eps=0.1:")
+    np.testing.assert_allclose(ax.images[0].get_array(), np.log10([[0.5, 0.25], [0.25, 0.125]]))
+    assert not report_figures.figure_transmission_by_norm({}, [1e-5, 1.0], tmp_path / "none.png")
