@@ -18,7 +18,7 @@ from test_transformers_door import PAD, llama, records, tokenizer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor  # noqa: E402
-from lnmonitor.core.invariance import default_loss  # noqa: E402
+from lnmonitor.core.loss_contract import default_loss  # noqa: E402
 from lnmonitor.core.probe_rows import Padding, first_samples, pad_id_of  # noqa: E402
 
 

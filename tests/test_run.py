@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lnmonitor.core.files import read_json
 from lnmonitor.experiments import store
-from lnmonitor.experiments.files import read_json
 from lnmonitor.experiments.run import remeasured
 
 STORED = Path(__file__).resolve().parent.parent / "results" / "eps-compare" / "eps=0.1" / "seed=0"

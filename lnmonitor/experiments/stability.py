@@ -31,8 +31,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from lnmonitor.core.files import atomic_write_json, read_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.files import atomic_write_json, read_json
 from lnmonitor.experiments.grid import data_fingerprint
 from lnmonitor.tiny.recipe import Recipe
 

@@ -22,9 +22,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from lnmonitor.core.files import atomic_write_text, read_json
 from lnmonitor.core.signals import CANDIDATES, crosses, growth_rate
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.files import atomic_write_text, read_json
 from lnmonitor.experiments.stability_events import (
     damage_onset,
     divergence,
