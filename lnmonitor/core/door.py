@@ -41,9 +41,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["History", "Voice", "entry_points", "guarded"]
+__all__ = ["History", "Voice", "due", "entry_points", "guarded"]
 
 _log = logging.getLogger("lnmonitor")
+
+
+def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
+    """Whether the doors measure optimizer step ``step`` (0-based, before its update): every
+    ``every_n_steps``-th, and the last when it is known."""
+    return step % every_n_steps == 0 or step == last_step
 
 
 def _print_info(text: str) -> None:

@@ -20,11 +20,10 @@ inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no
 once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.ladder.ladder_figures`.
 
-The meter never raises into training: a hook that cannot measure the model turns the
-meter off (:attr:`LadderMeter.off_reason`, said once), and what it needs to say goes to
-``say`` (information) and ``warn`` (once per key); both default to a
-:class:`~lnmonitor.core.door.Voice` (information seen without configuring ``logging``,
-warnings through ``warnings``).
+The meter never raises into training: a hook that cannot measure the model turns it off
+(:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
+key), by default a :class:`~lnmonitor.core.door.Voice`; its words are
+:mod:`lnmonitor.core.meter_messages`.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assi
 from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
 from lnmonitor.core.taps import NormTap
 
-__all__ = ["Gather", "LadderMeter", "LadderResult", "due"]
+__all__ = ["Gather", "LadderMeter", "LadderResult"]
 
 Gather = Callable[[Tensor], Tensor]
 """``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
@@ -301,9 +300,7 @@ class LadderMeter:
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
-            name, count = zero[0]
-            more = " (and of other norms)" if len(zero) > 1 else ""
-            self._say(words.zero_grad_message(self.owner, name, count, more))
+            self._say(words.zero_grad_message(self.owner, zero))
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
             self._warn("unmasked", words.unmasked_message(self.owner, self._rows.source, names))
@@ -378,12 +375,6 @@ class LadderMeter:
             if role == FINAL:
                 finals[stack] = n.name
         return Roles(ladders, finals, self.main_stack, others, post)
-
-
-def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
-    """Whether the doors measure optimizer step ``step`` (0-based, before its update): every
-    ``every_n_steps``-th, and the last when it is known."""
-    return step % every_n_steps == 0 or step == last_step
 
 
 def _device(model: nn.Module) -> torch.device:

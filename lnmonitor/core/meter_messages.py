@@ -127,8 +127,10 @@ def unmasked_message(owner: str, source: str | None, names: Sequence[str]) -> st
             "Said once.")
 
 
-def zero_grad_message(owner: str, name: str, count: int, more: str) -> str:
-    """Rows that carry no gradient by construction (each sequence's last token in a causal LM)."""
+def zero_grad_message(owner: str, zero: Sequence[tuple[str, int]]) -> str:
+    """Rows that carry no gradient by construction (each sequence's last token in a causal LM):
+    ``[(norm, rows), ...]``, the first named."""
+    (name, count), more = zero[0], " (and of other norms)" if len(zero) > 1 else ""
     return (f"{owner}: {count} rows of {name}{more} carry no gradient by construction (an exactly "
             "zero or rounding-level gradient with a finite input: each sequence's last token in a causal "
             "LM, which has no target): they have no share and are counted in zero_grad_rows, not in "

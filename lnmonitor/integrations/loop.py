@@ -21,12 +21,12 @@ from torch import nn
 
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
-from lnmonitor.core.door import History, Voice, guarded
+from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
-from lnmonitor.core.meter import LadderMeter, LadderResult, due
+from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, per_norm, run_metric
 from lnmonitor.core.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.writers import metric_writer

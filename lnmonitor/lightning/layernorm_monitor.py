@@ -17,9 +17,9 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from lnmonitor.core import arguments
-from lnmonitor.core.door import guarded
+from lnmonitor.core.door import due, guarded
 from lnmonitor.core.findings import door_reader, health
-from lnmonitor.core.meter import LadderMeter, LadderResult, due
+from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, ladder_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.summaries import NormSummary
