@@ -86,7 +86,7 @@ def test_padded_eval_batches_are_joined_and_the_probe_measures(fine_tune):
     callback, files, said = fine_tune
     assert callback.invariance_off is None, callback.invariance_off
     assert not [s for s in said if "probe" in s], said
-    rows = callback._probe
+    rows = callback._points.batch
     assert isinstance(rows, transformers.BatchEncoding) and rows["input_ids"].shape[0] == 64
     pads = rows["attention_mask"] == 0
     assert pads.any() and (rows["input_ids"][pads] == PAD).all() and (rows["labels"][pads] == -100).all()

@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["History", "Voice", "due", "entry_points", "guarded"]
+__all__ = ["History", "Voice", "due", "entry_points", "guarded", "where"]
 
 _log = logging.getLogger("lnmonitor")
 
@@ -123,7 +123,7 @@ class History:
             self.rows.append({"step": step, **metrics})
 
 
-def _where(err: BaseException) -> str:
+def where(err: BaseException) -> str:
     """``file:line in function`` of the innermost frame that raised ``err``."""
     frames = traceback.extract_tb(err.__traceback__)
     if not frames:
@@ -167,7 +167,7 @@ def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Call
 
 
 def _trip(door, entry: str, err: Exception) -> None:
-    door.off_reason = f"{type(err).__name__}: {err} (raised at {_where(err)}, during {entry})"
+    door.off_reason = f"{type(err).__name__}: {err} (raised at {where(err)}, during {entry})"
     try:
         door.shut()
     except Exception as again:  # noqa: BLE001 - say both, stop nothing

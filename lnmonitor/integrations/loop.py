@@ -24,7 +24,8 @@ from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, per_norm, run_metric
@@ -157,8 +158,7 @@ class LoopMonitor:
         self._kept = History(keep_history)
         self._kept.reset(receivers=writer is not None)
         self.last_result: LadderResult | None = None
-        self.last_invariance: InvarianceResult | None = None
-        self.invariance_off: str | None = None
+        self._points = InvariancePoints(self.owner, self.voice)
         self.meter = LadderMeter(
             model, include=arguments.patterns(include, "include"),
             exclude=arguments.patterns(exclude, "exclude"), final_norm=final_norm,
@@ -170,13 +170,20 @@ class LoopMonitor:
         self._started: int | None = None  # the last step given to start()
         self._logged = False
         self._last_picture = -math.inf
-        self._probed = -1
         self._ended = False
-        self._prober: InvarianceProbe | None = None
-        self._probe = None
         self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if self.invariance_every_n_steps is not None:
             self._start_probe(probe_batch, loss_fn, size, final_norm)
+
+    @property
+    def invariance_off(self) -> str | None:
+        """Why the invariance probe is off for this run (None while it is on, or never asked for)."""
+        return self._points.off_reason
+
+    @property
+    def last_invariance(self) -> InvarianceResult | None:
+        """The last invariance point's full result (its sweep points included)."""
+        return self._points.last
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -197,8 +204,7 @@ class LoopMonitor:
         if self._measuring is not None:
             return False
         self._started = step
-        every = self.invariance_every_n_steps
-        if every is not None and step % every == 0:
+        if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
             self._probe_point(step, sweep=False)
         last = self.max_steps - 1 if self.max_steps else None
         if self.meter.off_reason or not due(step, self.every_n_steps, last):
@@ -312,44 +318,26 @@ class LoopMonitor:
                            "have it.")
             return
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-            self._invariance_off("the model is wrapped by FSDP1, and this door probes FSDP2 and "
-                                 "tensor-parallel models only")
+            self._points.off("the model is wrapped by FSDP1, and this door probes FSDP2 and tensor-parallel "
+                             "models only")
             return
         rows = probe_batch(batch, size)
         self._every_rank = sharded(model) and dist.is_available() and dist.is_initialized()
         if self._every_rank:
             rows = _from_rank_zero(rows)
         device = next(model.parameters()).device
-        self._probe = map_tensors(rows, lambda t: t.to(device))
         norms = choose_norms(model, None, None, final_norm, self.owner, self.voice.warn)
-        self._prober = InvarianceProbe(model, loss_fn, final_norm=final_norm, norms=norms)
+        self._points.begin(InvarianceProbe(model, loss_fn, final_norm=final_norm, norms=norms),
+                           map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:
         """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero (every
         rank of a sharded model, which writes from rank zero)."""
-        if self._prober is None or not (self._every_rank or _rank_zero()):
+        if not (self._every_rank or _rank_zero()):
             return
-        add_sweep = sweep and self._prober.sweep_missing(step)
-        if step <= self._probed and not add_sweep:
-            return
-        self._probed = step
-        try:
-            result, metrics = self._prober.point(self._probe, step, sweep=sweep)
-        except NonFiniteLoss as err:  # this point only
-            self.voice.warn("nan-loss", f"LoopMonitor: no invariance point at step {step}: {err}. Said once.")
-            return
-        except Exception as err:  # noqa: BLE001 - the probe must never stop training
-            self._prober = None
-            self._invariance_off(f"{type(err).__name__}: {err}. If the model needs a particular loss or "
-                                 "final norm, pass loss_fn=lambda model, batch: ... and final_norm='...'")
-            return
-        self.last_invariance = result
-        if _rank_zero():
-            self._emit(step, metrics)
-
-    def _invariance_off(self, reason: str) -> None:
-        self.invariance_off = reason
-        self.voice.warn("invariance-off", f"LoopMonitor: the invariance probe is off for this run: {reason}")
+        taken = self._points.take(step, sweep=sweep)
+        if taken is not None and _rank_zero():
+            self._emit(step, taken[0])
 
 
 def _rank_zero() -> bool:

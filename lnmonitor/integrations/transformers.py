@@ -24,10 +24,11 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
-from lnmonitor.core.door import History, Voice, guarded
+from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS
 from lnmonitor.core.loss_contract import default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult
@@ -136,15 +137,12 @@ class LNMonitorCallback(TrainerCallback):
         self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
         self.every_n_steps: int | None = self._every_arg
-        self.invariance_off: str | None = None
-        self._probe = None
-        self._prober: InvarianceProbe | None = None
+        self._points = InvariancePoints(self.owner, self.voice)
         self._reporters: list = []
         self._measuring: int | None = None
         self._first_step = False
         self._main = True
         self._logged = -1
-        self._probed = -1
         self._layout_written = False
 
     @property
@@ -172,7 +170,7 @@ class LNMonitorCallback(TrainerCallback):
         self.voice.reset(speaks=self._main)
         if self.findings is not None:
             self.findings.reset()  # each kind is raised once per fit
-        self._logged, self._probed = -1, -1
+        self._logged = -1
         self._layout_written = False
         trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
@@ -188,7 +186,7 @@ class LNMonitorCallback(TrainerCallback):
                                      "(none on the call stack holds it), so its metrics go to no report_to "
                                      "integration: they are kept in .history.")
         self._kept.reset(receivers=bool(self._reporters))
-        self._prober, self._probe, self.invariance_off = None, None, None
+        self._points.begin(None, None)
         if self.invariance_every_n_steps is not None:
             self._start_probe(trainer, model, kwargs)
 
@@ -221,7 +219,7 @@ class LNMonitorCallback(TrainerCallback):
                 self._report(metrics, args, state, control)
                 self._logged = state.global_step
         every = self.invariance_every_n_steps
-        if every is not None and state.global_step % every == 0:
+        if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
 
     @guarded
@@ -259,45 +257,30 @@ class LNMonitorCallback(TrainerCallback):
         if not self._main:
             return  # the main process probes, alone
         if sharded(model):
-            self._invariance_off("the model is sharded (FSDP), and this door probes only unsharded models")
+            self._points.off("the model is sharded (FSDP), and this door probes only unsharded models")
             return
         batch = self._probe_rows(trainer, model, kwargs)
         labels = (getattr(trainer, "label_names", None) if trainer is not None else None) or ["labels"]
         problem = _unusable(batch, labels)
         if problem is not None:
-            self._invariance_off(problem)
+            self._points.off(problem)
             return
         device = next(model.parameters()).device
-        self._probe = map_tensors(probe_batch(batch, self.probe_size), lambda t: t.to(device))
+        rows = map_tensors(probe_batch(batch, self.probe_size), lambda t: t.to(device))
         norms = choose_norms(model, None, None, self.final_norm, "LNMonitorCallback", self._warn)
         autocast = trainer.autocast_smart_context_manager if trainer is not None else contextlib.nullcontext
-        self._prober = InvarianceProbe(model, default_loss, final_norm=self.final_norm, norms=norms,
-                                       autocast=autocast)
+        self._points.begin(InvarianceProbe(model, default_loss, final_norm=self.final_norm, norms=norms,
+                                           autocast=autocast), rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
-        step = state.global_step
-        add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
-        if self._prober is None or (step <= self._probed and not add_sweep):
-            return
-        self._probed = step
-        try:
-            result, metrics = self._prober.point(self._probe, step, sweep=sweep)
-        except NonFiniteLoss as err:  # this point only
-            self._warn("nan-loss", f"LNMonitorCallback: no invariance at step {state.global_step}: {err}.")
-            return
-        except Exception as err:  # noqa: BLE001 - never stop the user's training
-            self._prober = None
-            self._invariance_off(
-                f"{type(err).__name__}: {err}. If the model needs another final norm, pass final_norm='...'")
-            return
-        if sweep and not math.isfinite(result.slope):
-            self._warn("no-fit", f"LNMonitorCallback: no scale-sweep slope at step {step}: "
-                                 f"{result.fit_note}.")
-        self._report(metrics, args, state, control)
+        taken = self._points.take(state.global_step, sweep=sweep)
+        if taken is not None:
+            self._report(taken[0], args, state, control)
 
-    def _invariance_off(self, reason: str) -> None:
-        self.invariance_off = reason
-        self._warn("invariance-off", f"LNMonitorCallback: the invariance probe is off for this run: {reason}")
+    @property
+    def invariance_off(self) -> str | None:
+        """Why the invariance probe is off for this run (None while it is on)."""
+        return self._points.off_reason
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -16,16 +16,16 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import choose_norms, measured_eps_message
-from lnmonitor.core.door import guarded
-from lnmonitor.core.final_norm import NotAFinalNorm
+from lnmonitor.core.door import due, guarded
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
 from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, finite_metrics, invariance_metric, run_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
-from lnmonitor.lightning.probe_loss import NoLoss, probe_loss
+from lnmonitor.lightning.probe_loss import probe_loss
 from lnmonitor.views.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
@@ -180,6 +180,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._probe: Any = None
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
+        self._points = InvariancePoints(self.owner, self.voice, on_off=self._disable)
         self._last_started_step = -1
         self._sharded = False
         self._final_name: str | None = self.final_norm
@@ -267,7 +268,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if step == self._last_started_step:
             return  # a later micro-batch of the same optimizer step
         self._last_started_step = step
-        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+        if self.every_n_steps is not None and due(step, self.every_n_steps):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
@@ -281,7 +282,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # follow at the same global step reuses it, so a fit resumed from this checkpoint
         # neither repeats nor misses it (this includes the point after the last update).
         step = trainer.global_step
-        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+        if self.every_n_steps is not None and due(step, self.every_n_steps):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
@@ -293,7 +294,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     # -- one run -----------------------------------------------------------------------
 
     def _sweep_due(self, step: int) -> bool:
-        return self.sweep_every_n_steps is not None and step % self.sweep_every_n_steps == 0
+        return self.sweep_every_n_steps is not None and due(step, self.sweep_every_n_steps)
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
         """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its
@@ -304,23 +305,22 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if not trainer.is_global_zero and not self._sharded:
             self._sink.last_step = step
             return
-        try:
-            probe = self._get_probe(trainer, pl_module)
-            if probe is None:
-                return
-            result, metrics = self._prober_for(trainer, pl_module, probe).point(probe, step, sweep=sweep)
-        except (NoLoss, NotAFinalNorm) as err:
-            self._disable(str(err))
+        probe = self._get_probe(trainer, pl_module)
+        if probe is None:
             return
-        except NonFiniteLoss as err:  # this point only: a later one may be finite again
-            self._sink.warn_once("nan-loss", f"FinalNormInvarianceMonitor logs nothing at step {step}: "
-                                             f"{err}. Said once; it probes again at the next point.")
+        points = self._points
+        if points.prober is None:
+            points.begin(self._prober_for(trainer, pl_module, probe), probe)
+        points.last_step = self._sink.last_step  # a resumed fit's, from the checkpoint
+        taken = points.take(step, sweep=sweep)
+        if taken is None:
             return
+        metrics, extend = taken
         self._final_name = self._prober.final_norm
-        self.last_result = result
+        self.last_result = points.last
         if self._sink.last_step < 0:
             self._sink.add_layout(INVARIANCE_LAYOUT)
-        self._sink.log(trainer, step, metrics, extend=add_sweep)
+        self._sink.log(trainer, step, metrics, extend=extend)
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:
         if self._prober is None:

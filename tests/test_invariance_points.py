@@ -1,0 +1,76 @@
+"""One rule for an invariance point, in every door: taken once (its sweep added when asked for
+and missing), a non-finite loss said once and the next point tried, a sweep without a slope said
+once with the reason, a probe that cannot run turned off with its cause and where it was raised."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from conftest import gpt, windows
+
+from lnmonitor.core.door import Voice
+from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.invariance_probe import InvarianceProbe
+
+
+def _points(loss_fn=None, scales=(1e-1, 1e-2, 1e-3)) -> tuple[InvariancePoints, list[str]]:
+    said: list[str] = []
+    model = gpt().model
+    points = InvariancePoints("Door", Voice(warn=said.append))
+    points.begin(InvarianceProbe(model, loss_fn, scales=scales), windows(4))
+    return points, said
+
+
+def test_a_point_is_taken_once_and_its_missing_sweep_is_added_to_it():
+    points, said = _points()
+    metrics, extend = points.take(0, sweep=False)
+    assert not extend and "lnmonitor/invariance/axis_5/dloss" in metrics
+    assert points.take(0, sweep=False) is None  # taken
+    sweep, extend = points.take(0, sweep=True)  # the sweep alone, added to the point
+    assert extend and "lnmonitor/invariance/scale_slope" in sweep
+    assert "lnmonitor/invariance/axis_5/dloss" not in sweep
+    assert points.take(0, sweep=True) is None and not said
+
+
+def test_a_non_finite_loss_is_said_once_and_the_next_point_is_taken():
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        logits, loss = model(*batch)
+        return loss * (math.nan if len(calls) <= 20 else 1.0)
+
+    points, said = _points(loss_fn, scales=())
+    assert points.take(0, sweep=False) is None and points.take(1, sweep=False) is None
+    assert len(said) == 1 and "no invariance point at step 0" in said[0] and points.off_reason is None
+    calls.extend([1] * 20)
+    assert points.take(2, sweep=False) is not None
+
+
+def test_a_probe_that_cannot_run_turns_off_with_its_cause_and_location_said_once():
+    def loss_fn(model, batch):
+        return batch["no such key"]
+
+    points, said = _points(loss_fn)
+    assert points.take(0, sweep=False) is None and points.take(1, sweep=False) is None
+    assert points.off_reason.startswith(("TypeError", "KeyError"))
+    assert "test_invariance_points.py" in points.off_reason
+    assert len(said) == 1 and said[0].startswith("Door: the invariance probe is off for this run")
+
+
+def test_a_sweep_without_a_slope_says_why_once():
+    points, said = _points(scales=(1e-1,))  # one point: nothing to fit
+    points.take(0, sweep=True)
+    assert math.isnan(points.last.slope) and len(said) == 1 and "no scale-sweep slope" in said[0]
+    points.take(1, sweep=True)
+    assert len(said) == 1
+
+
+def test_a_door_whose_probe_is_the_door_turns_itself_off():
+    reasons: list[str] = []
+    points = InvariancePoints("Door", Voice(warn=reasons.append),
+                              on_off=lambda reason: reasons.append("off: " + reason))
+    points.begin(InvarianceProbe(gpt().model, lambda m, b: torch.tensor(1.0) + b.foo), windows(4))
+    points.take(0, sweep=False)
+    assert len(reasons) == 1 and reasons[0].startswith("off: AttributeError")
