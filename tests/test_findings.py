@@ -504,3 +504,34 @@ def test_the_default_recipe_raises_no_finding_in_the_testbed():
 
     runs = [r for r in analyse(load_records(RESULTS)) if r.name == "lr3e-3"]
     assert runs and all(r.fires[kind.signal] is None for r in runs for kind in KINDS.values())
+
+
+def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it(tmp_path):
+    from dataclasses import replace
+
+    from lnmonitor.commands.cli import main
+    from lnmonitor.experiments import stability
+    from lnmonitor.tiny.corpus import default_corpus
+
+    config = stability.TESTBED["qk-lr3e-2-nowarmup"]
+    small = replace(config.recipe, width=32, heads=2, depth=2, context=16, max_steps=12, val_every=6)
+    stability.TESTBED["tiny-test"] = replace(config, name="tiny-test", recipe=small, seeds=(0,))
+    try:
+        text = default_corpus()[:20000]
+        paths = stability.run_testbed(text, tmp_path, names=["tiny-test"], echo=lambda _: None)
+        record = __import__("json").loads(paths[0].read_text())
+        assert len(record["loss"]) == len(record["grad_norm"]) == 12 and record["steps"] == 12
+        assert [m["step"] for m in record["measured"]] == [0, 5, 10]
+        assert len(record["measured"][0]["attention_per_layer"]) == 2  # one per layer
+        assert [v[0] for v in record["val"]] == [5, 11] and math.isfinite(record["final_val_loss"])
+        said = []
+        stability.run_testbed(text, tmp_path, names=["tiny-test"], echo=said.append)
+        assert "tiny-test seed=0: finished before, skipped" in said
+    finally:
+        del stability.TESTBED["tiny-test"]
+    doc = tmp_path / "doc.md"
+    doc.write_text("x\n<!-- stability-table:start -->\nSTALE\n<!-- stability-table:end -->\ny\n")
+    assert main(["stability-grid", "--out", str(tmp_path), "--table-only", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "STALE" not in text and "| tiny-test | 0 |" in text and text.endswith("-->\ny\n")
+    assert main(["stability-grid", "--out", str(tmp_path / "empty"), "--table-only"]) == 2
