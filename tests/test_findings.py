@@ -535,3 +535,20 @@ def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it
     text = doc.read_text()
     assert "STALE" not in text and "| tiny-test | 0 |" in text and text.endswith("-->\ny\n")
     assert main(["stability-grid", "--out", str(tmp_path / "empty"), "--table-only"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("door", ["lightning", "trainer", "loop"])
+def test_the_stop_on_finding_example_stops_each_door_at_its_first_finding(tmp_path, door):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    proc = subprocess.run([sys.executable, str(examples / "stop_on_finding.py"), "--door", door, "--out",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HealthWarning" in proc.stderr and "stream_growth" in proc.stdout
+    trained = int(re.search(rf"{door}: trained (\d+) of 250 steps", proc.stdout).group(1))
+    assert trained <= 10  # the lr-0.1 run stops at its first measured finding, not at step 250
