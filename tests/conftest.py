@@ -223,6 +223,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_script(name: str, out, processes: int) -> dict:
+    """``tests/<name>`` in one process, or in ``processes`` under torchrun (gloo, one thread
+    each), writing its JSON to ``out``; returns what it wrote (the script's stderr on failure)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name(name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent), str(script.parent.parent),
+                                                        os.environ.get("PYTHONPATH")]))}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+              f"--master_port={free_port()}"] if processes > 1 else [sys.executable]
+    proc = subprocess.run([*launch, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(Path(out).read_text())
+
+
 # ---------------------------------------------------------------------------
 # loggers and shared fixtures
 # ---------------------------------------------------------------------------

@@ -243,26 +243,9 @@ def test_the_example_in_nanogpts_shape_measures_its_last_iter_num(tmp_path):
 
 def _fabric_script(out, processes: int) -> dict:
     """tests/fabric_ddp_script.py in one process, or in ``processes`` under torchrun (gloo)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_script
 
-    from conftest import free_port
-
-    script = Path(__file__).with_name("fabric_ddp_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent.parent),
-                                                        os.environ.get("PYTHONPATH")]))}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-              f"--master_port={free_port()}"] if processes > 1 else [sys.executable]
-    proc = subprocess.run([*launch, str(script), str(out)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_script("fabric_ddp_script.py", out, processes)
 
 
 @pytest.mark.slow
