@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
+from lnmonitor.core.findings import KINDS
 from lnmonitor.core.invariance_results import CASES
 
 
@@ -69,6 +70,15 @@ def _rtol(v):
                          and not isinstance(v, bool) and 0.0 < v < 1.0)
 
 
+def _findings(v):
+    """None or a bool, or {kind: a finite number > 0, or None}."""
+    if v is None or isinstance(v, bool):
+        return True
+    return isinstance(v, dict) and all(k in KINDS for k in v) and all(
+        t is None or (isinstance(t, (int, float, np.floating, np.integer)) and not isinstance(t, bool)
+                      and math.isfinite(t) and t > 0) for t in v.values())
+
+
 VALID = {
     (LayerNormMonitor, "every_n_steps"): _pos_int_or_none,
     (LayerNormMonitor, "include"): lambda v: v is None or _strings(v),
@@ -81,6 +91,8 @@ VALID = {
     (LayerNormMonitor, "images"): lambda v: isinstance(v, bool),
     (LayerNormMonitor, "summary"): lambda v: isinstance(v, bool),
     (LayerNormMonitor, "row_mask"): lambda v: v is None or v is False or callable(v),
+    (LayerNormMonitor, "findings"): _findings,
+    (LayerNormMonitor, "on_finding"): lambda v: v is None or callable(v),
     # None alone would leave it nothing to run on (on_validation is False by default)
     (FinalNormInvarianceMonitor, "every_n_steps"): lambda v: _int(v, 1),
     (FinalNormInvarianceMonitor, "on_validation"): lambda v: isinstance(v, bool),
@@ -119,6 +131,7 @@ NONSENSE = st.one_of(
     st.lists(st.sampled_from([*CASES, "ln1", "attn", ""]), max_size=4),
     st.frozensets(st.sampled_from(CASES), max_size=3),
     st.dictionaries(st.text(max_size=3), _atoms, max_size=2),
+    st.dictionaries(st.sampled_from(sorted(KINDS)), _atoms, max_size=2),
     st.lists(st.floats(1e-3, 1e3), max_size=4),
 )
 

@@ -243,12 +243,16 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str) ->
         return None
     if findings is True:
         findings = None
+    if findings is not None and not isinstance(findings, Mapping):
+        raise ArgumentError(f"findings must be None or True (the default thresholds), False (no findings) "
+                            f"or a dict {{kind: threshold}} over {list(KINDS)}, got {findings!r}")
 
     def warn(message: str) -> None:
         if speaks():
             warnings.warn(message, HealthWarning, stacklevel=2)
 
-    return FindingsReader(thresholds=findings, on_finding=on_finding, owner=owner, warn=warn)
+    return FindingsReader(thresholds=_thresholds(findings, "findings"), on_finding=on_finding, owner=owner,
+                          warn=warn)
 
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
