@@ -22,8 +22,8 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=None, help="where to write the figure")
     args = parser.parse_args()
     curves = read_run(args.run)  # lnmonitor's names, also a transformers.Trainer run's (train/...)
-    ladder = {parse(tag).name: points for tag, points in curves.items()
-              if parse(tag)[:2] == ("norm", "inv_sigma")}
+    ladder = {metric.name: points for tag, points in curves.items()
+              if (metric := parse(tag)) is not None and metric[:2] == ("norm", "inv_sigma")}
     if not ladder:
         raise SystemExit(f"no lnmonitor/inv_sigma/* metrics in {args.run}")
     print(f"{'norm':40s} {'step':>6s} {'1/sigma':>8s} {'rms':>8s} {'share median':>12s}")
