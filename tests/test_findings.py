@@ -388,7 +388,7 @@ def test_lightning_logs_the_finding_warns_once_and_stops_when_on_finding_says_so
     assert quiet.findings is None
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises(MisconfigurationException, match="thresholds"):
+    with pytest.raises(MisconfigurationException, match=r"findings\['stream_growth'\] must be"):
         LayerNormMonitor(findings={"stream_growth": 0})
 
 
