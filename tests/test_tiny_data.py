@@ -1,9 +1,11 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from lnmonitor.errors import UsageError
-from lnmonitor.tiny.corpus import load_corpus
+from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, corpus_name, load_corpus
 from lnmonitor.tiny.data import CharDataModule, CharVocab, RandomWindows, _spread_order, windows_at
 
 
@@ -11,6 +13,26 @@ def test_default_corpus_is_installed_text():
     text = load_corpus()
     assert len(text) > 100_000
     assert "class" in text and "def" in text
+
+
+def test_the_second_corpus_is_the_standard_librarys_source(tmp_path, monkeypatch):
+    import json
+    import sysconfig
+
+    source = load_corpus("python-source")
+    assert source != load_corpus() and len(source) > 10 * len(load_corpus())
+    # the library's own files are in it, whole; the installed packages (torch's) are not
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert (stdlib / "json" / "decoder.py").read_text(encoding="utf-8") in source
+    assert Path(json.__file__).read_text(encoding="utf-8") in source
+    assert Path(torch.__file__).read_text(encoding="utf-8") not in source
+    assert corpus_name("python-source").startswith("the Python standard library's source")
+    assert corpus_name(None) == corpus_name("python-help") == DEFAULT_CORPUS_NAME
+    # a file that has a built-in corpus's name is read as ./NAME, and is named by its path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "python-source").write_text("my own text " * 200, encoding="utf-8")
+    assert load_corpus("./python-source") == "my own text " * 200
+    assert corpus_name("./python-source") == "./python-source"
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lnmonitor.commands.recipe_arguments import add_data_argument
 from lnmonitor.errors import UsageError
 
 __all__ = ["register", "run"]
@@ -19,9 +20,7 @@ def register(subparsers) -> None:
         "analysis.md, analysis.json and PNG figures next to the checkpoint.",
     )
     parser.add_argument("checkpoint", type=Path, help="a .ckpt written by train-tiny or eps-compare")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="UTF-8 text to measure on; its last 10%% is the held-out part "
-                        "(default: the train-tiny default corpus)")
+    add_data_argument(parser, "to measure on (its last 10%% is the held-out part)")
     parser.add_argument("--batches", type=int, default=None,
                         help="held-out batches of 32 windows to measure shares and the ladder on "
                         "(default: all, up to 16)")
@@ -39,7 +38,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lnmonitor.tiny.checkpoint import checkpoint_file, load_checkpoint
-    from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
+    from lnmonitor.tiny.corpus import corpus_name, load_corpus
 
     # what needs no torch is checked before torch, Lightning and scipy are imported (seconds)
     if args.rtol is not None and not 0.0 < args.rtol < 1.0:
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     module, step = load_checkpoint(args.checkpoint)
     held_out = CharDataModule(text, vocab=module.vocab, context=module.config.context).val_batches()
-    name = str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME
+    name = corpus_name(args.data)
     result = analyze(
         module, held_out, data_name=name, batches=args.batches, position=args.position, rtol=args.rtol,
         checkpoint=str(args.checkpoint), step=step,

@@ -11,7 +11,7 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps_compare import DEFAULT_OUT, run_experiment
 from lnmonitor.experiments.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, parse_eps, parse_seeds
 from lnmonitor.experiments.run import RunInterrupted
-from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME, load_corpus
+from lnmonitor.tiny.corpus import corpus_name, load_corpus
 
 __all__ = ["parse_shard", "register", "run"]
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         run_experiment(
             experiment, text, args.out, shard=shard, force=args.force, monitor=not args.no_monitor,
             progress=not args.no_progress, jobs=args.jobs, remeasure=args.remeasure,
-            data_name=str(args.data) if args.data is not None else DEFAULT_CORPUS_NAME,
+            data_name=corpus_name(args.data),
         )
     except RunInterrupted as err:
         print(f"lnmonitor eps-compare: {err}", file=sys.stderr)

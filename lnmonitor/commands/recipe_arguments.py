@@ -5,19 +5,27 @@ describe.  Imports no torch."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from lnmonitor.tiny.corpus import DEFAULT_CORPUS_NAME
+from lnmonitor.tiny.corpus import BUILT_IN
 from lnmonitor.tiny.recipe import DECAYS, INITS, Recipe
 
-__all__ = ["add_recipe_arguments", "recipe_from_args", "trainer_kwargs"]
+__all__ = ["add_data_argument", "add_recipe_arguments", "recipe_from_args", "trainer_kwargs"]
+
+
+def add_data_argument(parser: argparse.ArgumentParser, purpose: str) -> None:
+    """``--data``: a UTF-8 text file, or a built-in corpus by name (``python-help``, the default,
+    or ``python-source``); ``./NAME`` reads a file that has a built-in's name."""
+    names = " or ".join(BUILT_IN)
+    parser.add_argument("--data", default=None, metavar="FILE_OR_CORPUS",
+                        help=f"UTF-8 text file {purpose}, or a built-in corpus: {names} "
+                        "(default: python-help, the Python help text shipped with CPython; "
+                        "python-source is the standard library's own .py files)")
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that trains the recipe (defaults: the study's recipe)."""
     defaults = Recipe()
-    parser.add_argument("--data", type=Path, default=None,
-                        help=f"UTF-8 text file to train on (default: {DEFAULT_CORPUS_NAME})")
+    add_data_argument(parser, "to train on")
     parser.add_argument("--norm", choices=("layer", "rms"), default=defaults.norm,
                         help="normalisation layer: LayerNorm or RMSNorm (default: %(default)s)")
     parser.add_argument("--max-steps", type=int, default=defaults.max_steps,

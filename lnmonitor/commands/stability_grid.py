@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lnmonitor.commands.recipe_arguments import add_data_argument
 from lnmonitor.errors import UsageError
 from lnmonitor.tiny.corpus import load_corpus
 
@@ -34,7 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("--doc", type=Path, default=None,
                         help="also put the table into this markdown file, between its "
                         "<!-- stability-table:start --> and <!-- stability-table:end --> markers")
-    parser.add_argument("--data", type=Path, default=None, help="UTF-8 text file (default: the tiny corpus)")
+    add_data_argument(parser, "to train on")
     parser.set_defaults(func=run)
 
 
