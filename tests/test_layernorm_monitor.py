@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core import geometry
 from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
@@ -387,3 +388,35 @@ def test_an_error_finishing_the_rows_at_the_step_end_turns_the_monitor_off_and_t
     assert t.global_step == 3 and mon.history == []
     said = [w for w in caught if "LayerNormMonitor is off" in w]
     assert len(said) == 1 and "rows the taps cannot finish" in said[0]
+
+
+def test_a_resumed_fit_does_not_raise_a_finding_again(tmp_path):
+    """The kinds raised are in the checkpoint: a fit resumed with ckpt_path is the same training,
+    so a finding raised before the checkpoint is not raised again; a checkpoint from before
+    findings were kept (no "findings" key) still loads, and then raises it anew."""
+    every_step = {"stream_growth": 0.5}  # a growth every model has: raised at the first measured step
+
+    def run(steps, ckpt_path=None, name="ckpt"):
+        data, module = char_data(6)
+        mon = monitor(findings=every_step, images=False, summary=False)
+        save = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, save_top_k=0)
+        t = trainer(steps, [mon, save], logger=False, enable_checkpointing=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return mon, [w for w in caught if issubclass(w.category, lnmonitor.HealthWarning)]
+
+    first, raised = run(3)
+    assert len(raised) == 1 and [h["step"] for h in first.history] == [0, 1, 2]
+    resumed, again = run(6, tmp_path / "ckpt" / "last.ckpt", name="ckpt2")
+    assert again == [] and [h["step"] for h in resumed.history] == [3, 4, 5]
+    assert all(h["lnmonitor/health/stream_growth"] == 1.0 for h in resumed.history)  # it still holds
+    assert resumed.findings.raised["stream_growth"].step == 0  # raised at step 0, before the checkpoint
+
+    old = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    for key, state in old["callbacks"].items():
+        if key.startswith("LayerNormMonitor"):
+            del state["findings"]
+    torch.save(old, tmp_path / "old.ckpt")
+    _, anew = run(6, tmp_path / "old.ckpt", name="ckpt3")
+    assert len(anew) == 1  # nothing said it was raised: it is raised, once

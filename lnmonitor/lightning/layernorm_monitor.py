@@ -80,7 +80,8 @@ class LayerNormMonitor(MonitorCallback):
         findings: the findings read from each measured step (docs/findings.md): None for the
             default thresholds, a dict ``{kind: threshold}`` (None turns a kind off), or False
             for none.  Each kind is warned once per fit (``lnmonitor.HealthWarning``) and
-            logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after).
+            logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after); a fit resumed from
+            a checkpoint continues the same training (the kinds raised are in the checkpoint).
         on_finding: called with each :class:`~lnmonitor.core.findings.Finding` once per kind
             per fit; returning True stops the fit (``trainer.should_stop``).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
@@ -235,7 +236,7 @@ class LayerNormMonitor(MonitorCallback):
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
         if self.findings is not None:
-            self.findings.reset()  # each kind is raised once per fit
+            self.findings.reset()  # each kind is raised once per fit (a resumed fit's come back next)
 
     @override
     @guarded
@@ -363,11 +364,16 @@ class LayerNormMonitor(MonitorCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "every_n_steps": self.every_n_steps, "order": list(self.order)}
+        state = {**super().state_dict(), "every_n_steps": self.every_n_steps, "order": list(self.order)}
+        if self.findings is not None:  # a resumed fit is the same training: no kind raised twice
+            state["findings"] = self.findings.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        if self.findings is not None and "findings" in state_dict:  # older checkpoints have none
+            self.findings.load_state_dict(state_dict["findings"])
         if self._every_arg is None and state_dict.get("every_n_steps"):
             self.every_n_steps = int(state_dict["every_n_steps"])
         self._order = list(state_dict.get("order", []))
