@@ -39,3 +39,51 @@ def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, monkeypat
     assert ax.get_title().startswith("eps=0.1:")
     np.testing.assert_allclose(ax.images[0].get_array(), np.log10([[0.5, 0.25], [0.25, 0.125]]))
     assert not report_figures.figure_transmission_by_norm({}, [1e-5, 1.0], tmp_path / "none.png")
+
+
+def test_the_report_tables_are_the_statistics_of_the_records(tmp_path):
+    """The per-eps tables and the paired table: each figure's mean and 95% interval across the
+    records' seeds (geometric for a figure positive by nature), and the difference paired by seed,
+    against scipy on the raw values of the records on disk."""
+    import numpy as np
+    from scipy import stats
+
+    from lnmonitor.core import files
+    from lnmonitor.experiments import store
+
+    # seeds far apart, the eps effect small and steady within a seed: resolved only when paired by seed
+    base = {0: 1.50, 1: 1.70, 2: 1.62}
+    delta = {0: 0.030, 1: 0.040, 2: 0.035}
+    transmission = {(1e-5, 0): 2e-6, (1e-5, 1): 5e-6, (1e-5, 2): 1e-6,
+                    (0.1, 0): 0.3, (0.1, 1): 0.6, (0.1, 2): 0.2}
+    config = {"recipe": {"width": 32}}
+    for (eps, seed), t in transmission.items():
+        loss = base[seed] + (delta[seed] if eps == 0.1 else 0.0)
+        files.atomic_write_json(store.run_dir(tmp_path, eps, seed) / store.RECORD_NAME, {
+            "format": store.RECORD_FORMAT, "config": config, "eps": eps, "seed": seed, "steps": 10,
+            "val_loss": loss, "headline": {"val_loss": loss, "final_transmission": t}})
+    results = report.merge_results(tmp_path, config, list(transmission))
+    text = report.render_markdown(results, {}, tmp_path)
+
+    def t_interval(values, log=False):
+        y = np.log(values) if log else np.asarray(values, dtype=float)
+        lo, hi = stats.t.interval(0.95, len(y) - 1, loc=y.mean(), scale=stats.sem(y))
+        return (np.exp([y.mean(), lo, hi]) if log else (y.mean(), lo, hi)), (hi - lo) / 2
+
+    sections = {s.split("\n", 1)[0]: s for s in text.split("\n## ")}
+    for eps, label in ((1e-5, "1e-05"), (0.1, "0.1")):
+        losses = [base[s] + (delta[s] if eps == 0.1 else 0.0) for s in range(3)]
+        (mean, lo, hi), _ = t_interval(losses)
+        assert f"| validation loss (nats/char) | {mean:.4f} | {lo:.4f} to {hi:.4f} | 3 |" in sections[
+            f"eps = {label}"]
+        (mean, lo, hi), _ = t_interval([transmission[(eps, s)] for s in range(3)], log=True)
+        row = (f"| final norm: transmission eps/(var+eps), median row (geometric mean) | {mean:.3g} | "
+               f"{lo:.3g} to {hi:.3g} | 3 |")
+        assert row in sections[f"eps = {label}"], sections[f"eps = {label}"]
+    diffs = [delta[s] for s in range(3)]
+    (mean, lo, hi), half = t_interval(diffs)
+    assert (f"| 0.1 | {mean:+.4f} | {lo:+.4f} to {hi:+.4f} | 3 | 0: +0.0300, 1: +0.0400, 2: +0.0350 |"
+            in text)
+    relative = mean / np.mean(list(base.values()))
+    assert (f"- eps=0.1 is worse than eps=1e-05 by {mean:.4f} +/- {half:.4f} nats/char, "
+            f"{100 * relative:.1f}% of the eps=1e-05 loss" in sections["Verdict"])
