@@ -11,10 +11,13 @@ FIRST, FINAL = "model.blocks.0.ln1", "model.lnf"
 
 
 def record(eps: float, seed: int, losses: dict, transmission: dict) -> dict:
-    rms = {s: 0.1 * (1 + s / 100) for s in transmission}
+    """Seed s scales its transmission and rms curves by 2^(s - 2): the seeds' geometric mean is
+    neither any one seed's curve nor their arithmetic mean."""
+    scale = 2.0 ** (seed - 2)
+    rms = {s: scale * 0.1 * (1 + s / 100) for s in transmission}
     return {"eps": eps, "seed": seed, "norm_order": [FIRST, FINAL], "curves": {
         "val/loss": [[s, v] for s, v in losses.items()],
-        f"lnmonitor/transmission/{FIRST}": [[s, v] for s, v in transmission.items()],
+        f"lnmonitor/transmission/{FIRST}": [[s, scale * v] for s, v in transmission.items()],
         f"lnmonitor/rms/{FIRST}": [[s, v] for s, v in rms.items()],
         f"lnmonitor/rms/{FINAL}": [[s, 10 * v] for s, v in rms.items()],
     }}
@@ -57,9 +60,10 @@ def test_first_below_half_and_never():
 def test_the_section_says_when_the_gap_is_resolved_and_what_the_first_norm_does():
     lines = "\n".join(over_training.markdown(grid([0.5, 0.2, 0.0]), [1e-5, 0.1], 1e-5))
     assert "eps=0.1 (3 paired seeds): first resolved at step 100, resolved at 2 of 3 validations" in lines
-    assert "| 0.1 | 0.99 -> 0.9 at step 100 -> 0.95 | 0: never, 1: never, 2: never |" in lines
-    assert "| 1e-05 | 0.001 -> 0.0003 at step 200 -> 0.0003 | 0: 100, 1: 100, 2: 100 |" in lines
-    assert "0.1 -> peak 0.3 at step 200 -> 0.3 | 1 -> peak 3 at step 200 -> 3 |" in lines
+    # the seeds' geometric mean (scales 1/4, 1/2, 1: the mean curve is half the fixture's)
+    assert "| 0.1 | 0.495 -> 0.45 at step 100 -> 0.475 | 0: never, 1: never, 2: never |" in lines
+    assert "| 1e-05 | 0.0005 -> 0.00015 at step 200 -> 0.00015 | 0: 100, 1: 100, 2: 100 |" in lines
+    assert "0.05 -> peak 0.15 at step 200 -> 0.15 | 0.5 -> peak 1.5 at step 200 -> 1.5 |" in lines
     noise = grid([0.0, 0.0])
     for s in (0, 1, 2):
         noise[(0.1, s)]["curves"]["val/loss"][0][1] += 0.01 * (-1) ** s
