@@ -88,6 +88,28 @@ def test_two_initialisations_fall_on_one_law_and_the_intervals_cover_it():
     assert law.sentence(fit).startswith("A large eps costs loss when the first norm's eps/var at step 0")
 
 
+@pytest.mark.parametrize("truth", ["init", "mean", "end"])
+def test_the_best_predictor_is_the_one_the_loss_follows(truth):
+    """The loss follows eps/var at one moment; the small-variance grid's first norm reads a
+    variance 1000x away at the others (the same hinge as above), so only the true predictor
+    puts both grids on one law, and the best fit names it."""
+    cost = hinge(1.0, 0.02)
+    grids = {"big-var": grid("default", 1.0, cost, noise=0.002),
+             "small-var": grid("gpt2", 1e-3, cost, noise=0.002)}
+    # factors on the curve at steps 0, 50, 100 and on the held-out figure at the end: each wrong
+    # predictor reads the small-variance grid 2 or 3 decades lower (higher would be one law, shifted)
+    off = {"init": ((1, 1e-3, 1e-3), 1e-3), "mean": ((1e-3, 1e3, 1), 1e-3), "end": ((1e-3,) * 3, 1)}[truth]
+    for r in grids["small-var"]["runs"]:
+        for point, factor in zip(r["curves"][f"lnmonitor/eps_over_var/{FIRST}"], off[0], strict=True):
+            point[1] *= factor
+        r["norms"][FIRST]["eps_over_var"] *= off[1]
+    result = law.law(grids, resamples=20)
+    sd = {key: fit["residual_sd"] for key, fit in result["fits"].items()}
+    assert result["best"] == truth and all(sd[truth] < 0.5 * v for k, v in sd.items() if k != truth), sd
+    label = law.PREDICTORS[truth][0]
+    assert f"Best (smallest residual sd): the {label}." in law.render_law(result, figure=False)
+
+
 def test_a_slope_carried_by_one_dose_says_so():
     cost = hinge(1.0, 0.02)
     grids = {"big-var": grid("default", 1.0, cost, eps_values=(1e-5, 1e-3, 1e-1)),
