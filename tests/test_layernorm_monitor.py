@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core import geometry
+from lnmonitor.core import random_baseline
 from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 from lnmonitor.tiny import TinyGPTModule
 
@@ -103,9 +103,9 @@ def test_values_in_tensorboard_match_float64(tmp_path):
             assert got["skipped_rows"] == 0
         n_rows = 4 * CONTEXT
         assert logged["lnmonitor/share_baseline/median"][step] == pytest.approx(
-            geometry.share_median(WIDTH, 2), rel=1e-6)
+            random_baseline.share_median(WIDTH, 2), rel=1e-6)
         assert logged["lnmonitor/share_baseline/max"][step] == pytest.approx(
-            geometry.max_share_median(WIDTH, 2, n_rows), rel=1e-6)
+            random_baseline.max_share_median(WIDTH, 2, n_rows), rel=1e-6)
         first, last = names[0], names[-1]
         assert logged["lnmonitor/ladder/attenuation"][step] == pytest.approx(
             logged[f"lnmonitor/inv_sigma/{first}"][step] / logged[f"lnmonitor/inv_sigma/{last}"][step],

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core import geometry
+from lnmonitor.core import random_baseline
 from lnmonitor.core.norms import describe_norm, find_norms, register_norm, unregister_norm
 from lnmonitor.tiny import CharDataModule, TinyGPTModule
 
@@ -339,9 +339,9 @@ def test_other_norms_against_float64(variant, caplog):
     h = mon.history[0]
     check_against_reference(h, float64_reference(before, batch))
     k = 2 if kind == "layer" else 1  # RMSNorm: one dead direction, baseline with k = 1
-    assert h["lnmonitor/share_baseline/median"] == pytest.approx(geometry.share_median(WIDTH, k))
+    assert h["lnmonitor/share_baseline/median"] == pytest.approx(random_baseline.share_median(WIDTH, k))
     assert h["lnmonitor/share_baseline/max"] == pytest.approx(
-        geometry.max_share_median(WIDTH, k, 4 * CONTEXT))
+        random_baseline.max_share_median(WIDTH, k, 4 * CONTEXT))
     said = [r.getMessage() for r in caplog.records if "has no eps attribute" in r.getMessage()]
     if variant.startswith("handwritten_ln"):  # eps measured from the module's output, and said
         assert len(said) == 2 and "measured from its output, is 1e-05" in said[0]

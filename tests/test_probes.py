@@ -14,7 +14,7 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor.core import geometry
+from lnmonitor.core import random_baseline
 from lnmonitor.core.heldout import held_out_result
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
@@ -165,4 +165,4 @@ def test_rmsnorm_model_has_a_one_dimensional_dead_subspace():
     loose = probe_block_rank(blocks[0][1], cap.blocks[blocks[0][0]], norms, position=3, rtol=1e-3)
     assert loose.block_rank == 16 and loose.branch_rank == 15 and loose.rank_rule == "sv > 0.001 * s_max"
     result = held_out_result(LadderMeter(module), [(idx, idx)], lambda m, bt: m(*bt)[1])
-    assert result.figures.baseline(norms[0].name)[0] == pytest.approx(geometry.share_median(16, 1))
+    assert result.figures.baseline(norms[0].name)[0] == pytest.approx(random_baseline.share_median(16, 1))

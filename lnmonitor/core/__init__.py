@@ -1,6 +1,6 @@
 """The measurement, with no Lightning and no framework: the maths (``geometry``,
-``reductions``), the norms of a model (``norms``, ``discovery``), touching a model without a
-trace (``hooks``, ``torch_internals``, ``taps``), a step's summaries and figures
+``random_baseline``, ``reductions``), the norms of a model (``norms``, ``discovery``),
+touching a model without a trace (``hooks``, ``torch_internals``, ``taps``), a step's summaries and figures
 (``summaries``, ``ladder``), the meter every door drives (``meter``, its words in
 ``meter_messages``), the invariance probe (``invariance`` and its ``invariance_results``,
 ``invariance_probe``, ``final_norm``, ``loss_contract``, ``sweep``), the structural and

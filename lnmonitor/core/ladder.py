@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lnmonitor.core import geometry
+from lnmonitor.core import geometry, random_baseline
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.metric_names import baseline_metric, ladder_metric, per_norm
 
@@ -225,10 +225,10 @@ def _baselines(stats: Sequence[NormStats]) -> dict[str, float]:
 @lru_cache(maxsize=256)
 def baseline_median(d: int, k: int) -> float:
     """Median dead-plane share of a random direction in ``d`` dimensions, ``k``-dim dead subspace."""
-    return float(geometry.share_median(d, k))
+    return float(random_baseline.share_median(d, k))
 
 
 @lru_cache(maxsize=4096)
 def baseline_max(d: int, k: int, n: int) -> float:
     """Median of the maximum share of ``n`` random directions (compare with a measured max)."""
-    return float(geometry.max_share_median(d, k, n))
+    return float(random_baseline.max_share_median(d, k, n))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor.core import geometry
+from lnmonitor.core import geometry, random_baseline
 from lnmonitor.experiments.analysis import Analysis
 from lnmonitor.experiments.plotting import scatter_sweep, short_name, sweep_legend
 from lnmonitor.views.plotting import new_figure, save_png
@@ -57,7 +57,7 @@ def _fig_shares(a: Analysis, path: Path) -> None:
                   label="observed")
         ax.set_xlim(0, top)
         if width is not None:
-            ax.plot(grid, geometry.share_pdf(grid, width, geometry.dead_dim(f.stats.kind)), "k-", lw=1,
+            ax.plot(grid, random_baseline.share_pdf(grid, width, geometry.dead_dim(f.stats.kind)), "k-", lw=1,
                     label="random direction")
         ax.axvline(base_max, color="k", ls=":", lw=1, label="random max, same rows")
         ax.axvline(f.stats.share_max, color="C3", lw=1, label="observed max")
