@@ -28,5 +28,5 @@ __getattr__ = _lazy_attributes(__name__, {
     "LayerNormMonitor": "lnmonitor.lightning",
     "FinalNormInvarianceMonitor": "lnmonitor.lightning",
     "StructureProbe": "lnmonitor.lightning",
-    "register_norm": "lnmonitor.core.norms",
+    "register_norm": "lnmonitor.core.registry",
 })

@@ -46,7 +46,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
 from lnmonitor.core import random_baseline
-from lnmonitor.core.norms import describe_norm, find_norms, register_norm, unregister_norm
+from lnmonitor.core.norms import describe_norm, find_norms
+from lnmonitor.core.registry import register_norm, unregister_norm
 from lnmonitor.tiny import CharDataModule, TinyGPTModule
 
 pytestmark = pytest.mark.filterwarnings(

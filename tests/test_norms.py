@@ -1,4 +1,5 @@
-"""lnmonitor.core.norms: which modules are norms, of which kind, eps and gain, and selection by glob."""
+"""lnmonitor.core.norms, .registry and .identify: which modules are norms, of which kind, eps and
+gain (checked against their own output), and selection by glob."""
 
 from __future__ import annotations
 
@@ -14,13 +15,8 @@ from conftest import free_port
 from torch import nn
 
 from lnmonitor.core.geometry import row_stats
-from lnmonitor.core.norms import (
-    discover_norms,
-    find_norms,
-    register_norm,
-    select_norms,
-    unregister_norm,
-)
+from lnmonitor.core.norms import discover_norms, find_norms, select_norms
+from lnmonitor.core.registry import register_norm, unregister_norm
 from lnmonitor.core.roles import assign_roles
 
 # ---------------------------------------------------------------------------

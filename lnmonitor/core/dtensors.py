@@ -17,9 +17,13 @@ back its own part.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-__all__ = ["STREAM_NODES", "is_dtensor", "laid_out", "layout", "local", "summed", "unsupported", "whole"]
+__all__ = [
+    "STREAM_NODES", "flat64", "is_dtensor", "laid_out", "layout", "local", "summed", "unsharded",
+    "unsupported", "whole",
+]
 
 # autograd nodes between the tensor a norm's caller passed and what the norm reads, whose
 # gradient reaches the caller's tensor unchanged in shape: a dtype cast (Mamba's
@@ -66,6 +70,21 @@ def whole(t: object) -> object:
     """``t`` whole on every rank (``full_tensor()``: a collective every rank of its mesh joins)
     when it is a ``DTensor``; else ``t`` itself."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def unsharded(t: Tensor) -> Tensor:
+    """A tensor a module holds (a norm's gain or bias), whole: ``t`` itself, or a sharded
+    ``DTensor`` gathered, detached (a collective every rank joins: FSDP2 holds a norm that is its
+    own unit sharded again when its forward hooks run)."""
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def flat64(t: Tensor | None) -> Tensor | None:
+    """``t`` as a plain flat float64 tensor, detached (a sharded ``DTensor`` is gathered:
+    :func:`unsharded`, a collective); None stays None."""
+    if t is None:
+        return None
+    return unsharded(t).detach().reshape(-1).to(torch.float64)
 
 
 def laid_out(full: Tensor, output: Tensor, stream: Tensor) -> Tensor:
