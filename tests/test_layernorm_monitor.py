@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     CONTEXT,
+    NORMS,
     VOCAB,
     WIDTH,
     assert_close_history,
@@ -32,6 +33,7 @@ from conftest import (
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -420,3 +422,44 @@ def test_a_resumed_fit_does_not_raise_a_finding_again(tmp_path):
     torch.save(old, tmp_path / "old.ckpt")
     _, anew = run(6, tmp_path / "old.ckpt", name="ckpt3")
     assert len(anew) == 1  # nothing said it was raised: it is raised, once
+
+
+def test_every_fit_logs_the_ladder_positions_and_layouts_a_fit_resumed_into_a_new_log_too(tmp_path):
+    """A fit resumed from a checkpoint into a new TensorBoard version logs the ladder positions
+    (at its first measured step) and both monitors' custom-scalars layouts there; resumed into
+    the same log, the positions come again at a new step, and the log reads back as one run."""
+    from lnmonitor.views.events import read_scalars
+    from lnmonitor.views.summary import ladder_of, summary_text
+
+    def run(steps, version, ckpt_path=None, name="ckpt"):
+        data, module = char_data(8)
+        tb = TensorBoardLogger(tmp_path, name="tb", version=version)
+        callbacks = [LayerNormMonitor(every_n_steps=2, images=False, summary=False),
+                     FinalNormInvarianceMonitor(every_n_steps=2, on_validation=False, summary=False),
+                     ModelCheckpoint(dirpath=tmp_path / name, save_last=True, save_top_k=0)]
+        trainer(steps, callbacks, logger=tb, enable_checkpointing=True).fit(
+            module, datamodule=data, ckpt_path=ckpt_path)
+        return Path(tb.log_dir)
+
+    def positions(log_dir):
+        acc = events(log_dir)
+        return acc, {t: [e.step for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
+                     if t.startswith("lnmonitor/ladder_position/")}
+
+    old = run(3, 0)  # measures 0 and 2, its last
+    new = run(6, 1, tmp_path / "ckpt" / "last.ckpt", "ckpt2")  # measures 4 and 5
+    acc, at = positions(new)
+    assert at == {f"lnmonitor/ladder_position/{n}": [4] for n in NORMS}
+    assert [acc.Scalars(f"lnmonitor/ladder_position/{n}")[0].value for n in NORMS] == [0, 1, 2, 3, 4]
+    assert "custom_scalars__config__" in acc.Tags()["tensors"]
+    layout = layout_pb2.Layout.FromString(
+        acc.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    assert [c.title for c in layout.category] == [
+        "lnmonitor: 1/sigma ladder", "lnmonitor: dead-plane share", "lnmonitor: final-norm invariance"]
+
+    run(6, 0, tmp_path / "ckpt" / "last.ckpt", "ckpt3")  # the same log again, from step 3
+    _, at = positions(old)
+    assert at == {f"lnmonitor/ladder_position/{n}": [0, 4] for n in NORMS}  # each step once
+    curves = read_scalars(old)
+    assert ladder_of(curves) == (NORMS, [])
+    assert "the ladder at step 5 (4 measured steps, the first at 0" in summary_text(curves, "resumed")

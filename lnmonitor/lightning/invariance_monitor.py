@@ -170,6 +170,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         with misconfiguration():
             keep_history = arguments.optional_flag(keep_history, "keep_history")
         super().__init__(keep_history)
+        self._sink.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
         self._reset()
 
     def _reset(self) -> None:
@@ -318,8 +319,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         metrics, extend = taken
         self._final_name = self._prober.final_norm
         self.last_result = points.last
-        if self._sink.last_step < 0:
-            self._sink.add_layout(INVARIANCE_LAYOUT)
         self._sink.log(trainer, step, metrics, extend=extend)
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:

@@ -134,7 +134,8 @@ class LayerNormMonitor(MonitorCallback):
     ``lnmonitor/ladder/<stack>/growth``         encoder-decoder's encoder, ``model.encoder``)
     ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward
                                                 order (0 first), -1 for a norm that is not a
-                                                rung; logged once, at the first measured step
+                                                rung; logged at the first measured step of
+                                                each fit (a resumed fit's log has them too)
     ==========================================  ==============================================
 
     With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at measured steps
@@ -205,6 +206,8 @@ class LayerNormMonitor(MonitorCallback):
         self._last_step: int | None = None
         self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
         self._last_picture: float = -math.inf  # the step of the last ladder picture
+        self._positions = True  # the ladder positions go with the fit's first logged step
+        self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
 
     @property
     def norms(self) -> list[NormInfo]:
@@ -233,6 +236,7 @@ class LayerNormMonitor(MonitorCallback):
         self.meter, self.last_summaries, self._order = None, [], []
         self._trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
+        self._positions = True  # once per fit, so a fit resumed into a new log has them too
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
         if self.findings is not None:
@@ -319,14 +323,13 @@ class LayerNormMonitor(MonitorCallback):
         if result is None:
             return
         self.last_summaries = result.summaries
-        metrics = result.metrics(positions=self._sink.last_step < 0)
+        metrics = result.metrics(positions=self._positions)
         metrics.update(health(self.findings, step, result, lambda: setattr(trainer, "should_stop", True)))
-        if self._sink.last_step < 0:
-            self._sink.add_layout(LADDER_LAYOUT)
         logged = self._sink.log(
             trainer, step, metrics,
             (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None,
         )
+        self._positions = self._positions and not logged
         if logged and trainer.is_global_zero:
             self._trail.add(step, metrics)
             spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step

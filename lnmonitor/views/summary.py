@@ -100,9 +100,10 @@ def _natural(name: str) -> list:
 
 
 def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
-    """``(rungs in forward order, other norms)``; without ladder positions (a run resumed from a
-    checkpoint into a fresh log logs none: the positions went to the first run's log) every
-    norm is taken for a rung, in natural name order."""
+    """``(rungs in forward order, other norms)``, by the last ladder positions logged (every fit
+    logs them at its first measured step, a resumed one too); without them (a log of an older
+    lnmonitor's fit resumed into a fresh log) every norm is taken for a rung, in natural name
+    order."""
     metrics = [m for m in map(parse, curves) if m]
     norms = sorted({m.name for m in metrics if m[:2] == ("norm", "inv_sigma")}, key=_natural)
     position = {n: last(curves, per_norm("ladder_position", n)) for n in norms}
