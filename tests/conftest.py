@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnmonitor import LayerNormMonitor, StructureProbe
+from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
 from lnmonitor.core.norms import find_norms
-from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION
 from lnmonitor.core.taps import NormTap
 from lnmonitor.tiny import CharDataModule, TinyGPTModule, load_corpus
 from lnmonitor.tiny.checkpoint import load_checkpoint
@@ -169,7 +169,7 @@ def float64_reference(module, batch, state=None, loss_fn=None) -> dict[str, dict
 
 
 def check_against_reference(logged: dict, ref: dict[str, dict]) -> None:
-    """A logged step agrees with :func:`float64_reference` within the summaries' resolution."""
+    """A logged step agrees with :func:`float64_reference` within the histograms' resolution."""
     for name, r in ref.items():
         assert logged[f"lnmonitor/share_max/{name}"] == pytest.approx(r["share"].max(), abs=1e-4), name
         median = logged[f"lnmonitor/share_median/{name}"]
@@ -180,7 +180,7 @@ def check_against_reference(logged: dict, ref: dict[str, dict]) -> None:
 
 
 def assert_close_history(a: list[dict], b: list[dict], exact: bool = False) -> None:
-    """Two monitors' histories agree: same steps and keys, values within the summaries'
+    """Two monitors' histories agree: same steps and keys, values within the histograms'
     resolution (or exactly)."""
     assert [h["step"] for h in a] == [h["step"] for h in b]
     for ha, hb in zip(a, b, strict=True):

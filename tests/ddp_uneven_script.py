@@ -61,7 +61,7 @@ class Recording(LayerNormMonitor):
         step = self._measuring
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if step is not None and self._measuring is None:
-            Recording.rows[step] = [s.rows for s in self.last_summaries]
+            Recording.rows[step] = [s.rows for s in self.last_row_stats]
 
 
 def main() -> None:

@@ -217,7 +217,7 @@ def main() -> None:
     )
     trainer.fit(module, datamodule=Data())
     if trainer.is_global_zero:
-        rows = [s.rows for s in monitor.last_summaries]
+        rows = [s.rows for s in monitor.last_row_stats]
         with open(out, "w") as f:
             json.dump({"history": monitor.history, "collectives": Counting.collectives,
                        "invariance": invariance.history, "disabled": invariance.disabled_reason,

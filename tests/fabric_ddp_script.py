@@ -33,4 +33,4 @@ if fabric.global_rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"world": world, "history": monitor.history, "off": monitor.off_reason,
                    "invariance_off": monitor.invariance_off,
-                   "rows": [s.rows for s in monitor.last_result.summaries]}, f)
+                   "rows": [s.rows for s in monitor.last_result.row_stats]}, f)

@@ -32,7 +32,7 @@ def main(out: str) -> None:
     trainer.add_callback(callback)
     trainer.train()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        rows = [s.rows for s in callback.last_result.summaries]
+        rows = [s.rows for s in callback.last_result.row_stats]
         with open(out, "w") as f:
             json.dump({"world": world, "rows": rows, "history": callback.history}, f)
 

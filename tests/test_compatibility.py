@@ -47,9 +47,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
 from lnmonitor.core.invariance_results import CASES
 from lnmonitor.core.reductions import ROUNDING_ROW
-from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,7 +310,7 @@ class Bounds:
     sigma: float  # |logged sigma / float64 sigma - 1|
 
 
-# float32: the summaries resolve a share to 2.4e-4 and sigma to 0.39%; the float32 rounding of
+# float32: the histograms resolve a share to 2.4e-4 and sigma to 0.39%; the float32 rounding of
 # the rows is far below both, so these bounds hold with a wide margin (worst measured: 1e-4
 # on a median share, 1e-6 on a max share, 0.13% on sigma)
 FLOAT32 = Bounds(median=0.01, max=1e-4, sigma=0.01)

@@ -16,9 +16,9 @@ from conftest import gpt
 from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.core.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
-from lnmonitor.core.summaries import SIGMA_RESOLUTION
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,8 +104,8 @@ def test_padding_is_left_out_of_every_statistic(side):
     for name, sigma in real.items():
         assert m[f"lnmonitor/sigma/{name}"] == pytest.approx(sigma, rel=SIGMA_RESOLUTION + 1e-6), name
     pads = int((~keep).sum())
-    assert all(s.pad_rows == pads and s.rows == ROWS * CONTEXT for s in result.summaries)
-    assert all(s.skipped_rows < pads for s in result.summaries)  # padding is not counted as skipped
+    assert all(s.pad_rows == pads and s.rows == ROWS * CONTEXT for s in result.row_stats)
+    assert all(s.skipped_rows < pads for s in result.row_stats)  # padding is not counted as skipped
     assert sum("attention_mask marks padding" in w for w in said) == 1
     # the condition matters: right-padded rows attend to the real tokens before them, so on
     # every row the second layer's first norm reads ~half the sigma (left-padded rows attend
@@ -245,7 +245,7 @@ def test_a_norm_called_more_often_than_the_others_is_kept_out_of_the_ladder():
         result = meter.result()
     said = [str(w.message) for w in caught if "more often than the other norms" in str(w.message)]
     assert len(said) == 1 and "ln1" in said[0] and "ln2" in said[0]
-    rows = {info.name: s.rows for info, s in zip(result.norms, result.summaries, strict=True)}
+    rows = {info.name: s.rows for info, s in zip(result.norms, result.row_stats, strict=True)}
     assert rows == {"ln1": 3 * 4 * CONTEXT, "ln2": 3 * 4 * CONTEXT, "lnf": 4 * CONTEXT}
     positions = result.figures.positions()
     assert positions["lnmonitor/ladder_position/ln1"] == positions["lnmonitor/ladder_position/ln2"] == -1
@@ -331,7 +331,7 @@ def test_a_norm_the_padding_mask_does_not_fit_is_said_and_counts_every_row():
         with meter.step():
             model(**batch).backward()
         result = meter.result()
-    pads = {n.name: (s.rows, s.pad_rows) for n, s in zip(result.norms, result.summaries, strict=True)}
+    pads = {n.name: (s.rows, s.pad_rows) for n, s in zip(result.norms, result.row_stats, strict=True)}
     assert pads == {"tokens": (32, 12), "pooled": (4, 0)}
     said = [str(w.message) for w in caught if "does not line up with the rows of pooled" in str(w.message)]
     assert len(said) == 1 and "count every row, padding included" in said[0]
@@ -343,5 +343,5 @@ def test_a_row_mask_that_raises_is_said_once_and_training_goes_on():
 
     model, batch = gpt2(), padded_batch()
     result, said = measured(model, batch, row_mask=broken)
-    assert result is not None and all(s.pad_rows == 0 for s in result.summaries)
+    assert result is not None and all(s.pad_rows == 0 for s in result.row_stats)
     assert sum("the row mask failed (KeyError" in w for w in said) == 1

@@ -18,7 +18,7 @@ from conftest import (
     free_port,
 )
 
-from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 
 SCRIPT = Path(__file__).with_name("distributed_monitor_script.py")
 LOOP_SCRIPT = Path(__file__).with_name("tp_loop_script.py")

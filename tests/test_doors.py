@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor  # noqa: E402
-from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
+from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
 from lnmonitor.integrations.loop import LoopMonitor  # noqa: E402
 from lnmonitor.integrations.transformers import LNMonitorCallback  # noqa: E402
 
@@ -78,7 +78,7 @@ def lightning_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], d
                         callbacks=[monitor, invariance], accelerator="cpu",
                         accumulate_grad_batches=accumulate)
     trainer.fit(Wrapped(model), DataLoader(TensorDataset(tokens()), batch_size=ROWS // accumulate))
-    assert all(s.rows == ROWS * CONTEXT for s in monitor.last_summaries)  # every micro-batch
+    assert all(s.rows == ROWS * CONTEXT for s in monitor.last_row_stats)  # every micro-batch
     return tuple(_by_step({k.replace("/model.", "/", 1): v for k, v in h.items()} for h in m.history)
                  for m in (monitor, invariance))
 
@@ -116,7 +116,7 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
                                  probe_size=PROBE)
     trainer.add_callback(callback)
     trainer.train()
-    assert all(s.rows == ROWS * CONTEXT for s in callback.last_result.summaries)  # every micro-batch
+    assert all(s.rows == ROWS * CONTEXT for s in callback.last_result.row_stats)  # every micro-batch
     # the Trainer's steps count updates done: the step s measured before its update is reported at s + 1
     ladder = {h["step"] - 1: h for h in callback.history
               if "lnmonitor/ladder/attenuation" in h and h["step"] - 1 in MEASURED}
@@ -144,7 +144,7 @@ def loop_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[i
 
 
 def _tolerance(tag: str) -> dict:
-    """One histogram bin of the statistic a tag reads (summaries' resolutions)."""
+    """One histogram bin of the statistic a tag reads (the histograms' resolutions)."""
     statistic = tag.split("/")[1]
     if statistic.startswith("share") and "baseline" not in tag:
         return {"abs": SHARE_RESOLUTION}

@@ -12,9 +12,9 @@ from conftest import PROBE_WIDTH
 from torch import nn
 
 from lnmonitor.core.heldout import held_out_result
+from lnmonitor.core.histograms import SHARE_RESOLUTION
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.roles import FINAL, POST
-from lnmonitor.core.summaries import SHARE_RESOLUTION
 from lnmonitor.experiments.analysis import analyze
 from lnmonitor.integrations.loop import LoopMonitor
 

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core import random_baseline
-from lnmonitor.core.summaries import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 from lnmonitor.tiny import TinyGPTModule
 
 
@@ -135,7 +135,7 @@ def test_cadence_accumulation_and_no_hooks_between(tmp_path):
     assert [h["step"] for h in monitor.history] == [0, 3, 6]
     assert spy.hooks == {s: (5 if s % 3 == 0 else 0) for s in range(steps)}
     # both micro-batches of the step are measured: 2 * batch * context rows per norm
-    assert all(s.rows == 2 * 4 * CONTEXT for s in monitor.last_summaries)
+    assert all(s.rows == 2 * 4 * CONTEXT for s in monitor.last_row_stats)
     assert all(len(m._forward_hooks) == 0 for m in module.modules())
 
 
@@ -227,7 +227,7 @@ def test_skipped_rows_are_counted_and_training_goes_on():
         assert h["lnmonitor/skipped_rows/norm"] == 4  # the NaN row (one of six, batch of 4)
         assert h["lnmonitor/zero_grad_rows/norm"] == 4  # the row the loss does not read
         assert 0.0 <= h["lnmonitor/share_median/norm"] <= 1.0
-    assert monitor.last_summaries[0].measured_rows == 5 * 4  # only the NaN row has no sigma
+    assert monitor.last_row_stats[0].measured_rows == 5 * 4  # only the NaN row has no sigma
 
 
 def test_no_norm_or_empty_selection_fails_at_setup():

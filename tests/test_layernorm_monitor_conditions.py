@@ -73,7 +73,7 @@ def test_fp16_mixed_trainer_with_grad_scaler():
 
     big, _ = run(2.0**16)
     small, _ = run(2.0**8)
-    # same forward, gradients 256 times smaller: equal within the summaries' resolution
+    # same forward, gradients 256 times smaller: equal within the histograms' resolution
     # (not bit for bit: at the smaller scale some fp16 gradients are subnormal)
     assert_close_history(big.history[:1], small.history[:1])
     assert all(big.history[0][f"lnmonitor/skipped_rows/{n}"] == 0 for n in
@@ -97,7 +97,7 @@ def test_accumulated_step_measures_all_its_micro_batches():
     acc = monitor()
     fit(gpt(4), loader(16, 4), [acc], 2, accumulate_grad_batches=2)
     assert [h["step"] for h in acc.history] == [0, 1]
-    assert [s.rows for s in acc.last_summaries] == [8 * CONTEXT] * 5
+    assert [s.rows for s in acc.last_row_stats] == [8 * CONTEXT] * 5
     assert_close_history(acc.history, one.history)
     # the largest share is an exact order statistic: it must come from the same row
     for n in NORMS:
@@ -148,7 +148,7 @@ def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monk
     assert len(said) == 1
     assert not any("selected norms" in w for w in caught)
     assert [h["step"] for h in mon.history] == [0, 2]
-    assert [s.rows for s in mon.last_summaries] == [4 * CONTEXT] * 3
+    assert [s.rows for s in mon.last_row_stats] == [4 * CONTEXT] * 3
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for the hooks
     assert not any("lnmonitor" in str(k) for k in counters["graph_break"])
     # the invariance hook fired on the compiled model: the control moves, shifts do not
@@ -204,7 +204,7 @@ def test_activation_checkpointing_gives_the_same_values():
         # checkpointed tensor during the forward (which would recompute the block there)
         assert calls == 2 * 2 * steps, mode
         assert mon.order == plain.order == NORMS  # the ladder keeps the forward order
-        assert [s.rows for s in mon.last_summaries] == [4 * CONTEXT] * 5  # each row once
+        assert [s.rows for s in mon.last_row_stats] == [4 * CONTEXT] * 5  # each row once
         assert mon.meter._tap._pending == []
         # reentrant: the same fast path, bit-identical; non-reentrant: the checkpointed
         # norms are read from their input instead of their saved mean/rstd (1e-6)
@@ -517,7 +517,7 @@ def test_batches_of_varying_length():
     class Rows(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx % 2 == 1:
-                rows.append([s.rows for s in mon.last_summaries])
+                rows.append([s.rows for s in mon.last_row_stats])
 
     trainer, _ = fit(gpt(2, depth=1), DataLoader(Ragged(), batch_size=None), [mon, Rows()], 2,
                      accumulate_grad_batches=2)

@@ -43,7 +43,7 @@ def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
         with meter.step():
             model(torch.randn(5, 8)).square().sum().backward()
         result = meter.result()
-        assert result.summaries[0].rows == 5 and "lnmonitor/sigma/1" in result.metrics()
+        assert result.row_stats[0].rows == 5 and "lnmonitor/sigma/1" in result.metrics()
         print("ok", sorted(n for n in sys.modules if n.startswith("lightning")))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

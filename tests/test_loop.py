@@ -293,7 +293,7 @@ def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsy
         for name in norms:
             assert h[f"lnmonitor/skipped_rows/{name}"] == 0, name
             assert h[f"lnmonitor/zero_grad_rows/{name}"] == 6, name  # one per sequence
-    for s in monitor.last_result.summaries:
+    for s in monitor.last_result.row_stats:
         assert s.share_rows == 6 * 15 and s.rows == 6 * 16
     assert capsys.readouterr().err.count("carry no gradient by construction") == 1
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import Net, run_tap
 
-from lnmonitor.core import summaries as S
+from lnmonitor.core import histograms as H
+from lnmonitor.core import row_stats as R
 from lnmonitor.core.replicas import fingerprints
 
 
@@ -24,27 +25,27 @@ def _halves():
 
 def test_a_replica_counts_once_and_rows_of_their_own_add_up():
     whole, a, b = _halves()
-    layout = S.Layout(2)
-    fa, fb = (S.summarise(r, layout, "cpu", fingerprint=True) for r in (a, b))
-    one = S.read(S.merge(S.summarise(whole, layout, "cpu"), layout), layout)
+    layout = H.Layout(2)
+    fa, fb = (R.histogram_rows(r, layout, "cpu", fingerprint=True) for r in (a, b))
+    one = R.read(H.merge(R.histogram_rows(whole, layout, "cpu"), layout), layout)
     # four processes: two tensor-parallel pairs, each pair holding the same rows
-    four = S.read(S.merge(torch.stack([fa, fa.clone(), fb, fb.clone()]), layout), layout)
+    four = R.read(H.merge(torch.stack([fa, fa.clone(), fb, fb.clone()]), layout), layout)
     for s1, s4 in zip(one, four, strict=True):
         assert s4.rows == s1.rows == 40  # not 80
         assert abs(s4.share_max - s1.share_max) < 1e-6
         assert s4.var_min == s1.var_min and s4.var_max == s1.var_max
-        assert abs(s4.share_quantile(0.5) - s1.share_quantile(0.5)) <= 2 * S.SHARE_RESOLUTION
+        assert abs(s4.share_quantile(0.5) - s1.share_quantile(0.5)) <= 2 * H.SHARE_RESOLUTION
     # a replica's merge is the one process's vector, to the bit
-    alone = S.merge(fa, layout)
-    assert torch.equal(S.merge(torch.stack([fa, fa.clone()]), layout), alone)
+    alone = H.merge(fa, layout)
+    assert torch.equal(H.merge(torch.stack([fa, fa.clone()]), layout), alone)
 
 
 def test_without_fingerprints_every_process_counts():
     whole, a, _ = _halves()
-    layout = S.Layout(2)
-    fa = S.summarise(a, layout, "cpu")  # one process, or no fingerprint asked for
+    layout = H.Layout(2)
+    fa = R.histogram_rows(a, layout, "cpu")  # one process, or no fingerprint asked for
     assert (fa[layout.max_end :] == 0).all()
-    two = S.read(S.merge(torch.stack([fa, fa.clone()]), layout), layout)
+    two = R.read(H.merge(torch.stack([fa, fa.clone()]), layout), layout)
     assert [s.rows for s in two] == [34, 34]
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from lnmonitor.core.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
 from lnmonitor.core.roles import assign_roles, stacks
-from lnmonitor.core.summaries import SIGMA_RESOLUTION
 from lnmonitor.views.summary import summary_text
 
 transformers = pytest.importorskip("transformers")
@@ -252,7 +252,7 @@ def test_each_stack_takes_its_own_padding(decoder_mask):
             model(**batch).loss.backward()
         result = meter.result()
     said = [str(w.message) for w in caught]
-    pads = {n.name: s.pad_rows for n, s in zip(result.norms, result.summaries, strict=True)}
+    pads = {n.name: s.pad_rows for n, s in zip(result.norms, result.row_stats, strict=True)}
     assert all(p == 20 for n, p in pads.items() if n.startswith("encoder."))
     assert all(p == (16 if decoder_mask else 0) for n, p in pads.items() if n.startswith("decoder."))
     unknown = [s for s in said if "not the decoder's (no decoder_attention_mask)" in s]

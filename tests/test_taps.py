@@ -14,7 +14,8 @@ from conftest import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lnmonitor.core import summaries as S
+from lnmonitor.core import histograms as H
+from lnmonitor.core import row_stats as R
 from lnmonitor.core import torch_internals
 from lnmonitor.core.norms import find_norms
 from lnmonitor.core.reductions import row_values
@@ -99,14 +100,14 @@ def test_skipped_rows_zero_and_nonfinite():
     (torch.where(mask > 0, y, 0.0) * torch.arange(d)).sum().backward()
     rows = tap.collect()
     tap.detach()
-    layout = S.Layout(1)
-    summary = S.read(S.merge(S.summarise(rows, layout, "cpu"), layout), layout)[0]
-    assert summary.rows == 6
-    assert summary.measured_rows == 4  # nan row and constant row have no sigma
+    layout = H.Layout(1)
+    stats = R.read(H.merge(R.histogram_rows(rows, layout, "cpu"), layout), layout)[0]
+    assert stats.rows == 6
+    assert stats.measured_rows == 4  # nan row and constant row have no sigma
     # the zero-gradient row (finite input) has no gradient by construction: counted apart from
     # the faults, the nan row and the constant row
-    assert summary.share_rows == 3 and summary.zero_grad_rows == 1 and summary.skipped_rows == 2
-    assert 0.0 <= summary.share_quantile(0.5) <= 1.0
+    assert stats.share_rows == 3 and stats.zero_grad_rows == 1 and stats.skipped_rows == 2
+    assert 0.0 <= stats.share_quantile(0.5) <= 1.0
 
 
 class TwoNorms(nn.Module):
@@ -165,15 +166,15 @@ def test_autocast_statistics_in_float32_loss_scale_free_overflow_counted(dtype):
 
     plain, _ = run(1.0)
     scaled, seen = run(2.0**16)
-    layout = S.Layout(len(norms))
-    summary = S.read(S.merge(S.summarise(scaled, layout, "cpu"), layout), layout)
+    layout = H.Layout(len(norms))
+    stats = R.read(H.merge(R.histogram_rows(scaled, layout, "cpu"), layout), layout)
     for i, info in enumerate(norms):
         x_in, g = seen[info.name]
         assert x_in.dtype == dtype and g.dtype == dtype  # the norm really ran in low precision
         bad = ~torch.isfinite(g).all(-1)
         assert int(bad.sum()) == (4 if dtype == torch.float16 else 0)
-        assert summary[i].skipped_rows == int(bad.sum())
-        assert summary[i].measured_rows == rows  # the inputs are fine: sigma of every row
+        assert stats[i].skipped_rows == int(bad.sum())
+        assert stats[i].measured_rows == rows  # the inputs are fine: sigma of every row
         sel = [k for k, r in enumerate(scaled.records) if r[0] == i]
         assert len(sel) == 1
         start = sum(r[1] for r in scaled.records[: sel[0]])

@@ -64,7 +64,7 @@ def main(rank: int, devices: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"history": monitor.history, "world": devices, "off": monitor.off_reason,
-                       "rows": [s.rows for s in monitor.last_result.summaries],
+                       "rows": [s.rows for s in monitor.last_result.row_stats],
                        "invariance": monitor.last_invariance and monitor.last_invariance.metrics(),
                        "disabled": monitor.invariance_off},
                       f)

@@ -51,7 +51,7 @@ def held_out_result(
 
     ``loss_fn(model, batch)`` returns the batch's scalar loss (the tiny GPT's:
     ``lambda m, b: m(*b)[1]``); its backward runs inside the step and the gradients are
-    discarded.  ``counts`` keeps the summaries' histograms (e.g. the share histograms the
+    discarded.  ``counts`` keeps the row statistics' histograms (e.g. the share histograms the
     analysis figures draw).  A fresh meter assigns the roles from these passes, as a
     monitor's does on its first measured step.
 

@@ -8,14 +8,14 @@ plain loop all do)::
     with meter.step():                    # hooks on for this step only
         loss = model(**batch).loss
         loss.backward()
-    result = meter.result()               # per-norm summaries, roles, ladder, baselines, metrics
+    result = meter.result()               # per-norm row statistics, roles, ladder, baselines, metrics
 
 Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
 every forward and backward with gradient is measured, so the micro-batches of a step
 with gradient accumulation are one measured step.  Padding rows are left out of every
 statistic (:class:`lnmonitor.core.padding.RowMasks`).  A norm without gradient (frozen
 inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no share.
-``stop()`` leaves the step's summary on the device (no host sync);
+``stop()`` leaves the step's histograms on the device (no host sync);
 :meth:`~LadderMeter.result` merges it across processes (``gather``), reads it on the host
 once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.ladder.ladder_figures`.
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lnmonitor.core import meter_messages as words
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.door import Voice
+from lnmonitor.core.histograms import Layout, merge
 from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
 from lnmonitor.core.meter_messages import Roles
@@ -45,7 +46,7 @@ from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.padding import RowMasks
 from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stacks
-from lnmonitor.core.summaries import Layout, NormSummary, merge, read, summarise
+from lnmonitor.core.row_stats import RowStats, histogram_rows, read
 from lnmonitor.core.taps import NormTap
 
 __all__ = ["Gather", "LadderMeter", "LadderResult"]
@@ -57,11 +58,11 @@ Gather = Callable[[Tensor], Tensor]
 
 @dataclass
 class LadderResult:
-    """One measured step: per-norm summaries (merged over micro-batches and processes), the
+    """One measured step: per-norm row statistics (merged over micro-batches and processes), the
     norms with their roles, their figures and ladder (:class:`~lnmonitor.core.ladder.LadderFigures`)."""
 
     norms: list[NormInfo]
-    summaries: list[NormSummary]
+    row_stats: list[RowStats]
     figures: LadderFigures
     unmeasured: list[str]
 
@@ -197,7 +198,7 @@ class LadderMeter:
             self._tap.row_mask = keep
 
     def stop(self) -> None:
-        """Unhook, and leave the step's summary on the device for :meth:`result`."""
+        """Unhook, and leave the step's histograms on the device for :meth:`result`."""
         if not self.measuring:
             return
         self._unhook()
@@ -216,7 +217,7 @@ class LadderMeter:
             fewest = min(rows.calls.values())
             self.reused = {self.norms[i].name for i, c in rows.calls.items() if c > fewest}
         self._refuse(rows.refused)
-        self._pending = summarise(rows, self.layout, _device(self.model), fingerprint=_several_processes())
+        self._pending = histogram_rows(rows, self.layout, _device(self.model), _several_processes())
 
     def abort(self) -> None:
         """End a measured step early (an exception, the end of training): no hook, no row left."""
@@ -250,7 +251,7 @@ class LadderMeter:
         """The last measured step's numbers, or None when there is none (off, or not measured).
 
         ``gather``: merge across processes (every process must call this together);
-        ``counts``: keep the histograms in the summaries; ``label`` names the step in
+        ``counts``: keep the histograms in the row statistics; ``label`` names the step in
         messages (e.g. ``"step 120"``).
         """
         flat, self._pending = self._pending, None
@@ -258,10 +259,10 @@ class LadderMeter:
             return None
         if gather is not None:
             flat = _gather(flat, gather)
-        summaries = read(merge(flat, self.layout), self.layout, counts=counts)
+        row_stats = read(merge(flat, self.layout), self.layout, counts=counts)
         if not self.roles_known:
-            self._assign_roles(summaries)
-        unmeasured = [info.name for info, s in zip(self.norms, summaries, strict=True)
+            self._assign_roles(row_stats)
+        unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
             self._say(words.no_backward_message(self.owner, label))
@@ -270,8 +271,8 @@ class LadderMeter:
             self._warn("unmeasured", words.unmeasured_message(self.owner, label, unmeasured, len(self.norms)))
             if len(unmeasured) == len(self.norms):
                 return None
-        self._say_conditions(summaries)
-        stats = [self._stats(i, s) for i, s in enumerate(summaries)]
+        self._say_conditions(row_stats)
+        stats = [self._stats(i, s) for i, s in enumerate(row_stats)]
         # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
         stack = {n.name: self.stacks.get(n.name, self.main_stack) for n in self.norms}
         finals = {stack[n.name]: n.name for n in self.norms if n.role == FINAL}
@@ -281,7 +282,7 @@ class LadderMeter:
         rungs = ladders.pop(self.main_stack, [])
         others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
         figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
-        return LadderResult(self.norms, summaries, figures, unmeasured)
+        return LadderResult(self.norms, row_stats, figures, unmeasured)
 
     def _refuse(self, refused: dict[int, str]) -> None:
         """Say once which norms have a layout whose rows cannot be read (the others are measured)."""
@@ -292,11 +293,11 @@ class LadderMeter:
         self.refused.update(new)
         self._warn(f"layout:{','.join(sorted(new))}", words.layout_message(self.owner, new))
 
-    def _say_conditions(self, summaries: list[NormSummary]) -> None:
+    def _say_conditions(self, row_stats: list[RowStats]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
-        if any(s.pad_rows for s in summaries):
+        if any(s.pad_rows for s in row_stats):
             self._warn("padding", words.padding_message(self.owner, self._rows.source))
-        zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, summaries, strict=True)
+        zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, row_stats, strict=True)
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
@@ -312,7 +313,7 @@ class LadderMeter:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
         return self._eps.get(index, self.norms[index].eps())
 
-    def _stats(self, index: int, s: NormSummary) -> NormStats:
+    def _stats(self, index: int, s: RowStats) -> NormStats:
         info = self.norms[index]
         return NormStats(
             name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
@@ -332,11 +333,11 @@ class LadderMeter:
         """The norms' names in the order they ran, those that did not run after them."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
-    def _assign_roles(self, summaries: list[NormSummary]) -> None:
+    def _assign_roles(self, row_stats: list[RowStats]) -> None:
         """Which norms are rungs, from what this step's gradient does at each norm's input."""
         by_name = {n.name: n for n in self.norms}
         ordered = [by_name[n] for n in self._forward_order()]
-        bypass = {info.name: s.bypass for info, s in zip(self.norms, summaries, strict=True)}
+        bypass = {info.name: s.bypass for info, s in zip(self.norms, row_stats, strict=True)}
         # a low-precision gradient rounds: what goes around a norm is measured to about its
         # resolution (bfloat16: 2^-7), so a branch norm's rounding is not read as a residual path
         tolerance = {self.norms[i].name: max(RUNG_BYPASS_TOLERANCE, 8 * r)

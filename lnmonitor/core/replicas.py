@@ -5,10 +5,10 @@ whose input is replicated across the group (``Replicate()``, or a plain tensor b
 ``RowwiseParallel`` and ``ColwiseParallel`` without sequence parallelism) gives every rank of
 the group the same rows, while a sequence-parallel norm (``Shard(1)``) or a QK-norm over a
 rank's own heads gives each rank rows of its own, and data-parallel ranks hold different
-batches.  Rather than trusting names of mesh dimensions, the summary of each process carries
+batches.  Rather than trusting names of mesh dimensions, the step vector of each process carries
 a fingerprint of each norm's rows (:func:`fingerprints`: a float64 sum of every row's
 statistics, the same bits on ranks that hold the same rows, computed in the same order);
-:func:`drop_replicas` keeps a norm's part of a process's summary only when no earlier process
+:func:`drop_replicas` keeps a norm's part of a process's vector only when no earlier process
 has the same fingerprint.  So replicated rows count once, sharded rows add up across the whole
 mesh, and a step merges as one process would have measured its global batch.  The reduction is
 deterministic (a cumulative sum and a matrix product, no atomics), so replicas agree to the bit
@@ -44,7 +44,7 @@ def fingerprints(data: Tensor, counts: Sequence[int], norms: Sequence[int], n_no
 
 
 def drop_replicas(gathered: Tensor, n_norms: int, hist_end: int, sum_end: int, max_end: int) -> Tensor:
-    """``gathered`` (``(processes, size)`` summaries, :class:`~lnmonitor.core.summaries.Layout`)
+    """``gathered`` (``(processes, size)`` step vectors, :class:`~lnmonitor.core.histograms.Layout`)
     with each norm's histograms and sums zeroed, and its maxima set to ``-inf``, in every
     process whose fingerprint of that norm equals an earlier process's (compared bit for bit;
     a fingerprint of 0 is none)."""

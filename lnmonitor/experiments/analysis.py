@@ -33,7 +33,7 @@ from lnmonitor.core.probes import (
     probe_block_rank,
     probe_norm_jacobian,
 )
-from lnmonitor.core.summaries import NormSummary
+from lnmonitor.core.row_stats import RowStats
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
@@ -140,9 +140,9 @@ class Analysis:
         by_name = self.result.figures.by_name()
         return [by_name[name] for name in self.result.figures.rungs]
 
-    def per_norm(self) -> list[tuple[NormFigures, NormSummary]]:
-        """Every measured norm's figures and summary (with its histograms), in the meter's order."""
-        return list(zip(self.result.figures.norms, self.result.summaries, strict=True))
+    def per_norm(self) -> list[tuple[NormFigures, RowStats]]:
+        """Every measured norm's figures and row statistics (with its histograms), in the meter's order."""
+        return list(zip(self.result.figures.norms, self.result.row_stats, strict=True))
 
 
 def stream_labels(module) -> dict[str, str]:

@@ -44,7 +44,7 @@ Batch = tuple[Tensor, Tensor]
 class Measurement:
     """What :func:`measure_held_out` found.  ``windows`` counts the held-out windows behind each part
     (``loss``, ``norms``, ``invariance``); ``result`` is the meter's (the norms with their roles,
-    summaries and figures; ``result.metrics()`` are the monitors' logged names); ``order``
+    row statistics and figures; ``result.metrics()`` are the monitors' logged names); ``order``
     lists the norms' names in the order the forward first calls them."""
 
     val_loss: float
@@ -87,7 +87,7 @@ def measure_held_out(
     """Measure ``module`` on the held-out ``batches`` (see the module docstring).
 
     ``norm_batches``: how many batches the norm statistics use (all when None); ``counts``:
-    keep the summaries' histograms (:func:`lnmonitor.core.heldout.held_out_result`).
+    keep the row statistics' histograms (:func:`lnmonitor.core.heldout.held_out_result`).
     """
     val_loss = held_out_loss(module, batches)
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])

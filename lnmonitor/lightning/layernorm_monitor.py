@@ -22,7 +22,7 @@ from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, ladder_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.summaries import NormSummary
+from lnmonitor.core.row_stats import RowStats
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
 from lnmonitor.views.pictures import over_training_picture, step_picture
@@ -44,8 +44,8 @@ class LayerNormMonitor(MonitorCallback):
     registered.  Per row the monitor measures, in float32 on the device, the norm's
     input variance ``v`` (mean square for RMSNorm), the stream's mean square, and the
     share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
-    span{xhat} for RMSNorm); see docs/design.md.  The rows are summarised in fixed-bin
-    histograms (:mod:`lnmonitor.core.summaries`: share resolved to 2.4e-4, sigma and rms to
+    span{xhat} for RMSNorm); see docs/design.md.  The rows are counted in fixed-bin
+    histograms (:mod:`lnmonitor.core.histograms`: share resolved to 2.4e-4, sigma and rms to
     0.39% relative, eps/var to 0.78%, over the whole float32 range), reduced across ranks
     with one ``all_gather`` per logging step, and read on the host once.
 
@@ -200,7 +200,7 @@ class LayerNormMonitor(MonitorCallback):
             self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
         self.every_n_steps: int | None = self._every_arg
         self.meter: LadderMeter | None = None
-        self.last_summaries: list[NormSummary] = []
+        self.last_row_stats: list[RowStats] = []
         self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
         self._measuring: int | None = None
         self._last_step: int | None = None
@@ -233,7 +233,7 @@ class LayerNormMonitor(MonitorCallback):
         if stage != "fit":
             return
         self._stop()
-        self.meter, self.last_summaries, self._order = None, [], []
+        self.meter, self.last_row_stats, self._order = None, [], []
         self._trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
         self._positions = True  # once per fit, so a fit resumed into a new log has them too
@@ -322,7 +322,7 @@ class LayerNormMonitor(MonitorCallback):
         result = self.meter.result(gather, counts=self.histograms, label=f"the measured step {step}")
         if result is None:
             return
-        self.last_summaries = result.summaries
+        self.last_row_stats = result.row_stats
         metrics = result.metrics(positions=self._positions)
         metrics.update(health(self.findings, step, result, lambda: setattr(trainer, "should_stop", True)))
         logged = self._sink.log(
@@ -356,7 +356,7 @@ class LayerNormMonitor(MonitorCallback):
         return params, metrics
 
     def _histograms(self, writer, step: int, result: LadderResult) -> None:
-        for i, (info, s) in enumerate(zip(result.norms, result.summaries, strict=True)):
+        for i, (info, s) in enumerate(zip(result.norms, result.row_stats, strict=True)):
             write_histogram(writer, hist_metric("share", info.name), step,
                             s.share_counts, s.layout.share_edges(), group=64)
             sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))

@@ -1,0 +1,91 @@
+"""lnmonitor.core.row_stats: the rows histogrammed equal a per-norm reference, merge like one
+batch, and an empty step reads as nan."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from conftest import (
+    Net,
+    run_tap,
+)
+
+from lnmonitor.core import histograms as H
+from lnmonitor.core import row_stats as R
+from lnmonitor.core.taps import StepRows
+
+
+def test_row_stats_merge_like_one_batch():
+    torch.manual_seed(1)
+    model = Net(24, "layer")
+    x = torch.randn(40, 6)
+    layout = H.Layout(2)
+    _, whole, _ = run_tap(model, x)
+    model.zero_grad()
+    # the two halves, each with its own loss (the share is per row and scale-free)
+    _, a, _ = run_tap(model, x[:17])
+    _, b, _ = run_tap(model, x[17:])
+    one = H.merge(R.histogram_rows(whole, layout, "cpu"), layout)
+    two = H.merge(
+        torch.stack([R.histogram_rows(a, layout, "cpu"), R.histogram_rows(b, layout, "cpu")]), layout
+    )
+    r1, r2 = R.read(one, layout), R.read(two, layout)
+    for s1, s2 in zip(r1, r2, strict=True):
+        assert s1.rows == s2.rows == 40
+        assert abs(s1.share_max - s2.share_max) < 1e-6
+        assert abs(s1.share_quantile(0.5) - s2.share_quantile(0.5)) <= 2 * H.SHARE_RESOLUTION
+        assert abs(s1.var_median / s2.var_median - 1) <= 2 * H.VAR_RESOLUTION
+        assert abs(s1.ms_median / s2.ms_median - 1) <= 2 * H.VAR_RESOLUTION
+        assert s1.var_min == s2.var_min and s1.var_max == s2.var_max
+
+
+def test_an_empty_step_reads_as_nan():
+    layout = H.Layout(3)
+    out = R.histogram_rows(StepRows(None, [], [], {}), layout, "cpu")
+    s = R.read(H.merge(out, layout), layout)[1]
+    assert s.rows == 0 and math.isnan(s.share_quantile(0.5))
+    assert math.isnan(s.var_median) and math.isnan(s.ms_median)
+
+
+def test_histogram_rows_equals_a_per_norm_reference():
+    """Histograms, sums and maxima of mixed widths and kinds, with rows that have no share (zero or
+    nan gradient) or no statistic at all (nan, inf or zero var, padding) and a norm without rows,
+    against a naive loop."""
+    from lnmonitor.core.taps import CallRecord
+
+    g = torch.Generator().manual_seed(5)
+    recs = [CallRecord(1, 50, 16, 1e-5, 2), CallRecord(0, 40, 8, 1e-5, 1), CallRecord(1, 30, 16, 1e-5, 2)]
+    data = torch.rand(5, 120, generator=g) * torch.exp(torch.randn(5, 120, generator=g) * 4)
+    data[2] -= 0.5
+    data[3, ::7] = 0.0
+    data[3, 1::9] = math.nan
+    data[0, 2::11], data[0, 3::13], data[1, 4::17] = math.nan, 0.0, math.inf
+    data[:, -5:] = math.nan
+    layout = H.Layout(3)
+    flat = R.histogram_rows(StepRows(data, recs, [], {}), layout, "cpu").numpy()
+    hist = flat[: layout.hist_size].reshape(3, layout.per_norm)
+    sums = flat[layout.hist_size : layout.sum_end].reshape(3, H.N_SUMS)
+    maxes = flat[layout.sum_end : layout.max_end].reshape(H.N_MAX, 3)
+    norm = np.repeat([r.norm for r in recs], [r.rows for r in recs])
+    d = np.repeat([r.width for r in recs], [r.rows for r in recs]).astype(np.float32)
+    layer = np.repeat([r.dead_dim == 2 for r in recs], [r.rows for r in recs]).astype(np.float32)
+    var, ms, sw, ww, wx2v = data.numpy()  # float32 arithmetic, as on the device
+    with np.errstate(all="ignore"):
+        stat = (var > 0) & (var < np.inf) & (ms < np.inf)
+        share2 = (layer * sw * sw + wx2v) / (d * ww)
+        ok = stat & (ww > 0) & (ww < np.inf) & (share2 < np.inf)
+    share = np.sqrt(np.clip(np.where(ok, share2, 0), 0, 1))
+    bins = (data[:2].numpy().view(np.int32) >> H.VALUE_SHIFT).astype(np.float64)
+    for i in range(3):
+        mine, sb, vb = norm == i, layout.share_bins, layout.value_bins
+        assert sums[i, 0] == mine.sum() and sums[i, 1:4].tolist() == [0, 0, 0]
+        assert sums[i, 4] == (mine & stat & (ww == 0)).sum()  # rows without gradient, finite input
+        share_bin = np.minimum((share[mine & ok] * sb).astype(int), sb - 1)
+        assert np.array_equal(hist[i, :sb], np.bincount(share_bin, minlength=sb))
+        for k, (lo, hi) in enumerate(((sb, sb + vb), (sb + vb, sb + 2 * vb))):
+            assert np.array_equal(hist[i, lo:hi], np.bincount(bins[k][mine & stat].astype(int), minlength=vb))
+            assert maxes[1 + 2 * k, i] == np.max(bins[k][mine & stat], initial=-np.inf)
+            assert maxes[2 + 2 * k, i] == np.max(-bins[k][mine & stat], initial=-np.inf)
+        assert maxes[0, i] == np.max(share[mine & ok], initial=-np.inf)
