@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lnmonitor.commands.cli import main
-from lnmonitor.commands.eps_compare import parse_shard
+from lnmonitor.commands.recipe_arguments import parse_shard
 from lnmonitor.core import files
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments import report, store

@@ -537,6 +537,20 @@ def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it
     assert main(["stability-grid", "--out", str(tmp_path / "empty"), "--table-only"]) == 2
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_testbed_shards_are_disjoint_cover_it_and_start_with_seed_zero(count):
+    from lnmonitor.commands.cli import main
+    from lnmonitor.experiments.stability import TESTBED, testbed_runs
+
+    every = testbed_runs()
+    assert sorted(every) == sorted((n, s) for n, c in TESTBED.items() for s in c.seeds)
+    assert [s for _, s in every[:len(TESTBED)]] == [0] * len(TESTBED)  # seed 0 of each first
+    shards = [testbed_runs(shard=(i, count)) for i in range(count)]
+    assert sorted(r for shard in shards for r in shard) == sorted(every)  # disjoint and covering
+    assert sum(map(len, shards)) == len(every)
+    assert main(["stability-grid", "--shard", f"{count}/{count}", "--table-only"]) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("door", ["lightning", "trainer", "loop"])
 def test_the_stop_on_finding_example_stops_each_door_at_its_first_finding(tmp_path, door):

@@ -6,30 +6,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from lnmonitor.commands.recipe_arguments import add_recipe_arguments, recipe_from_args
+from lnmonitor.commands.recipe_arguments import (
+    add_recipe_arguments,
+    add_shard_argument,
+    parse_shard,
+    recipe_from_args,
+)
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps_compare import DEFAULT_OUT, run_experiment
 from lnmonitor.experiments.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, parse_eps, parse_seeds
 from lnmonitor.experiments.run import RunInterrupted
 from lnmonitor.tiny.corpus import corpus_name, load_corpus
 
-__all__ = ["parse_shard", "register", "run"]
-
-
-def parse_shard(text: str | None) -> tuple[int, int]:
-    """``"i/n"`` (0 <= i < n) as ``(i, n)``; None is ``(0, 1)``, the whole grid."""
-    if text is None:
-        return (0, 1)
-    parts = str(text).split("/")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        index, count = int(parts[0], 10), int(parts[1], 10)
-    except ValueError:
-        raise UsageError(f"--shard must look like i/n (e.g. 0/3), got {text!r}") from None
-    if count < 1 or not 0 <= index < count:
-        raise UsageError(f"--shard i/n needs n >= 1 and 0 <= i < n (i counts from 0), got {text!r}")
-    return (index, count)
+__all__ = ["register", "run"]
 
 
 def register(subparsers) -> None:
@@ -46,9 +35,7 @@ def register(subparsers) -> None:
                         help=f"seeds per eps (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for runs, results.json, report.md and figures (default: %(default)s)")
-    parser.add_argument("--shard", default=None, metavar="I/N",
-                        help="run only every N-th (eps, seed) pair starting at pair I (I counts from 0), "
-                        "e.g. --shard $SLURM_ARRAY_TASK_ID/4; the report merges whatever is finished")
+    add_shard_argument(parser, "(eps, seed) pair", "the report merges whatever is finished")
     parser.add_argument("--force", action="store_true",
                         help="redo this invocation's runs from scratch even if they finished")
     parser.add_argument("--remeasure", action="store_true",

@@ -1,15 +1,19 @@
-"""The tiny recipe's command-line options, shared by every command that trains it
-(``train-tiny`` and ``eps-compare``), and the :class:`~lnmonitor.tiny.recipe.Recipe` they
-describe.  Imports no torch."""
+"""The command-line options shared by the commands that train the tiny recipe (``train-tiny``,
+``eps-compare``, ``stability-grid``, and ``--data`` for ``analyze``), and the
+:class:`~lnmonitor.tiny.recipe.Recipe` they describe.  Imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 
+from lnmonitor.errors import UsageError
 from lnmonitor.tiny.corpus import BUILT_IN
 from lnmonitor.tiny.recipe import DECAYS, INITS, Recipe
 
-__all__ = ["add_data_argument", "add_recipe_arguments", "recipe_from_args", "trainer_kwargs"]
+__all__ = [
+    "add_data_argument", "add_recipe_arguments", "add_shard_argument", "parse_shard", "recipe_from_args",
+    "trainer_kwargs",
+]
 
 
 def add_data_argument(parser: argparse.ArgumentParser, purpose: str) -> None:
@@ -20,6 +24,30 @@ def add_data_argument(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"UTF-8 text file {purpose}, or a built-in corpus: {names} "
                         "(default: python-help, the Python help text shipped with CPython; "
                         "python-source is the standard library's own .py files)")
+
+
+def add_shard_argument(parser: argparse.ArgumentParser, unit: str, merged: str) -> None:
+    """``--shard I/N``: this invocation runs every N-th ``unit`` from the I-th (read with
+    :func:`parse_shard`), so N machines or processes share one grid."""
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help=f"run only every N-th {unit} starting at the I-th (I counts from 0), "
+                        f"e.g. --shard $SLURM_ARRAY_TASK_ID/4; {merged}")
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``"i/n"`` (0 <= i < n) as ``(i, n)``; None is ``(0, 1)``, the whole grid."""
+    if text is None:
+        return (0, 1)
+    parts = str(text).split("/")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        index, count = int(parts[0], 10), int(parts[1], 10)
+    except ValueError:
+        raise UsageError(f"--shard must look like i/n (e.g. 0/3), got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(f"--shard i/n needs n >= 1 and 0 <= i < n (i counts from 0), got {text!r}")
+    return (index, count)
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lnmonitor.commands.recipe_arguments import add_data_argument
+from lnmonitor.commands.recipe_arguments import add_data_argument, add_shard_argument, parse_shard
 from lnmonitor.errors import UsageError
 from lnmonitor.tiny.corpus import load_corpus
 
@@ -29,6 +29,8 @@ def register(subparsers) -> None:
                         help="configurations to run (default: all of them)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs side by side, one torch thread each (default: %(default)s)")
+    add_shard_argument(parser, "run (seed 0 of every configuration first)",
+                       "the table merges whatever is finished")
     parser.add_argument("--force", action="store_true", help="train this invocation's runs again")
     parser.add_argument("--table-only", action="store_true",
                         help="train nothing: rebuild table.md from the records in --out")
@@ -42,12 +44,14 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise UsageError(f"--jobs must be a positive integer (runs side by side), got {args.jobs}")
+    shard = parse_shard(args.shard)
     from lnmonitor.experiments.stability_table import write_table
 
     if not args.table_only:
         from lnmonitor.experiments.stability import run_testbed
 
-        run_testbed(load_corpus(args.data), args.out, names=args.configs, jobs=args.jobs, force=args.force)
+        run_testbed(load_corpus(args.data), args.out, names=args.configs, jobs=args.jobs, force=args.force,
+                    shard=shard)
     path = write_table(args.out, args.doc)
     print(f"stability-grid: table {path}")
     return 0

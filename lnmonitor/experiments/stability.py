@@ -36,7 +36,7 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.grid import data_fingerprint
 from lnmonitor.tiny.recipe import Recipe
 
-__all__ = ["DEFAULT_OUT", "TESTBED", "Config", "record_path", "run_config", "run_testbed"]
+__all__ = ["DEFAULT_OUT", "TESTBED", "Config", "record_path", "run_config", "run_testbed", "testbed_runs"]
 
 DEFAULT_OUT = Path("runs/stability")
 RECORD = "result.json"
@@ -187,19 +187,30 @@ def _one(config: Config, seed: int, text: str, out: Path) -> dict:
     return record
 
 
-def run_testbed(
-    text: str, out: Path = DEFAULT_OUT, *, names: Sequence[str] | None = None, jobs: int = 1,
-    force: bool = False, echo: Callable[[str], None] = print,
-) -> list[Path]:
-    """Run the missing runs of ``names`` (default: the whole :data:`TESTBED`), seed 0
-    of every configuration first; returns the records' paths (finished before or now)."""
+def testbed_runs(names: Sequence[str] | None = None, shard: tuple[int, int] = (0, 1),
+                 ) -> list[tuple[str, int]]:
+    """``(configuration, seed)`` of the runs of ``names`` (default: the whole :data:`TESTBED`),
+    seed 0 of every configuration first, then every ``shard[1]``-th of them from the
+    ``shard[0]``-th.  Raises :class:`UsageError` for an unknown configuration."""
     names = list(names or TESTBED)
     unknown = [n for n in names if n not in TESTBED]
     if unknown:
         raise UsageError(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(TESTBED)}")
+    every = sorted(((n, s) for n in names for s in TESTBED[n].seeds), key=lambda r: r[1])
+    return every[shard[0]::shard[1]]
+
+
+def run_testbed(
+    text: str, out: Path = DEFAULT_OUT, *, names: Sequence[str] | None = None, jobs: int = 1,
+    force: bool = False, shard: tuple[int, int] = (0, 1), echo: Callable[[str], None] = print,
+) -> list[Path]:
+    """Run the missing runs of ``names`` (default: the whole :data:`TESTBED`), seed 0
+    of every configuration first; ``shard=(i, n)`` keeps every n-th of those runs from the
+    i-th, so n processes or machines share the testbed.  Returns the records' paths of this
+    shard's runs (finished before or now)."""
     if jobs < 1:
         raise UsageError(f"--jobs must be a positive integer, got {jobs}")
-    runs = sorted(((n, s) for n in names for s in TESTBED[n].seeds), key=lambda r: r[1])
+    runs = testbed_runs(names, shard)
     fingerprint = data_fingerprint(text)
     todo = []
     for name, seed in runs:
