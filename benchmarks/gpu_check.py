@@ -70,15 +70,15 @@ def junit_counts(path: Path) -> dict:
 
 def within(command: list[str], seconds: int) -> str:
     """Run ``command`` in the repository for at most ``seconds``; how it ended, in words
-    (a run past its time is stopped, and the check goes on to write its summary)."""
+    (a run past its time is stopped, and the check goes on to write its report)."""
     try:
         return f"exit code {subprocess.run(command, cwd=ROOT, timeout=seconds).returncode}"
     except subprocess.TimeoutExpired:
         return f"stopped after {seconds} s"
 
 
-def summary_markdown(result: dict) -> str:
-    """The markdown summary of one check (``result`` as written to gpu_check.json)."""
+def check_markdown(result: dict) -> str:
+    """The markdown report of one check (``result`` as written to gpu_check.json)."""
     v, tests = result["versions"], result["tests"]
     lines = [f"# lnmonitor on {result['device']}", "",
              f"torch {v['torch']}, Lightning {v['lightning']}, transformers {v['transformers']}, "
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         result["cost_model_table"] = table.read_text() if table.is_file() else f"(not measured: {ran})"
     result["seconds"] = time.monotonic() - start
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    (args.out / "gpu_check.md").write_text(summary_markdown(result))
-    print(summary_markdown(result))
+    (args.out / "gpu_check.md").write_text(check_markdown(result))
+    print(check_markdown(result))
     return 1 if result["tests"]["failed"] else 0
 
 

@@ -3,7 +3,7 @@
 The step-time difference that ``overhead.py`` reports (measured step minus its unmeasured
 neighbours) drowns in other tenants' load on a shared machine; this benchmark times the
 meter's own work instead: the wall time inside its backward hooks (the passes over each
-norm's rows), ``stop()`` (finishing the rows, the summary) and ``result()`` (the one host
+norm's rows), ``stop()`` (finishing the rows, the histograms) and ``result()`` (the one host
 read, the figures), summed per measured step, next to the median unmeasured step (forward,
 backward, AdamW) of the same plain loop.  It leaves out what timing cannot see (cache
 effects of the hooks on the model's own operators) and the Lightning door's logging (about

@@ -13,7 +13,7 @@ from lnmonitor.commands.cli import main
 from lnmonitor.core.norms import find_norms
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import analyze, study_ladder
-from lnmonitor.experiments.analysis_report import summary_rows, to_markdown
+from lnmonitor.experiments.analysis_report import headline_rows, to_markdown
 from lnmonitor.tiny.checkpoint import load_checkpoint
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.data import CharDataModule
@@ -45,7 +45,7 @@ def test_analyze_writes_markdown_json_and_figures(analyzed):
     for fig in FIGURES:
         assert (analyzed / f"analysis_{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (analyzed / "analysis.md").read_text()
-    for heading in ("## Summary, next to the study", "## Norm Jacobians at one row",
+    for heading in ("## Headline figures, next to the study", "## Norm Jacobians at one row",
                     "## Block versus branch rank at one position", "## Dead-plane shares",
                     "## The 1/sigma ladder", "## Final-norm invariance", "### Scale sweep"):
         assert heading in md
@@ -75,7 +75,7 @@ def test_analysis_json_is_strict_and_carries_the_findings(analyzed):
     assert set(data["invariance"]["cases"]) == {"shift_5", "shift_1000", "scale_3", "scale_3_shift_5",
                                                 "axis_5"}
     assert data["invariance"]["cases"]["axis_5"]["dloss"] != 0.0  # the control moves the loss
-    assert data["summary"][0]["quantity"].startswith("validation loss")
+    assert data["headline"][0]["quantity"].startswith("validation loss")
 
 
 def test_analyze_prints_the_compact_table(checkpoint, tmp_path, capsys):
@@ -96,12 +96,12 @@ def test_analyze_defaults_to_the_checkpoint_folder(checkpoint, tmp_path):
     assert (tmp_path / "analysis.md").is_file() and (tmp_path / "analysis.json").is_file()
 
 
-def test_summary_rows_and_markdown_from_the_api(checkpoint):
+def test_headline_rows_and_markdown_from_the_api(checkpoint):
     module, step = load_checkpoint(checkpoint)
     held_out = CharDataModule(load_corpus(), vocab=module.vocab, context=16).val_batches()
     a = analyze(module, held_out, batches=1, step=step, invariance=False)
     assert a.invariance is None and a.step == 40
-    quantities = [q for q, _, _ in summary_rows(a)]
+    quantities = [q for q, _, _ in headline_rows(a)]
     assert "block rank at one position" in quantities and "dloss: shift 5 / scale 3" not in quantities
     assert [r.name for r in a.study] == a.result.figures.rungs and a.study_sequences == 8
     assert "residual rms, first -> last (study's: global rms, 8 sequences)" in quantities

@@ -1,5 +1,5 @@
 """The GPU check's plumbing, on CPU: one line and exit 0 without CUDA, its arguments, and
-its summary read from a real pytest junit report."""
+its report read from a real pytest junit report."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_out_is_required(capsys):
     assert done.value.code == 2 and "--out" in capsys.readouterr().err
 
 
-def test_summary_from_a_real_junit_report(tmp_path):
+def test_report_from_a_real_junit_report(tmp_path):
     (tmp_path / "test_three.py").write_text(
         "import pytest\n"
         "def test_ok():\n    pass\n"
@@ -47,7 +47,7 @@ def test_summary_from_a_real_junit_report(tmp_path):
     assert failure["test"].endswith("::test_bad") and "one is not two" in failure["message"]
     result = {"device": "a GPU", "versions": gpu_check.versions(), "tests": counts, "seconds": 12.0,
               "overhead_table": "| width |\n|---|"}
-    text = gpu_check.summary_markdown(result)
+    text = gpu_check.check_markdown(result)
     assert "1 passed, 1 failed, 1 skipped" in text and "FAILED" in text and "| width |" in text
     assert f"torch {torch.__version__.split('+')[0]}" in text or f"torch {torch.__version__}" in text
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.hparams.backend_context import _sort_and_reduce_to_hparams_limit
 
-from lnmonitor.views.hparams_session import SHOWN_HPARAMS, session_summaries
+from lnmonitor.views.hparams_session import SHOWN_HPARAMS, session_protos
 
 # the hyperparameters of a train-tiny run's session: the module's, the datamodule's, the monitors'
 TRAIN_TINY = {
@@ -32,22 +32,22 @@ def test_eps_seed_and_the_monitors_columns_are_the_ones_shown():
     metric = "lnmonitor/ladder/attenuation"
     plain = shown_by_tensorboard(hparams(TRAIN_TINY, {metric: 0.0})[0].value[0].metadata)
     assert "eps" not in plain and "seed" not in plain  # torch's own session hides them
-    shown = shown_by_tensorboard(session_summaries(TRAIN_TINY, [metric])[0].value[0].metadata)
+    shown = shown_by_tensorboard(session_protos(TRAIN_TINY, [metric])[0].value[0].metadata)
     assert sorted(shown) == ["eps", "lnmonitor/eps", "lnmonitor/final_norm", "lnmonitor/norm_kind", "seed"]
 
 
 def test_a_model_of_ones_own_shows_the_monitors_columns_and_then_its_own_by_name():
     params = {"lr": 1e-3, "hidden": 512, "lnmonitor/eps": 1e-6, "lnmonitor/norm_kind": "rms",
               "lnmonitor/final_norm": "auto", "lnmonitor/width": 512}
-    shown = shown_by_tensorboard(session_summaries(params, ["m"])[0].value[0].metadata)
+    shown = shown_by_tensorboard(session_protos(params, ["m"])[0].value[0].metadata)
     assert shown == ["lnmonitor/eps", "lnmonitor/final_norm", "lnmonitor/norm_kind",  # marked, by name
                      "hidden", "lnmonitor/width"]  # then the rest by name
 
 
 def test_the_session_keeps_its_values_and_metric_order():
-    summaries = session_summaries(TRAIN_TINY, ["b", "a"])
+    protos = session_protos(TRAIN_TINY, ["b", "a"])
     data = [plugin_data_pb2.HParamsPluginData.FromString(s.value[0].metadata.plugin_data.content)
-            for s in summaries]
+            for s in protos]
     assert [m.name.tag for m in data[0].experiment.metric_infos] == ["b", "a"]
     assert data[1].session_start_info.hparams["seed"].number_value == 0
     assert data[1].session_start_info.hparams["norm"].string_value == "layer"

@@ -20,7 +20,7 @@ from lnmonitor.experiments.analysis import REFERENCE, STUDY_NOTE, Analysis
 from lnmonitor.experiments.analysis_figures import write_figures
 from lnmonitor.experiments.plotting import short_name
 
-__all__ = ["summary_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
+__all__ = ["headline_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
 
 
 def _f(value, digits: int = 3) -> str:
@@ -64,7 +64,7 @@ def _rank_at(singular_values, rtol: float) -> int:
 
 
 def _shares(a: Analysis) -> list[str]:
-    """The summary's share rows: the meter's medians and maxima against its baselines."""
+    """The headline's share rows: the meter's medians and maxima against its baselines."""
     figures = a.result.figures
     shares = [f for f, _ in a.per_norm() if f.stats.share_rows]
     above = sum(1 for f in shares if f.stats.share_max > figures.baseline(f.name)[1])
@@ -81,7 +81,7 @@ def _shares(a: Analysis) -> list[str]:
     ]
 
 
-def summary_rows(a: Analysis) -> list[tuple[str, str, str]]:
+def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
     """``(quantity, this model, study)`` rows: the compact side-by-side table.  Every figure
     of this model is the meter's (what a monitor logs), except those marked the study's."""
     width = int(a.config.get("width", 0))
@@ -213,7 +213,7 @@ def to_terminal(a: Analysis) -> str:
     """The compact tables printed by ``lnmonitor analyze``."""
     lines = _header(a) + [""]
     lines += _table(["quantity", "this model", "study"],
-                    [list(r) for r in summary_rows(a)], markdown=False)
+                    [list(r) for r in headline_rows(a)], markdown=False)
     lines += [STUDY_NOTE]
     lines += ["", "per norm (the monitors' figures: dead-plane shares of w = g * dL/dy, medians over "
               "the measured rows; gain spread at one row):"]
@@ -235,8 +235,8 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     """``analysis.md``: every table, with the figures linked (``figures``: name -> file name)."""
     md = ["# lnmonitor analyze", ""]
     md += [f"- {line}" for line in _header(a)]
-    md += ["", "## Summary, next to the study", ""]
-    md += _table(["quantity", "this model", "study"], [list(r) for r in summary_rows(a)], True)
+    md += ["", "## Headline figures, next to the study", ""]
+    md += _table(["quantity", "this model", "study"], [list(r) for r in headline_rows(a)], True)
     md += ["", "The study used a 65-symbol corpus; a different text changes the loss and the vocabulary, "
            "not the geometry being compared. " + STUDY_NOTE, ""]
 
@@ -364,7 +364,8 @@ def to_json(a: Analysis) -> dict:
                      "growth": figures.growth}
     if a.invariance is not None:
         out["invariance"] = dataclasses.asdict(a.invariance)
-    out["summary"] = [dict(zip(("quantity", "this_model", "study"), r, strict=True)) for r in summary_rows(a)]
+    columns = ("quantity", "this_model", "study")
+    out["headline"] = [dict(zip(columns, r, strict=True)) for r in headline_rows(a)]
     return finite(out)
 
 

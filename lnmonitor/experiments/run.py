@@ -146,14 +146,14 @@ def write_hparams_session(logger, recipe: Recipe, monitor: bool) -> None:
     metric values are the scalars logged under those names: :func:`log_final` writes them
     once the run is measured. eps, seed, norm, init and decay are the columns in view.
     """
-    from lnmonitor.views.hparams_session import session_summaries
+    from lnmonitor.views.hparams_session import session_protos
 
     params = {k: getattr(recipe, k) for k in HPARAM_FIELDS}
     params["monitors"] = bool(monitor)
     names = [f"{FINAL_PREFIX}/{k}" for k in FINAL_METRICS] + ["val/loss"]
     writer = logger.experiment._get_file_writer()
-    for summary in session_summaries(params, names):
-        writer.add_summary(summary)
+    for proto in session_protos(params, names):
+        writer.add_summary(proto)
     writer.flush()
 
 

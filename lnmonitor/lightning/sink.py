@@ -217,7 +217,7 @@ def _headline_rank(name: str) -> int:
 
 
 def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module) -> None:
-    from lnmonitor.views.hparams_session import session_summaries
+    from lnmonitor.views.hparams_session import session_protos
 
     params, names = {}, []
     for p, n in board.given.values():
@@ -228,8 +228,8 @@ def _write_session(logger: TensorBoardLogger, board: _Board, trainer, pl_module)
         names.append("hp_metric")
     merged = {**_flat(_module_hparams(trainer, pl_module)), **params}
     writer = logger.experiment._get_file_writer()
-    for summary in session_summaries(merged, names):  # eps, seed and the monitors' own in view
-        writer.add_summary(summary)
+    for proto in session_protos(merged, names):  # eps, seed and the monitors' own in view
+        writer.add_summary(proto)
     board.written = True
 
 

@@ -3,7 +3,7 @@
 TensorBoard's HPARAMS table shows five hyperparameter columns: those whose ``HParamInfo``
 says ``differs`` first, then by name (``attention``, ``batch_size``, ``context``,
 ``decay``, ``depth`` for the tiny GPT, with eps and seed unticked), and the first five
-metric columns in the session's order.  :func:`session_summaries` marks the first five
+metric columns in the session's order.  :func:`session_protos` marks the first five
 of :data:`FIRST_HPARAMS` that the run has, so that they are the columns shown.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from lnmonitor.core.metric_names import run_metric
 
-__all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "session_summaries"]
+__all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "session_protos"]
 
 # how many hyperparameter columns TensorBoard's HPARAMS table shows before any is ticked
 SHOWN_HPARAMS = 5
@@ -25,9 +25,9 @@ FIRST_HPARAMS = (
 )
 
 
-def session_summaries(params: Mapping, metrics: Sequence[str]) -> list:
-    """The experiment, session-start and session-end summaries of torch's ``hparams`` for
-    ``params`` and the metric columns ``metrics`` (in that order), the first
+def session_protos(params: Mapping, metrics: Sequence[str]) -> list:
+    """The experiment, session-start and session-end protos (TensorBoard's ``Summary``) of
+    torch's ``hparams`` for ``params`` and the metric columns ``metrics`` (in that order), the first
     :data:`SHOWN_HPARAMS` of :data:`FIRST_HPARAMS` present in ``params`` marked so that
     TensorBoard shows them."""
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
