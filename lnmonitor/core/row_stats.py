@@ -1,6 +1,6 @@
 """The per-norm statistics of one measured step: the rows histogrammed, then read.
 
-:func:`histogram_rows` turns one process's rows (see :mod:`lnmonitor.core.taps`) into the
+:func:`histogram_rows` turns one process's rows (see :mod:`lnmonitor.core.step_rows`) into the
 step's flat float32 vector on the device (laid out by
 :class:`~lnmonitor.core.histograms.Layout`, merged across processes by
 :func:`~lnmonitor.core.histograms.merge`); :func:`read` brings the merged vector to the host
@@ -27,7 +27,7 @@ from lnmonitor.core.histograms import (
 )
 from lnmonitor.core.reductions import row_values
 from lnmonitor.core.replicas import fingerprints
-from lnmonitor.core.taps import StepRows
+from lnmonitor.core.step_rows import StepRows
 
 __all__ = ["RowStats", "histogram_rows", "read"]
 

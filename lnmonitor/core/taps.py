@@ -15,8 +15,9 @@ other norms, and a LayerNorm with a bf16/fp16 gradient (whose rounding that iden
 cannot stand), reduce the input (:func:`~lnmonitor.core.reductions.row_raw`).  The rows
 are reduced a chunk at a time, the float32 temporaries in scratch buffers shared by every
 norm of the step and freed by :meth:`NormTap.collect`, which also finishes every call's
-raw rows together into :data:`lnmonitor.core.reductions.FIELDS` (one chain of small
-operators per step, none per norm in the backward); no ``.item()``/``.cpu()`` is called.
+raw rows together into :data:`lnmonitor.core.reductions.FIELDS`
+(:func:`lnmonitor.core.step_rows.finish_calls`: one chain of small operators per step, none
+per norm in the backward); no ``.item()``/``.cpu()`` is called.
 Forward passes without gradient (validation, probes) are ignored.  Nothing survives the
 step.
 
@@ -37,9 +38,9 @@ torch APIs these decisions use are looked up once, with a plain fallback
 The gain (``weight``, ``1 + weight``, ...) is read in the forward hook, while the model
 itself has it at hand (a sharded model gathers it for its forward).  With
 ``attach(bypass=True)`` a third hook, on the norm's *input*, compares the whole gradient
-there with the part that came through the norm (``J^T dL/dy``): what goes around it
-(``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says whether the norm
-reads the residual stream, whose input flows on past it, or a branch.  A hook never
+there with the part that came through the norm (``J^T dL/dy``, :mod:`lnmonitor.core.bypass`):
+what goes around it (``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says
+whether the norm reads the residual stream, whose input flows on past it, or a branch.  A hook never
 raises into the user's backward: an error stops the tap for the step and is kept in
 :attr:`NormTap.error`.
 """
@@ -47,53 +48,19 @@ raises into the user's backward: an error stops the tap for the step and is kept
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors, torch_internals
+from lnmonitor.core.bypass import gradient_through, on_stream_gradient
 from lnmonitor.core.hooks import Hooks, measuring
-from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.reductions import (
-    chunk_rows,
-    drop_rounding_rows,
-    finish_layernorm_backward,
-    finish_rows,
-    forward_raw,
-    layernorm_backward_raw,
-    mask_rows,
-    row_raw,
-    stack_raw,
-)
+from lnmonitor.core.reductions import chunk_rows, forward_raw, layernorm_backward_raw, row_raw
+from lnmonitor.core.step_rows import CallRecord, RawCall, StepRows, finish_calls
 
-__all__ = ["CallRecord", "NormTap", "StepRows"]
-
-
-class CallRecord(NamedTuple):
-    """One hooked call's rows in :attr:`StepRows.data`: the norm's index, how many rows, the
-    row width, the eps applied and the dead-subspace dimension."""
-
-    norm: int
-    rows: int
-    width: int
-    eps: float
-    dead_dim: int
-
-
-class _Call(NamedTuple):
-    """One measured call as its hook left it: the raw rows (``reductions.*_raw``: five per-row
-    tensors), how they are finished (``("rows", kind, width)`` or ``("layernorm", eps, width)``)
-    and the rows that are not padding (or None)."""
-
-    raw: tuple[Tensor, ...]
-    finish: tuple
-    keep: Tensor | None
-
-
-_FINISH = {"rows": finish_rows, "layernorm": finish_layernorm_backward}
+__all__ = ["NormTap"]
 
 
 @dataclass(eq=False)
@@ -115,37 +82,6 @@ class _Pending:
         self.x = self.saved = self.gain = self.keep = self.through = self.like = None
 
 
-@dataclass
-class StepRows:
-    """Per-row reductions gathered during one measured step (all on one device).
-
-    ``data`` is ``(5, rows)`` float32 (:data:`~lnmonitor.core.reductions.FIELDS`), ``records``
-    lists a :class:`CallRecord` per hooked call, in the order the gradients arrived.
-    ``order`` holds the norm indices in the order their forward first ran.  ``bypass`` maps
-    a norm index to the float32 pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)`` summed over its
-    rows, when it was measured, and ``resolution`` to the relative resolution of the
-    gradient's dtype there.  ``pads`` maps a norm index to the number of its padding rows
-    (a device tensor), ``forward_only`` holds the norms whose output got no gradient
-    (their rows carry the forward statistics alone), ``calls`` counts each norm's
-    measured calls (a module the forward calls more than once is reused), and ``unmasked``
-    holds the norms with a row mask that none of their calls' rows lined up with (every row
-    measured), and ``refused`` maps a norm to why its ``DTensor`` rows could not be read
-    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows).
-    """
-
-    data: Tensor | None
-    records: list[CallRecord]
-    order: list[int]
-    eps: dict[int, float]
-    bypass: dict[int, Tensor] = field(default_factory=dict)
-    resolution: dict[int, float] = field(default_factory=dict)
-    pads: dict[int, Tensor] = field(default_factory=dict)
-    forward_only: set[int] = field(default_factory=set)
-    calls: dict[int, int] = field(default_factory=dict)
-    unmasked: set[int] = field(default_factory=set)
-    refused: dict[int, str] = field(default_factory=dict)
-
-
 class NormTap:
     """Hooks on ``norms`` for the duration of one measured step.
 
@@ -162,14 +98,13 @@ class NormTap:
         self.row_mask: Tensor | dict[int, Tensor | None] | None = None
         self._hooks = Hooks()
         self._bypass_step = False
-        self._calls_kept: list[_Call] = []
+        self._calls_kept: list[RawCall] = []
         self._records: list[CallRecord] = []
         self._order: list[int] = []
         self._seen: set[int] = set()
         self._eps: dict[int, float] = {}
         self._bypass: dict[int, Tensor] = {}
         self._resolution: dict[int, float] = {}
-        self._pads: dict[int, Tensor] = {}
         self._forward_only: set[int] = set()
         self._unmasked: set[int] = set()
         self._refused: dict[int, str] = {}
@@ -246,7 +181,7 @@ class NormTap:
                 output.register_hook(self._guarded(self._grad_hook(index, info, box)))
             if self._bypass_step and stream.requires_grad:
                 box.awaits_input = True
-                _on_stream_gradient(stream, self._guarded(self._input_hook(index, box, x.dtype)))
+                on_stream_gradient(stream, self._guarded(self._input_hook(index, box, x.dtype)))
 
         return self._guarded(hook)
 
@@ -311,7 +246,7 @@ class NormTap:
             self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
             if self._bypass_step:
                 with torch.no_grad():
-                    box.through = _through(rows, grads, info.kind, eps, gain)
+                    box.through = gradient_through(rows, grads, info.kind, eps, gain)
 
         return hook
 
@@ -375,7 +310,7 @@ class NormTap:
     def _keep_raw(self, raw: tuple[Tensor, ...], finish: tuple, keep: Tensor | None, index: int, d: int,
                   eps: float, info: NormInfo) -> None:
         """Keep one call's raw rows until :meth:`collect` finishes them with the others."""
-        self._calls_kept.append(_Call(raw, finish, keep))
+        self._calls_kept.append(RawCall(raw, finish, keep))
         self._records.append(CallRecord(index, raw[0].shape[0], d, eps, info.dead_dim))
 
     def _scratch(self, count: int, rows: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
@@ -392,87 +327,20 @@ class NormTap:
     def collect(self) -> StepRows:
         """The rows measured since :meth:`attach`, finished, and forgotten here.  An error while
         finishing them is kept in :attr:`error` (no rows), as a hook's would be."""
-        data, records = None, []
+        data, records, pads = None, [], {}
         if self.error is None:
             try:
-                data, records = self._finish()
+                data, records, pads = finish_calls(self._calls_kept, self._records)
             except Exception as err:  # noqa: BLE001 - never stop the user's training
                 self.error = err
         rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
-                        self._pads, self._forward_only, self._calls,
-                        {i for i in self._unmasked if i not in self._pads}, self._refused)
+                        pads, self._forward_only, self._calls,
+                        {i for i in self._unmasked if i not in pads}, self._refused)
         self._calls_kept, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
-        self._resolution, self._pads, self._forward_only, self._calls = {}, {}, set(), {}
+        self._resolution, self._forward_only, self._calls = {}, set(), {}
         self._unmasked, self._refused = set(), {}
         self._workspace = []
         self._bypass_step = False
         return rows
 
-    def _finish(self) -> tuple[Tensor | None, list[CallRecord]]:
-        """The step's :data:`~lnmonitor.core.reductions.FIELDS` of every call: the calls that
-        finish alike finished together, then padding rows made nan (and counted per norm) and
-        rounding rows marked, each call against its own mean.  Returns the rows and the
-        records in their order."""
-        calls, records = self._calls_kept, self._records
-        if not calls:
-            return None, records
-        groups: dict[tuple, list[int]] = {}
-        for i, call in enumerate(calls):
-            groups.setdefault(call.finish, []).append(i)
-        parts = []
-        for (how, *key), members in groups.items():
-            parts.append(_FINISH[how](stack_raw([calls[i].raw for i in members]), *key))
-        order = [i for members in groups.values() for i in members]
-        calls, records = [calls[i] for i in order], [records[i] for i in order]
-        data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if any(call.keep is not None for call in calls):
-            keep = torch.cat([call.keep if call.keep is not None
-                              else torch.ones(record.rows, dtype=torch.bool, device=data.device)
-                              for call, record in zip(calls, records, strict=True)])
-            data = mask_rows(data, keep)
-            for call, record in zip(calls, records, strict=True):
-                if call.keep is not None:
-                    pads = call.keep.numel() - call.keep.sum()
-                    self._pads[record.norm] = pads + self._pads.get(record.norm, 0)
-        counts = [record.rows for record in records]
-        if len(set(counts)) == 1:  # the usual step: every call has the same rows
-            drop_rounding_rows(data.view(data.shape[0], len(counts), counts[0]))
-        else:
-            for chunk in torch.split(data, counts, dim=1):
-                drop_rounding_rows(chunk)
-        return data, records
-
-
-def _on_stream_gradient(x: Tensor, fn) -> None:
-    """``fn(total)`` with the whole gradient at the stream a norm reads: ``x`` itself, or, when
-    ``x`` is a dtype cast of it (``h.to(weight.dtype)``: Mamba's ``residual_in_fp32`` keeps the
-    float32 stream for the residual and casts a copy for the norm, which nothing else reads)
-    or a ``DTensor`` made of it (``SequenceParallel``'s input hook: ``DTensor.from_local`` of
-    the local rows), the tensor it was made from, whose gradient sums the norm's and the
-    residual's."""
-    node = x.grad_fn
-    if node is None or type(node).__name__ not in dtensors.STREAM_NODES or not node.next_functions:
-        x.register_hook(fn)
-        return
-    source, output = node.next_functions[0]
-    if source is None:
-        x.register_hook(fn)
-    elif hasattr(source, "variable"):  # a leaf: its AccumulateGrad node
-        source.variable.register_hook(fn)
-    else:
-        source.register_prehook(lambda grads: None if grads[output] is None else fn(grads[output]))
-
-
-def _through(x: Tensor, g: Tensor, kind: NormKind, eps: float, gain: Tensor | None) -> Tensor:
-    """``J^T dL/dy`` of a norm in float32: ``(1/sigma) (w - mean(w) - (w.xhat/d) xhat)`` with
-    ``w = gain * dL/dy`` (RMSNorm: without the mean)."""
-    x, g = x.float(), g.float()
-    w = g * gain.detach().reshape(-1).float() if gain is not None else g
-    xc = x - x.mean(-1, keepdim=True) if kind == "layer" else x
-    sigma = (xc.square().mean(-1, keepdim=True) + eps).sqrt()
-    xhat = xc / sigma
-    out = w - (w * xhat).mean(-1, keepdim=True) * xhat
-    if kind == "layer":
-        out = out - w.mean(-1, keepdim=True)
-    return out / sigma
