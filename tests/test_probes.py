@@ -15,17 +15,11 @@ from conftest import (
 from torch import nn
 
 from lnmonitor.core import random_baseline
+from lnmonitor.core.blocks import SequenceCapture, find_blocks, resolve_branch
 from lnmonitor.core.heldout import held_out_result
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
-from lnmonitor.core.probes import (
-    SequenceCapture,
-    find_blocks,
-    numerical_rank,
-    probe_block_rank,
-    probe_norm_jacobian,
-    resolve_branch,
-)
+from lnmonitor.core.probes import numerical_rank, probe_block_rank, probe_norm_jacobian
 from lnmonitor.tiny.module import TinyGPTModule
 
 

@@ -21,18 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lnmonitor.core.blocks import SequenceCapture, find_blocks
 from lnmonitor.core.hooks import Hooks, eval_mode
 from lnmonitor.core.invariance_results import InvarianceResult
 from lnmonitor.core.ladder import NormFigures
 from lnmonitor.core.meter import LadderResult
-from lnmonitor.core.probes import (
-    BlockRankProbe,
-    NormJacobianProbe,
-    SequenceCapture,
-    find_blocks,
-    probe_block_rank,
-    probe_norm_jacobian,
-)
+from lnmonitor.core.probes import BlockRankProbe, NormJacobianProbe, probe_block_rank, probe_norm_jacobian
 from lnmonitor.core.row_stats import RowStats
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out

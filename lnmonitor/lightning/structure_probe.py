@@ -17,18 +17,11 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lnmonitor.core import arguments
+from lnmonitor.core.blocks import SequenceCapture, find_blocks, resolve_branch
 from lnmonitor.core.door import guarded
 from lnmonitor.core.metric_names import probe_metric
 from lnmonitor.core.norms import NormInfo, find_norms
-from lnmonitor.core.probes import (
-    BlockRankProbe,
-    NormJacobianProbe,
-    SequenceCapture,
-    find_blocks,
-    probe_block_rank,
-    probe_norm_jacobian,
-    resolve_branch,
-)
+from lnmonitor.core.probes import BlockRankProbe, NormJacobianProbe, probe_block_rank, probe_norm_jacobian
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 
 __all__ = ["ProbeResult", "StructureProbe"]
