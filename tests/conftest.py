@@ -212,6 +212,15 @@ def events(log_dir):
     return acc
 
 
+def hparams_columns(log_dir) -> list[str]:
+    """The metric columns of a run's HPARAMS session in its order (the first session: TensorBoard's)."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    experiment = events(log_dir).SummaryMetadata("_hparams_/experiment")
+    content = plugin_data_pb2.HParamsPluginData.FromString(experiment.plugin_data.content)
+    return [m.name.tag for m in content.experiment.metric_infos]
+
+
 def scalars(acc) -> dict[str, dict[int, float]]:
     """``{tag: {step: value}}`` of every scalar in an EventAccumulator."""
     return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}

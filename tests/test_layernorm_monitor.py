@@ -25,6 +25,7 @@ from conftest import (
     fit,
     float64_reference,
     gpt,
+    hparams_columns,
     loader,
     monitor,
     scalars,
@@ -463,3 +464,67 @@ def test_every_fit_logs_the_ladder_positions_and_layouts_a_fit_resumed_into_a_ne
     curves = read_scalars(old)
     assert ladder_of(curves) == (NORMS, [])
     assert "the ladder at step 5 (4 measured steps, the first at 0" in summary_text(curves, "resumed")
+
+
+class EmbeddingNormed(TinyGPTModule):
+    """BLOOM's pattern, its norm registered last: the embeddings normed before the blocks, so
+    module order ends with a norm that is not on the ladder."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.model.emb_norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x, y=None):
+        m = self.model
+        h = m.emb_norm(m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1])))
+        for block in m.blocks:
+            h = block(h)
+        logits = m.head(m.lnf(h))
+        return logits, None if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+class FinalNormFirst(TinyGPTModule):
+    """The final norm registered before the blocks: module order starts with it, the forward ends with it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        m = self.model
+        blocks, lnf, head = m.blocks, m.lnf, m.head
+        del m.blocks, m.lnf, m.head
+        m.lnf, m.blocks, m.head = lnf, blocks, head
+
+
+def test_the_hparams_columns_name_the_final_norm_the_meter_finds(tmp_path):
+    """The session is written when the fit starts, before a step shows the roles: its columns name
+    the final norm the meter's rule expects then (an embedding norm registered last is none), a
+    resumed fit's from the forward order in the checkpoint; when the first step finds another,
+    that is said once, with the final_norm= that names it."""
+    def run(cls, version, steps=3, ckpt_path=None, **kw):
+        data, _ = char_data(8)
+        module = cls(data.vocab.chars, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=8)
+        mon = LayerNormMonitor(every_n_steps=2, images=False, summary=False, **kw)
+        tb = TensorBoardLogger(tmp_path, name=cls.__name__, version=version)
+        save = ModelCheckpoint(dirpath=tmp_path / f"{cls.__name__}{version}", save_last=True, save_top_k=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(steps, [mon, save], logger=tb, enable_checkpointing=True).fit(
+                module, datamodule=data, ckpt_path=ckpt_path)
+        final = next(n.name for n in mon.norms if n.role == "final")
+        said = [str(w.message) for w in caught if "HPARAMS tab's columns" in str(w.message)]
+        return hparams_columns(tb.log_dir), final, said
+
+    def named(norm):
+        return [f"lnmonitor/log10_eps_over_var/{norm}", f"lnmonitor/share_median/{norm}"]
+
+    columns, final, said = run(EmbeddingNormed, 0)
+    assert final == "model.lnf" and set(named(final)) <= set(columns) and said == []
+    assert not any("emb_norm" in c for c in columns)
+
+    columns, final, said = run(FinalNormFirst, 0)  # module order cannot tell: said once
+    assert final == "model.lnf" and set(named("model.blocks.1.ln2")) <= set(columns)
+    assert len(said) == 1 and "the final norm is 'model.lnf'; pass final_norm='model.lnf'" in said[0]
+    ckpt = tmp_path / "FinalNormFirst0" / "last.ckpt"
+    columns, final, said = run(FinalNormFirst, 1, steps=6, ckpt_path=ckpt)  # resumed into a new log
+    assert final == "model.lnf" and set(named(final)) <= set(columns) and said == []
+    columns, _, said = run(FinalNormFirst, 2, final_norm="model.lnf")
+    assert set(named("model.lnf")) <= set(columns) and said == []

@@ -17,7 +17,7 @@ from torch import nn
 from lnmonitor.core.geometry import row_stats
 from lnmonitor.core.norms import discover_norms, find_norms, select_norms
 from lnmonitor.core.registry import register_norm, unregister_norm
-from lnmonitor.core.roles import assign_roles
+from lnmonitor.core.roles import assign_roles, expected_final
 
 # ---------------------------------------------------------------------------
 # discovery
@@ -277,3 +277,16 @@ def test_roles_from_what_the_gradient_does_at_each_input():
     # ladder= names the rungs; the last of them is the final norm
     assert [n.role for n in assign_roles(norms, bypass, ladder=["0", "2"])] == [
         "residual", "post", "final", "post", "post"]
+
+
+def test_the_final_norm_expected_before_a_step_is_assign_roles_rule_without_a_gradient():
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.LayerNorm(8) for _ in range(2))
+    model.lnf = nn.LayerNorm(8)
+    model.emb_norm = nn.LayerNorm(8)  # registered last, run first: named for the embeddings, no rung
+    norms = find_norms(model)
+    assert [n.name for n in norms][-1] == "emb_norm" and expected_final(norms) == "lnf"
+    assert expected_final(norms, final_norm="blocks.1") == "blocks.1"  # named: that one
+    assert expected_final(norms, ladder=["blocks.*"]) == "blocks.1"  # the ladder's last rung
+    assert expected_final(norms[::-1]) == "blocks.0"  # the order given is the forward order
+    assert expected_final([n for n in norms if n.name == "emb_norm"]) is None  # no rung, no final

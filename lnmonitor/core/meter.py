@@ -325,18 +325,18 @@ class LadderMeter:
     def rungs(self) -> list[str]:
         """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
         role = {info.name: info.role for info in self.norms}
-        return [name for name in self._forward_order()
+        return [name for name in self.forward_order()
                 if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused
                 and name not in self.refused]
 
-    def _forward_order(self) -> list[str]:
-        """The norms' names in the order they ran, those that did not run after them."""
+    def forward_order(self) -> list[str]:
+        """The norms' names in the order they ran (:attr:`order`, a door may restore it), the rest after."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, row_stats: list[RowStats]) -> None:
         """Which norms are rungs, from what this step's gradient does at each norm's input."""
         by_name = {n.name: n for n in self.norms}
-        ordered = [by_name[n] for n in self._forward_order()]
+        ordered = [by_name[n] for n in self.forward_order()]
         bypass = {info.name: s.bypass for info, s in zip(self.norms, row_stats, strict=True)}
         # a low-precision gradient rounds: what goes around a norm is measured to about its
         # resolution (bfloat16: 2^-7), so a branch norm's rounding is not read as a residual path

@@ -14,7 +14,7 @@ from lnmonitor.core.norms import NormInfo
 
 __all__ = [
     "EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "STACK_NAMES",
-    "assign_roles", "stacks",
+    "assign_roles", "expected_final", "stacks",
 ]
 
 
@@ -134,3 +134,18 @@ def assign_roles(
         return by_name(info.name)
 
     return [info.with_role(role(info)) for info in norms]
+
+
+def expected_final(
+    norms: Sequence[NormInfo], ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
+) -> str | None:
+    """The final norm of the model's ladder before any gradient is measured: :func:`assign_roles`'s
+    rule on what is known then.  ``final_norm`` when named; else the last rung with no gradient
+    measured (a norm not named for the embeddings, or one the ``ladder`` patterns name) of
+    ``norms``, in forward order as far as it is known (a resumed run's order, else module order).
+    None when there is no rung.  A measured step may find otherwise: the last norm's input may
+    flow on past it (no final norm), or module order may not be the order the forward runs."""
+    if final_norm is not None:
+        return final_norm
+    rungs = [n.name for n in assign_roles(norms, None, ladder) if n.role in RUNGS]
+    return rungs[-1] if rungs else None

@@ -20,11 +20,13 @@ from lnmonitor.core import arguments
 from lnmonitor.core.door import due, guarded
 from lnmonitor.core.findings import door_reader, health
 from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, ladder_metric, per_norm, run_metric
+from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
+from lnmonitor.core.roles import expected_final
 from lnmonitor.core.row_stats import RowStats
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
+from lnmonitor.views.hparams_session import columns_message, monitor_columns
 from lnmonitor.views.pictures import over_training_picture, step_picture
 from lnmonitor.views.summary import Trail, summary_text
 
@@ -207,6 +209,7 @@ class LayerNormMonitor(MonitorCallback):
         self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
         self._last_picture: float = -math.inf  # the step of the last ladder picture
         self._positions = True  # the ladder positions go with the fit's first logged step
+        self._columns: str | None = None  # the norm the HPARAMS columns name, until a step checks it
         self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
 
     @property
@@ -253,7 +256,13 @@ class LayerNormMonitor(MonitorCallback):
                 warn=self._warn,
             )
         self.meter.order = list(self._order)
-        self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module))
+        # TensorBoard keeps the session written now, before a step has found the roles: its columns
+        # name the final norm the meter's rule expects from what is known (checked at the first step)
+        by_name = {n.name: n for n in self.meter.norms}
+        self._columns = expected_final([by_name[n] for n in self.meter.forward_order()], self.ladder,
+                                       self.final_norm)
+        if not self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
+            self._columns = None
         last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         self._last_step = int(last) - 1 if math.isfinite(last) else None
 
@@ -323,6 +332,8 @@ class LayerNormMonitor(MonitorCallback):
         if result is None:
             return
         self.last_row_stats = result.row_stats
+        if self._positions:  # the fit's first measured step: the roles are known
+            self._check_columns(result.figures.final)
         metrics = result.metrics(positions=self._positions)
         metrics.update(health(self.findings, step, result, lambda: setattr(trainer, "should_stop", True)))
         logged = self._sink.log(
@@ -338,22 +349,15 @@ class LayerNormMonitor(MonitorCallback):
                 self._last_picture = step
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
-        norms = self.norms
         dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
-        kinds = sorted({n.kind for n in norms})
-        epss = sorted({n.eps(dtype) for n in norms})
-        widths = sorted({n.width for n in norms if n.width is not None})
-        params = {
-            run_metric("norm_kind"): ",".join(kinds),
-            run_metric("eps"): epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
-            run_metric("width"): widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
-            run_metric("n_norms"): len(norms),
-            run_metric("every_n_steps"): self.every_n_steps,
-        }
-        last = self.final_norm or norms[-1].name
-        metrics = [ladder_metric("attenuation"), per_norm("log10_eps_over_var", last),
-                   per_norm("share_median", last), ladder_metric("growth")]
-        return params, metrics
+        return monitor_columns(self.norms, dtype, self.every_n_steps, self._columns)
+
+    def _check_columns(self, final: str | None) -> None:
+        """Say once when the HPARAMS columns name a norm that the first measured step did not find
+        to be the final norm."""
+        named, self._columns = self._columns, None
+        if named is not None and named != final:
+            self._warn("columns", columns_message("LayerNormMonitor", named, final))
 
     def _histograms(self, writer, step: int, result: LadderResult) -> None:
         for i, (info, s) in enumerate(zip(result.norms, result.row_stats, strict=True)):

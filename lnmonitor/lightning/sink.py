@@ -92,20 +92,22 @@ class MetricSink:
                 if not board.written:
                     board.expected.add(self)
 
-    def give_hparams(self, trainer, pl_module, params: dict[str, Any], metrics: list[str]) -> None:
+    def give_hparams(self, trainer, pl_module, params: dict[str, Any], metrics: list[str]) -> bool:
         """This callback's columns of the run's HPARAMS session.  TensorBoard keeps a run's
         first session and Lightning writes the module's right after ``on_fit_start``, so the
         session -- the module's and datamodule's hyperparameters plus every lnmonitor
-        callback's -- is written when the last sink announced at setup has given its share."""
-        if not trainer.is_global_zero:
-            return
-        for logger in _tensorboard_loggers(trainer):
+        callback's -- is written when the last sink announced at setup has given its share.
+        True when a TensorBoard run's session takes them (global rank zero)."""
+        taken = False
+        for logger in _tensorboard_loggers(trainer) if trainer.is_global_zero else ():
             board = _board(logger)
             if board.written:
                 continue
             board.given[self] = (params, metrics)
+            taken = True
             if all(sink in board.given for sink in board.expected):
                 _write_session(logger, board, trainer, pl_module)
+        return taken
 
     def add_layout(self, categories: dict[str, dict]) -> None:
         """Custom-scalars categories, written to each TensorBoard run with the first log there."""

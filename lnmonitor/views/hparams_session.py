@@ -5,15 +5,16 @@ says ``differs`` first, then by name (``attention``, ``batch_size``, ``context``
 ``decay``, ``depth`` for the tiny GPT, with eps and seed unticked), and the first five
 metric columns in the session's order.  :func:`session_protos` marks the first five
 of :data:`FIRST_HPARAMS` that the run has, so that they are the columns shown.
+:func:`monitor_columns` is the LayerNormMonitor's share of the session.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lnmonitor.core.metric_names import run_metric
+from lnmonitor.core.metric_names import ladder_metric, per_norm, run_metric
 
-__all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "session_protos"]
+__all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "columns_message", "monitor_columns", "session_protos"]
 
 # how many hyperparameter columns TensorBoard's HPARAMS table shows before any is ticked
 SHOWN_HPARAMS = 5
@@ -41,3 +42,36 @@ def session_protos(params: Mapping, metrics: Sequence[str]) -> list:
         info.differs = info.name in shown
     plugin_data.content = content.SerializeToString()
     return [experiment, start, end]
+
+
+def monitor_columns(norms: Sequence, dtype, every_n_steps: int | None,
+                    final: str | None) -> tuple[dict, list[str]]:
+    """The LayerNormMonitor's share of a run's session: the measured ``norms``' kind, eps (in
+    ``dtype``), width and count and the cadence as hyperparameters; the ladder's attenuation and
+    growth and, when ``final`` names the final norm expected, its log10 eps/var and median share
+    as metric columns."""
+    kinds = sorted({n.kind for n in norms})
+    epss = sorted({n.eps(dtype) for n in norms})
+    widths = sorted({n.width for n in norms if n.width is not None})
+    params = {
+        run_metric("norm_kind"): ",".join(kinds),
+        run_metric("eps"): epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
+        run_metric("width"): widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
+        run_metric("n_norms"): len(norms),
+        run_metric("every_n_steps"): every_n_steps,
+    }
+    metrics = [ladder_metric("attenuation"), ladder_metric("growth")]
+    if final is not None:
+        metrics[1:1] = [per_norm("log10_eps_over_var", final), per_norm("share_median", final)]
+    return params, metrics
+
+
+def columns_message(owner: str, named: str, final: str | None) -> str:
+    """What is said when the session's columns name ``named`` and a measured step then found the
+    final norm to be ``final`` (None: no final norm): module order is not the order the forward
+    runs, or the last norm's input flows on past it."""
+    found = (f"the final norm is {final!r}; pass final_norm={final!r} to have its columns there" if final
+             else "the model has no final norm (the last norm's input flows on past it)")
+    return (f"{owner}: the HPARAMS tab's columns show {named!r}'s eps/var and share, the final norm "
+            "expected when the fit started (TensorBoard keeps the session written then, before a step "
+            f"could show the roles), but {found}. Said once.")
