@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,68 @@ def test_analyze_writes_markdown_json_and_figures(analyzed):
     assert "![shares](analysis_shares.png)" in md
 
 
+def md_table(md: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the first table after ``heading``, as ``{column: cell}``."""
+    lines = md.split(heading + "\n", 1)[1].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    header, _, *rows = ([c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[start:end])
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text)]
+
+
+def near(printed: float, value: float, decimals: int = 3) -> bool:
+    """``printed`` is ``value`` to the digits shown: ``decimals``, or 2 significant figures below 1e-3."""
+    if abs(value) < 1e-3:
+        return math.isclose(printed, value, rel_tol=0.05)
+    return math.isclose(printed, value, abs_tol=0.5 * 10**-decimals)
+
+
+def test_the_markdown_tables_are_the_meters_figures(analyzed):
+    """Every number of the share and ladder tables, the attenuation and growth line and the
+    summary's ladder and share rows is the meter's figure under the name a monitor logs it
+    (analysis.json's metrics), row by row, and the ratios are the rungs' own."""
+    md = (analyzed / "analysis.md").read_text()
+    data = json.loads((analyzed / "analysis.json").read_text())
+    m, rungs = data["metrics"], data["ladder"]["rungs"]
+    first, last, final = rungs[0], rungs[-1], data["ladder"]["final"]
+    shares = md_table(md, "## Dead-plane shares")
+    assert [r["norm"] for r in shares] == [n.removeprefix("model.") for n in rungs]
+    for row, name in zip(shares, rungs, strict=True):
+        for column, stat in (("median", "share_median"), ("p90", "share_p90"), ("max", "share_max")):
+            assert near(float(row[column]), m[f"lnmonitor/{stat}/{name}"]), (name, column, row)
+        assert near(float(row["random max"]), m["lnmonitor/share_baseline/max"]), row
+        assert int(row["rows"]) == data["rows"]
+    ladder = md_table(md, "## The 1/sigma ladder")
+    assert [r["norm"] for r in ladder] == [n.removeprefix("model.") for n in rungs]
+    for row, name in zip(ladder, rungs, strict=True):
+        for column, stat in (("rms", "rms"), ("sigma", "sigma"), ("1/sigma", "inv_sigma")):
+            assert near(float(row[column]), m[f"lnmonitor/{stat}/{name}"]), (name, column, row)
+        assert near(float(row["eps/v"]), m[f"lnmonitor/eps_over_var/{name}"]), (name, row)
+    attenuation = m[f"lnmonitor/inv_sigma/{first}"] / m[f"lnmonitor/inv_sigma/{last}"]
+    growth = m[f"lnmonitor/rms/{last}"] / m[f"lnmonitor/rms/{first}"]
+    assert abs(attenuation - growth) > 0.002  # the two ratios are told apart
+    line = next(ln for ln in md.splitlines() if ln.startswith("Attenuation 1/sigma(first)"))
+    shown = numbers(line)[-2:]
+    assert near(shown[0], attenuation) and near(shown[1], growth), line
+    summary = {r["quantity"]: r["this model"] for r in md_table(md, "## Summary, next to the study")}
+    inv = numbers(summary["1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)"])
+    rms = numbers(summary["residual rms, first -> last rung (ours: median row; growth)"])
+    assert near(inv[0], m[f"lnmonitor/inv_sigma/{first}"]) and near(inv[1], m[f"lnmonitor/inv_sigma/{last}"])
+    assert near(rms[0], m[f"lnmonitor/rms/{first}"], 2) and near(rms[1], m[f"lnmonitor/rms/{last}"], 2)
+    assert near(inv[2], attenuation, 1) and near(rms[2], growth, 1)
+    medians = [m[f"lnmonitor/share_median/{n}"] for n in rungs]
+    low, high, random = numbers(summary["median share, per norm"])
+    assert near(low, min(medians)) and near(high, max(medians))
+    assert near(random, m["lnmonitor/share_baseline/median"])
+    final_max = numbers(summary["final norm max share"])
+    assert near(final_max[0], m[f"lnmonitor/share_max/{final}"])
+    assert near(final_max[1], m["lnmonitor/share_baseline/max"])
+
+
 def test_analysis_json_is_strict_and_carries_the_findings(analyzed):
     data = json.loads((analyzed / "analysis.json").read_text(),
                       parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -87,6 +150,22 @@ def test_analyze_prints_the_compact_table(checkpoint, tmp_path, capsys):
     assert "block vs branch Jacobian at position 5" in out and "numpy matrix_rank default" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis.json", "analysis.md"]
     assert len(out.splitlines()) < 45
+    # the per-norm table is the meter's figures (analysis.json's metrics), row by row
+    data = json.loads((tmp_path / "analysis.json").read_text())
+    m, rungs = data["metrics"], data["ladder"]["rungs"]
+    lines = out.split("\nper norm (", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    assert [ln.split()[0] for ln in lines] == [n.removeprefix("model.") for n in rungs]
+    columns = ("share_median", "share_p90", "share_max", None, None, "rms", "inv_sigma", "eps_over_var")
+    for line, name in zip(lines, rungs, strict=True):
+        cells = line.split()[2:]
+        for cell, stat in zip(cells, columns, strict=False):
+            if stat:
+                assert near(float(cell), m[f"lnmonitor/{stat}/{name}"], 2 if stat == "rms" else 3), (
+                    name, stat, line)
+    # the block table: the ranks probed at --position 5
+    rows = out.split("block vs branch Jacobian at position 5", 1)[1].splitlines()[3:]
+    for row, block in zip(rows, data["blocks"], strict=False):
+        assert row.split()[1] == f"{block['block_rank']}/{block['width']}" and data["position"] == 5
 
 
 def test_analyze_defaults_to_the_checkpoint_folder(checkpoint, tmp_path):
