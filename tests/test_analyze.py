@@ -100,17 +100,18 @@ def test_the_markdown_tables_are_the_meters_figures(analyzed):
     line = next(ln for ln in md.splitlines() if ln.startswith("Attenuation 1/sigma(first)"))
     shown = numbers(line)[-2:]
     assert near(shown[0], attenuation) and near(shown[1], growth), line
-    summary = {r["quantity"]: r["this model"] for r in md_table(md, "## Summary, next to the study")}
-    inv = numbers(summary["1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)"])
-    rms = numbers(summary["residual rms, first -> last rung (ours: median row; growth)"])
+    table = md_table(md, "## Headline figures, next to the study")
+    headline = {r["quantity"]: r["this model"] for r in table}
+    inv = numbers(headline["1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)"])
+    rms = numbers(headline["residual rms, first -> last rung (ours: median row; growth)"])
     assert near(inv[0], m[f"lnmonitor/inv_sigma/{first}"]) and near(inv[1], m[f"lnmonitor/inv_sigma/{last}"])
     assert near(rms[0], m[f"lnmonitor/rms/{first}"], 2) and near(rms[1], m[f"lnmonitor/rms/{last}"], 2)
     assert near(inv[2], attenuation, 1) and near(rms[2], growth, 1)
     medians = [m[f"lnmonitor/share_median/{n}"] for n in rungs]
-    low, high, random = numbers(summary["median share, per norm"])
+    low, high, random = numbers(headline["median share, per norm"])
     assert near(low, min(medians)) and near(high, max(medians))
     assert near(random, m["lnmonitor/share_baseline/median"])
-    final_max = numbers(summary["final norm max share"])
+    final_max = numbers(headline["final norm max share"])
     assert near(final_max[0], m[f"lnmonitor/share_max/{final}"])
     assert near(final_max[1], m["lnmonitor/share_baseline/max"])
 
