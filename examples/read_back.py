@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 
 from lnmonitor.core.metric_names import parse, per_norm
-from lnmonitor.experiments.plotting import short_name
 from lnmonitor.views.events import read_run
+from lnmonitor.views.names import short_names
 from lnmonitor.views.plotting import new_figure, save_png
 
 
@@ -26,16 +26,17 @@ def main() -> None:
               if (metric := parse(tag)) is not None and metric[:2] == ("norm", "inv_sigma")}
     if not ladder:
         raise SystemExit(f"no lnmonitor/inv_sigma/* metrics in {args.run}")
+    short = dict(zip(ladder, short_names(list(ladder)), strict=True))  # without their shared prefix
     print(f"{'norm':40s} {'step':>6s} {'1/sigma':>8s} {'rms':>8s} {'share median':>12s}")
     for norm, points in ladder.items():
         step, value = points[-1]
         rms = dict(curves.get(per_norm("rms", norm), [])).get(step, float("nan"))
         share = dict(curves.get(per_norm("share_median", norm), [])).get(step, float("nan"))
-        print(f"{short_name(norm):40s} {step:6d} {value:8.3f} {rms:8.3f} {share:12.4f}")
+        print(f"{short[norm]:40s} {step:6d} {value:8.3f} {rms:8.3f} {share:12.4f}")
     fig = new_figure(7, 4)
     ax = fig.add_subplot()
     for norm, points in ladder.items():
-        ax.plot(*zip(*points, strict=True), label=short_name(norm))
+        ax.plot(*zip(*points, strict=True), label=short[norm])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("1/sigma")
     ax.set_yscale("log")

@@ -130,21 +130,6 @@ def test_summarize_bad_input_is_one_line_and_exit_code_2(case, logdir, tmp_path,
     assert expected[case] in captured.err
 
 
-def test_names_lose_their_shared_prefix_and_a_cut_is_marked():
-    from lnmonitor.views.summary import name_prefix, short_names
-
-    names = ["model.model.layers.0.post_attention_layernorm", "model.model.norm"]
-    assert name_prefix(names) == "model.model."
-    assert short_names(names) == ["layers.0.post_attention_layernorm", "norm"]
-    assert short_names(["model.lnf"]) == ["lnf"]  # a lone name keeps its last part
-    assert short_names(["a.x", "b.x"]) == ["a.x", "b.x"]  # nothing shared, nothing dropped
-    cut = short_names(["m.layers.10.post_feedforward_layernorm", "m.norm"], width=20)[0]
-    assert len(cut) == 20 and "..." in cut
-    head, tail = cut.split("...")
-    assert "layers.10.post_feedforward_layernorm".startswith(head) and tail and (
-        "layers.10.post_feedforward_layernorm".endswith(tail))
-
-
 def test_a_llama_run_reads_by_its_names_in_the_table_and_the_share_plot(tmp_path, capsys, monkeypatch):
     """A transformers Llama held as ``self.model`` (names like
     model.model.layers.0.post_attention_layernorm): every name whole in the table, and the

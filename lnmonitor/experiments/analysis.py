@@ -31,6 +31,7 @@ from lnmonitor.core.row_stats import RowStats
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import measure_held_out
 from lnmonitor.tiny.model import TinyGPT
+from lnmonitor.views.names import short_name
 
 __all__ = [
     "REFERENCE", "STUDY_NOTE", "STUDY_SEQUENCES", "Analysis", "StudyRung", "analyze", "stream_labels",
@@ -133,6 +134,11 @@ class Analysis:
         """The ladder's rungs' figures, in forward order (the final norm last)."""
         by_name = self.result.figures.by_name()
         return [by_name[name] for name in self.result.figures.rungs]
+
+    def short(self, name: str) -> str:
+        """``name`` as this analysis's tables and figures show it, beside the other measured
+        norms (:func:`lnmonitor.views.names.short_name`)."""
+        return short_name(name, [info.name for info in self.result.norms])
 
     def per_norm(self) -> list[tuple[NormFigures, RowStats]]:
         """Every measured norm's figures and row statistics (with its histograms), in the meter's order."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from lnmonitor.core import geometry, random_baseline
 from lnmonitor.experiments.analysis import Analysis
-from lnmonitor.experiments.plotting import scatter_sweep, short_name, sweep_legend
+from lnmonitor.experiments.plotting import scatter_sweep, sweep_legend
 from lnmonitor.views.plotting import new_figure, save_png
 
 __all__ = ["write_figures"]
@@ -35,7 +35,7 @@ def _fig_spectrum(a: Analysis, path: Path) -> None:
                 label="without gain: 1/sigma (closed form)")
     ax.set_xlabel("index (descending)")
     ax.set_ylabel("singular value")
-    ax.set_title(f"{short_name(n.name)}: Jacobian spectrum at one row (gain spread {n.gain_spread:.2f}x)")
+    ax.set_title(f"{a.short(n.name)}: Jacobian spectrum at one row (gain spread {n.gain_spread:.2f}x)")
     ax.legend(fontsize=8)
     save_png(fig, path)
 
@@ -61,7 +61,7 @@ def _fig_shares(a: Analysis, path: Path) -> None:
                     label="random direction")
         ax.axvline(base_max, color="k", ls=":", lw=1, label="random max, same rows")
         ax.axvline(f.stats.share_max, color="C3", lw=1, label="observed max")
-        ax.set_title(short_name(f.name), fontsize=9)
+        ax.set_title(a.short(f.name), fontsize=9)
         ax.set_ylabel("density", fontsize=7)
         ax.tick_params(labelsize=7)
         if i == 0:
@@ -77,7 +77,7 @@ def _fig_ladder(a: Analysis, path: Path) -> None:
     ax = fig.add_subplot()
     ax.plot(x, [r.rms for r in rungs], "o-", label="rms of the stream")
     ax.plot(x, [r.inv_sigma for r in rungs], "s-", label="1/sigma of the norm reading it")
-    ax.set_xticks(x, [short_name(r.name) for r in rungs], rotation=35, ha="right", fontsize=7)
+    ax.set_xticks(x, [a.short(r.name) for r in rungs], rotation=35, ha="right", fontsize=7)
     ax.set_xlabel("rung: the norm reading the stream, in forward order")
     ax.set_ylabel("rms, 1/sigma (log scale)")
     ax.set_yscale("log")
@@ -103,7 +103,7 @@ def _fig_sweep(a: Analysis, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("eps / v at the final norm (after scaling by a)")
     ax.set_ylabel("|delta loss|, nats")
-    ax.set_title(f"scale sweep of {short_name(inv.final_norm)}")
+    ax.set_title(f"scale sweep of {a.short(inv.final_norm)}")
     sweep_legend(ax, reasons, lines)
     save_png(fig, path)
 

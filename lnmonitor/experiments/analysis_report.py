@@ -18,7 +18,6 @@ from lnmonitor.core.files import finite
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import REFERENCE, STUDY_NOTE, Analysis
 from lnmonitor.experiments.analysis_figures import write_figures
-from lnmonitor.experiments.plotting import short_name
 
 __all__ = ["headline_rows", "to_json", "to_markdown", "to_terminal", "write_outputs"]
 
@@ -99,14 +98,14 @@ def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
                 f"{_f(min(b.block_sv_min for b in a.blocks))} .. {_f(max(b.block_sv_max for b in a.blocks))}",
                 "(one block: next row)",
             ),
-            (f"block singular values, {short_name(first.name)} alone",
+            (f"block singular values, {a.short(first.name)} alone",
              f"{_f(first.block_sv_min)} .. {_f(first.block_sv_max)}", REFERENCE["block_sv"]),
             (
                 f"branch rank ({first.branch})",
                 f"{_range(b.branch_rank for b in a.blocks)} ({loose} at rtol 1e-6)",
                 REFERENCE["branch_rank"],
             ),
-            (f"branch rank, {short_name(first.name)}, sv > {width} x 2^-23 s_max (torch's float32 default)",
+            (f"branch rank, {a.short(first.name)}, sv > {width} x 2^-23 s_max (torch's float32 default)",
              str(_rank_at(first.branch_singular_values, float32_rtol(width))), REFERENCE["branch_rank"]),
         ]
     rungs, figures = a.rungs, a.result.figures
@@ -184,7 +183,7 @@ def _norm_rows(a: Analysis) -> list[list[str]]:
     for f, _ in a.per_norm():
         s, n = f.stats, probes.get(f.name)
         out.append([
-            short_name(f.name), roles.get(f.name) or "-", _f(s.share_median), _f(s.share_p90),
+            a.short(f.name), roles.get(f.name) or "-", _f(s.share_median), _f(s.share_p90),
             _f(s.share_max),
             _f(a.result.figures.baseline(f.name)[1]), _cost(s.share_median), _f(f.rms, 2), _f(f.inv_sigma),
             _f(f.eps_over_var, 1), _f(n.gain_spread, 2) if n else "-",
@@ -222,7 +221,7 @@ def to_terminal(a: Analysis) -> str:
         lines += ["", f"block vs branch Jacobian at position {a.position} ({a.blocks[0].rank_rule}):"]
         lines += _table(
             ["block", "rank", "sv min", "sv max", "branch", "rank", "@rtol 1e-6", "sv min", "sv max"],
-            [[short_name(b.name), f"{b.block_rank}/{b.width}", _f(b.block_sv_min), _f(b.block_sv_max),
+            [[a.short(b.name), f"{b.block_rank}/{b.width}", _f(b.block_sv_min), _f(b.block_sv_max),
               b.branch, f"{b.branch_rank}/{b.width}", str(_rank_at(b.branch_singular_values, 1e-6)),
               _f(b.branch_sv_min), _f(b.branch_sv_max)]
              for b in a.blocks],
@@ -248,7 +247,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     md += _table(
         ["norm", "max abs error", "max abs entry", "rank (eps)", "rank (eps=0)", "1/sigma at this row",
          "transmission eps/(v+eps) at this row", "gain spread", "gain sv min .. max"],
-        [[short_name(n.name), _f(n.max_abs_error, 1), _f(n.max_abs_entry), f"{n.rank}/{n.width}",
+        [[a.short(n.name), _f(n.max_abs_error, 1), _f(n.max_abs_entry), f"{n.rank}/{n.width}",
           f"{n.rank_eps0}/{n.width}", _f(n.inv_sigma), _f(n.transmission, 2), _f(n.gain_spread, 3),
           f"{_f(n.gain_sv_min)} .. {_f(n.gain_sv_max)}"] for n in a.norms],
         True,
@@ -259,7 +258,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
                f"Rank rule: {a.blocks[0].rank_rule}.", ""]
         md += _table(
             ["block", "rank", "tol", "sv min", "sv max", "branch", "rank", "tol", "sv min", "sv max"],
-            [[short_name(b.name), f"{b.block_rank}/{b.width}", _f(b.block_tol, 2), _f(b.block_sv_min),
+            [[a.short(b.name), f"{b.block_rank}/{b.width}", _f(b.block_tol, 2), _f(b.block_sv_min),
               _f(b.block_sv_max), b.branch, f"{b.branch_rank}/{b.width}", _f(b.branch_tol, 2),
               _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks],
             True,
@@ -274,7 +273,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
                f"({rtols_note}):", ""]
         md += _table(
             ["block", *(f"block @{r:.2g}" for r in rtols), *(f"branch @{r:.2g}" for r in rtols)],
-            [[short_name(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in rtols),
+            [[a.short(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in rtols),
               *(str(_rank_at(b.branch_singular_values, r)) for r in rtols)] for b in a.blocks],
             True,
         )
@@ -290,14 +289,14 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
         md += _table(
             ["norm", "rms, median row (ours)", "global rms (study)", "sigma, median row (ours)",
              "median unbiased std (study)"],
-            [[short_name(r.name), _f(ours[r.name].rms), _f(r.rms), _f(ours[r.name].sigma), _f(r.std)]
+            [[a.short(r.name), _f(ours[r.name].rms), _f(r.rms), _f(ours[r.name].sigma), _f(r.std)]
              for r in a.study],
             True,
         )
     inv = a.invariance
     if inv is not None:
         md += ["", "## Final-norm invariance", "",
-               f"Final norm {short_name(inv.final_norm)} ({inv.kind}, eps {inv.eps:g}), {inv.rows} rows, "
+               f"Final norm {a.short(inv.final_norm)} ({inv.kind}, eps {inv.eps:g}), {inv.rows} rows, "
                f"base loss {inv.base_loss:.4f}.", ""]
         md += _table(
             ["case", "dloss", "max dlogit", "norm-output residual", "expected |a sigma/sigma_a - 1|"],
@@ -329,7 +328,7 @@ def _share_section(a: Analysis) -> list[str]:
     rows = []
     for f, _ in a.per_norm():
         s, (base_median, base_max) = f.stats, a.result.figures.baseline(f.name)
-        rows.append([short_name(f.name), str(s.share_rows), str(s.skipped_rows), _f(s.share_median),
+        rows.append([a.short(f.name), str(s.share_rows), str(s.skipped_rows), _f(s.share_median),
                      _f(s.share_p90), _f(s.share_max), _f(base_median), _f(base_max),
                      _cost(s.share_median, 3), _cost(base_median, 3)])
     return md + _table(["norm", "rows", "skipped", "median", "p90", "max", "random median", "random max",
@@ -340,10 +339,10 @@ def _ladder_section(a: Analysis) -> list[str]:
     figures = a.result.figures
     md = ["", "## The 1/sigma ladder", "",
           f"Medians over rows of the stream each rung reads (the norms that read the residual stream, "
-          f"in forward order; final norm {short_name(figures.final) if figures.final else 'none'}).", ""]
+          f"in forward order; final norm {a.short(figures.final) if figures.final else 'none'}).", ""]
     md += _table(
         ["point", "norm", "rms", "sigma", "1/sigma", "eps/v"],
-        [[a.labels.get(r.name, f"input of {r.name}"), short_name(r.name), _f(r.rms), _f(r.sigma),
+        [[a.labels.get(r.name, f"input of {r.name}"), a.short(r.name), _f(r.rms), _f(r.sigma),
           _f(r.inv_sigma), _f(r.eps_over_var, 2)] for r in a.rungs],
         True,
     )

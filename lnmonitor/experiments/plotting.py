@@ -1,5 +1,6 @@
-"""What the experiments' figures share beside :mod:`lnmonitor.views.plotting`: the short
-names of norms on an axis, and the scale sweep's points drawn by why each is in its fit or not."""
+"""What the experiments' figures share beside :mod:`lnmonitor.views.plotting`: the scale
+sweep's points drawn by why each is in its fit or not (norms' names on an axis:
+:mod:`lnmonitor.views.names`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,7 @@ import math
 
 from lnmonitor.core.sweep import REASONS, sweep_reason
 
-__all__ = ["scatter_sweep", "short_name", "sweep_legend"]
-
-
-def short_name(name: str) -> str:
-    """A norm's qualified name without the LightningModule's ``model.`` prefix."""
-    return name.removeprefix("model.")
+__all__ = ["scatter_sweep", "sweep_legend"]
 
 
 # marker and fill of a sweep point, per reason (lnmonitor.core.sweep.REASONS)

@@ -10,9 +10,10 @@ import numpy as np
 
 from lnmonitor.core.metric_names import per_norm
 from lnmonitor.experiments.over_training import curve_mean, ladder_ends, loss_gap
-from lnmonitor.experiments.plotting import scatter_sweep, short_name, sweep_legend
+from lnmonitor.experiments.plotting import scatter_sweep, sweep_legend
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label, norm_value, record_norms, record_rungs, share_baseline
+from lnmonitor.views.names import short_name, short_names
 from lnmonitor.views.plotting import new_figure, save_png
 
 __all__ = [
@@ -115,7 +116,7 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
         for i, row in enumerate(values):
             ax.plot(x, row, color=colors[eps], marker="o", alpha=0.8,
                     label=f"eps={eps_label(eps)}" if i == 0 else None)
-        ax.set_xticks(x, [short_name(n) for n in names], rotation=45, ha="right")
+        ax.set_xticks(x, short_names(names), rotation=45, ha="right")
         drawn = True
     if not drawn:
         return False
@@ -208,7 +209,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
     if baseline:
         ax.axhline(baseline, color="black", linestyle="--", linewidth=1,
                    label=f"random direction, median {baseline:.4f}")
-    ax.set_xticks(np.arange(len(names)), [short_name(n) for n in names], rotation=45, ha="right")
+    ax.set_xticks(np.arange(len(names)), short_names(names), rotation=45, ha="right")
     ax.set_ylabel("median dead-plane share on held-out text")
     ax.set_title("Dead-plane share per norm (bars: mean over seeds, 95% interval)")
     ax.grid(alpha=0.3, axis="y")
@@ -282,7 +283,7 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
             if steps:
                 ax.plot(steps, values, color=colors[e], label=f"eps={eps_label(e)}")
         ax.set_yscale("log")
-        ax.set_title(f"{title} ({short_name(tag.rsplit('/', 1)[-1])})", fontsize=9)
+        ax.set_title(f"{title} ({short_name(tag.rsplit('/', 1)[-1], ends)})", fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3, which="both")
         if i == 1:
@@ -315,7 +316,7 @@ def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path
     ax = fig.add_subplot()
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
                       extent=(steps[0], steps[grid.shape[1] - 1], len(names) - 0.5, -0.5))
-    ax.set_yticks(range(len(names)), [short_name(n) for n in names], fontsize=7)
+    ax.set_yticks(range(len(names)), short_names(names), fontsize=7)
     ax.set_xlabel("optimizer step")
     ax.set_title(f"eps={eps_label(eps)}: log10 transmission eps/(var+eps) per norm over training", fontsize=9)
     fig.colorbar(image, ax=ax, label="log10 transmission")

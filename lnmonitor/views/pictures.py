@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lnmonitor.views.names import short_name, short_names
+
 __all__ = ["heatmap_picture", "ladder_picture", "over_training_picture", "step_picture"]
 
 _BLUE, _ORANGE, _RED = (31, 119, 180), (255, 127, 14), (200, 30, 30)
@@ -148,19 +150,15 @@ def heatmap_picture(
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def _short(name: str) -> str:
-    return name.removeprefix("model.")  # a LightningModule's model attribute says nothing
-
-
 def step_picture(figures, step: int) -> np.ndarray:
     """The ladder of one measured step (its :class:`~lnmonitor.core.ladder.LadderFigures`) as
     :func:`ladder_picture` draws it, titled with the step and the attenuation."""
     rungs, by_name = figures.rungs, figures.by_name()
     title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
                               if math.isfinite(figures.attenuation) else "")
-    return ladder_picture([_short(n) for n in rungs], [by_name[n].inv_sigma for n in rungs],
-                          [by_name[n].rms for n in rungs], _short(figures.final) if figures.final else None,
-                          title)
+    final = short_name(figures.final, rungs) if figures.final else None
+    return ladder_picture(short_names(rungs), [by_name[n].inv_sigma for n in rungs],
+                          [by_name[n].rms for n in rungs], final, title)
 
 
 def over_training_picture(curves) -> tuple[int, np.ndarray] | None:
@@ -171,5 +169,5 @@ def over_training_picture(curves) -> tuple[int, np.ndarray] | None:
     rungs, steps, grid = ladder_grid(curves)
     if len(steps) < 2:
         return None
-    return steps[-1], heatmap_picture([_short(n) for n in rungs], steps, grid,
+    return steps[-1], heatmap_picture(short_names(rungs), steps, grid,
                                       "1/sigma of each rung over training (forward order, top down)")

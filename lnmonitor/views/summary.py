@@ -29,16 +29,15 @@ from lnmonitor.core.metric_names import (
     parse,
     per_norm,
 )
+from lnmonitor.views.names import NAME_WIDTH, name_prefix, short_names
 
 __all__ = [
     "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "ladder_grid", "ladder_lines",
     "ladder_of",
-    "last", "name_prefix", "short_names", "summary_text",
+    "last", "summary_text",
 ]
 
 Curves = Mapping[str, Sequence[tuple[int, float]]]
-NAME_WIDTH = 34  # the text table's norm column
-ELLIPSIS = "..."
 
 
 def last(curves: Curves, tag: str) -> float:
@@ -131,31 +130,6 @@ def _f(value: float, digits: int = 3) -> str:
     if value != 0 and (abs(value) < 10 ** -(digits - 1) or abs(value) >= 1e4):
         return f"{value:.{digits - 1}e}"
     return f"{value:.{digits}g}" if abs(value) >= 1 else f"{value:.{digits}f}"
-
-
-def name_prefix(names: Sequence[str]) -> str:
-    """The dotted prefix every name shares (``model.model.`` for a Llama held as ``self.model``),
-    never a whole name: a lone name keeps its last part."""
-    parts = [name.split(".") for name in names]
-    if not parts:
-        return ""
-    common = 0
-    while common < min(len(p) for p in parts) - 1 and len({p[common] for p in parts}) == 1:
-        common += 1
-    return "".join(f"{part}." for part in parts[0][:common])
-
-
-def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
-    """``names`` without their shared :func:`name_prefix`, each at most ``width`` characters:
-    a longer one keeps its start and its end, with ``...`` where the middle was cut."""
-    cut = len(name_prefix(names))
-    out = []
-    for name in (name[cut:] for name in names):
-        if len(name) > width:
-            head = (width - len(ELLIPSIS)) // 2
-            name = name[:head] + ELLIPSIS + name[len(name) - (width - len(ELLIPSIS) - head):]
-        out.append(name)
-    return out
 
 
 def summary_text(curves: Curves, title: str = "") -> str:

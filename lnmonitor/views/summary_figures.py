@@ -18,9 +18,10 @@ from pathlib import Path
 
 from lnmonitor.core.files import atomic_write_bytes
 from lnmonitor.core.metric_names import baseline_metric, per_norm
+from lnmonitor.views.names import short_names
 from lnmonitor.views.pictures import heatmap_picture
 from lnmonitor.views.plotting import new_figure, save_png
-from lnmonitor.views.summary import Curves, ladder_grid, ladder_of, last, short_names
+from lnmonitor.views.summary import Curves, ladder_grid, ladder_of, last
 
 __all__ = ["figure_heatmap", "figure_ladders", "figure_shares"]
 
