@@ -29,11 +29,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lnmonitor.core.kinds import KINDS, NormKind
+from lnmonitor.core.kinds import NormKind
 
 __all__ = [
-    "KINDS",
-    "NormKind",
     "RowStats",
     "dead_basis",
     "dead_dim",
