@@ -17,7 +17,7 @@ from torch import nn
 from lnmonitor.core.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
-from lnmonitor.core.roles import assign_roles, stacks
+from lnmonitor.core.roles import assign_roles, expected_final, stacks
 from lnmonitor.views.summary import summary_text
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +111,7 @@ def test_a_pre_ln_encoder_decoder_has_one_ladder_per_stack(family):
     assert all(roles[n] == "residual" for n in order if n not in (enc_final, dec_final))
     figures = result.figures
     assert figures.rungs == ladder_of(order, f"{dec}.") and figures.rungs[-1] == dec_final
-    assert figures.final == dec_final
+    assert figures.final == dec_final == expected_final(find_norms(model))  # before a step, too
     assert [(s.stack, s.rungs, s.final) for s in figures.stacks] == [
         (enc, ladder_of(order, f"{enc}."), enc_final)]
     # the encoder's attenuation and growth under its own names, the decoder's under the plain ones
@@ -145,6 +145,9 @@ def test_a_post_ln_encoder_decoder_has_a_final_norm_per_stack_and_no_pre_norm_la
         "model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"}
     assert all(r == "post" for n, r in roles.items() if "layers" in n and n not in finals)
     assert result.figures.final == "model.decoder.layers.1.final_layer_norm"
+    # before a step (the HPARAMS columns), module order ends with the decoder's embedding norm: not it
+    assert find_norms(model)[-1].name == "model.decoder.layernorm_embedding"
+    assert expected_final(find_norms(model)) == result.figures.final
     assert [(s.stack, s.rungs) for s in result.figures.stacks] == [
         ("model.encoder", ["model.encoder.layers.1.final_layer_norm"])]
     assert not any(k.startswith("lnmonitor/ladder/") for k in result.metrics())
