@@ -196,13 +196,13 @@ def test_without_any_loss_the_monitor_says_how_to_pass_one_and_training_goes_on(
 def test_the_monitor_probes_the_rows_analyze_and_eps_compare_probe():
     """One definition of the probe rows: by default the monitor takes the first PROBE_WINDOWS
     held-out windows, across the validation batches, exactly what the pipeline measures."""
-    from lnmonitor.experiments.measure import probe_rows
+    from lnmonitor.experiments.measure import held_out_probe
 
     data, module = char_data(2, batch=4)
     data.val_windows = 128
     inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False)
     trainer(2, [inv], validate_every=2).fit(module, datamodule=data)
-    x, y = probe_rows(data.val_batches())
+    x, y = held_out_probe(data.val_batches())
     assert inv._probe[0].shape[0] == PROBE_WINDOWS == x.shape[0]
     assert torch.equal(inv._probe[0], x) and torch.equal(inv._probe[1], y)
 

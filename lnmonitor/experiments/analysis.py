@@ -1,7 +1,7 @@
 """The whole LayerNorm story of one tiny-GPT checkpoint, as one :class:`Analysis`.
 
 :func:`analyze` runs the held-out measurement every experiment shares
-(:func:`lnmonitor.experiments.measure.measure_held_out`: the loss, the meter's result -- the
+(:func:`lnmonitor.experiments.measure.held_out_measurement`: the loss, the meter's result -- the
 figures the monitors log, under their names -- and the invariance probe) and the
 structural probes of :mod:`lnmonitor.core.probes` at one position (each norm's Jacobian
 against autograd, block versus branch rank).  :mod:`lnmonitor.experiments.analysis_report`
@@ -29,7 +29,7 @@ from lnmonitor.core.meter import LadderResult
 from lnmonitor.core.probes import BlockRankProbe, NormJacobianProbe, probe_block_rank, probe_norm_jacobian
 from lnmonitor.core.row_stats import RowStats
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.measure import measure_held_out
+from lnmonitor.experiments.measure import held_out_measurement
 from lnmonitor.tiny.model import TinyGPT
 from lnmonitor.views.names import short_name
 
@@ -183,7 +183,7 @@ def analyze(
         )
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"batches must be a positive integer, got {batches!r}")
-    m = measure_held_out(module, held_out, norm_batches=batches, invariance=invariance, counts=True)
+    m = held_out_measurement(module, held_out, norm_batches=batches, invariance=invariance, counts=True)
     blocks = find_blocks(module, m.norms)
     with eval_mode(module):
         with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:

@@ -2,7 +2,7 @@
 
 For every (eps, seed) pair the recipe is trained with the monitors, TensorBoard logs in
 ``<out>/eps=<eps>/seed=<seed>/``, then the finished model is measured on the fixed
-held-out windows (:func:`lnmonitor.experiments.measure.measure_held_out`, the pipeline
+held-out windows (:func:`lnmonitor.experiments.measure.held_out_measurement`, the pipeline
 ``lnmonitor analyze`` runs too) and a run record ``result.json`` is written there
 atomically. The merged ``<out>/results.json``, ``report.md`` and the figures are
 rebuilt from the records after every run (:func:`lnmonitor.experiments.report.publish`).

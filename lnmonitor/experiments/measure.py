@@ -1,7 +1,7 @@
 """Measure a trained model on held-out text: the one pipeline behind ``lnmonitor analyze``
 and ``lnmonitor eps-compare``.
 
-:func:`measure_held_out` takes a module whose ``forward(x, y)`` returns ``(logits, loss)`` (the
+:func:`held_out_measurement` takes a module whose ``forward(x, y)`` returns ``(logits, loss)`` (the
 tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
 :class:`Measurement`:
 
@@ -35,14 +35,14 @@ from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.probe_rows import first_samples, probe_batch
 
-__all__ = ["Measurement", "held_out_loss", "measure_held_out", "probe_rows", "tiny_loss"]
+__all__ = ["Measurement", "held_out_loss", "held_out_measurement", "held_out_probe", "tiny_loss"]
 
 Batch = tuple[Tensor, Tensor]
 
 
 @dataclass
 class Measurement:
-    """What :func:`measure_held_out` found.  ``windows`` counts the held-out windows behind each part
+    """What :func:`held_out_measurement` found.  ``windows`` counts the held-out windows behind each part
     (``loss``, ``norms``, ``invariance``); ``result`` is the meter's (the norms with their roles,
     row statistics and figures; ``result.metrics()`` are the monitors' logged names); ``order``
     lists the norms' names in the order the forward first calls them."""
@@ -74,13 +74,13 @@ def held_out_loss(module: nn.Module, batches: Sequence[Batch]) -> float:
     return total / windows
 
 
-def probe_rows(batches: Sequence[Batch], windows: int = PROBE_WINDOWS) -> Batch:
+def held_out_probe(batches: Sequence[Batch], windows: int = PROBE_WINDOWS) -> Batch:
     """The probe rows: the first ``windows`` held-out windows as one batch, chosen as the
     invariance monitor chooses them from its validation loader."""
     return probe_batch(first_samples(iter(batches), windows), windows)
 
 
-def measure_held_out(
+def held_out_measurement(
     module: nn.Module, batches: Sequence[Batch], *, norm_batches: int | None = None,
     invariance: bool = True, counts: bool = False,
 ) -> Measurement:
@@ -93,7 +93,7 @@ def measure_held_out(
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])
     meter = LadderMeter(module, owner="lnmonitor")
     result = held_out_result(meter, norm_set, tiny_loss, counts=counts)
-    probe = probe_rows(batches)
+    probe = held_out_probe(batches)
     inv = (final_norm_invariance(module, probe, final_norm=result.figures.final, norms=result.norms)
            if invariance else None)
     return Measurement(

@@ -17,7 +17,7 @@ from lnmonitor.experiments.grid import Experiment, experiment_config
 
 __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
-    "measure_run", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
+    "record_measurement", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
 from lnmonitor.core.metric_names import parse
 from lnmonitor.experiments.store import (
@@ -60,17 +60,17 @@ def check_checkpoint(state: dict | None, recipe: Recipe, vocab: str, path: Path)
 # ---------------------------------------------------------------------------
 
 
-def measure_run(module, batches) -> dict:
+def record_measurement(module, batches) -> dict:
     """Everything a run record holds about a trained model, on the held-out ``batches``:
-    :func:`lnmonitor.experiments.measure.measure_held_out` over the first :data:`NORM_WINDOWS`
+    :func:`lnmonitor.experiments.measure.held_out_measurement` over the first :data:`NORM_WINDOWS`
     windows for the norm statistics.  ``metrics`` are the meter's figures under the names a
     monitor logs them (:meth:`lnmonitor.core.meter.LadderResult.metrics`); ``norm_info``,
     ``rungs`` and ``final_norm`` say which norm is which (record format /2,
     :mod:`lnmonitor.experiments.store`)."""
     from lnmonitor.core import geometry
-    from lnmonitor.experiments.measure import measure_held_out
+    from lnmonitor.experiments.measure import held_out_measurement
 
-    m = measure_held_out(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))
+    m = held_out_measurement(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))
     figures = m.result.figures
     inv = m.invariance
     return {
@@ -215,7 +215,7 @@ def run_one(
     module, _ = load_checkpoint(result.checkpoint)
     batches = CharDataModule(text, vocab=module.vocab, context=recipe.context,
                              batch_size=recipe.batch_size).val_batches()
-    measured = measure_run(module, batches)
+    measured = record_measurement(module, batches)
     measure_seconds = time.perf_counter() - started
     import torch
 
@@ -266,7 +266,7 @@ def _is_curve(tag: str) -> bool:
 def remeasure_run(out: Path, eps: float, seed: int, text: str, record: dict,
                   echo: Callable[[str], None] = print, tag: str = "") -> dict:
     """Measure a finished run again from its checkpoint with this lnmonitor's measurement
-    (:func:`measure_run`) and rewrite its record: the training part (steps, curves, timings,
+    (:func:`record_measurement`) and rewrite its record: the training part (steps, curves, timings,
     the fit's own loss) stays, the measurement is replaced."""
     from lnmonitor.tiny.checkpoint import load_checkpoint
     from lnmonitor.tiny.data import CharDataModule
@@ -279,7 +279,7 @@ def remeasure_run(out: Path, eps: float, seed: int, text: str, record: dict,
     module, _ = load_checkpoint(last)
     batches = CharDataModule(text, vocab=module.vocab, context=module.config.context,
                              batch_size=record["config"]["recipe"]["batch_size"]).val_batches()
-    updated = {**remeasured(record, measure_run(module, batches)),
+    updated = {**remeasured(record, record_measurement(module, batches)),
                "measure_seconds": time.perf_counter() - started, "versions": _versions(),
                "remeasured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_json(folder / RECORD_NAME, updated)
@@ -293,7 +293,7 @@ OLD_MEASUREMENT = ("norms", "ladder", "share_baseline")
 
 
 def remeasured(record: dict, measured: dict) -> dict:
-    """``record`` with its measurement replaced by ``measured`` (:func:`measure_run`), in this
+    """``record`` with its measurement replaced by ``measured`` (:func:`record_measurement`), in this
     lnmonitor's record format: the training part stays, an older format's figures go."""
     kept = {k: v for k, v in record.items() if k not in OLD_MEASUREMENT}
     return {**kept, **measured, "format": RECORD_FORMAT, "val_loss": measured["headline"]["val_loss"]}
