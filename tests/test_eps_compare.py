@@ -81,6 +81,15 @@ def test_end_to_end_writes_results_report_and_figures(compared):
         assert (head["final_eps_over_var"], head["final_transmission"]) == (
             final["eps_over_var"], final["transmission"])
         assert head["attenuation"] == run["metrics"]["lnmonitor/ladder/attenuation"]
+        assert head["growth"] == run["metrics"]["lnmonitor/ladder/growth"]
+        # every headline figure read from the norm it names (first rung, final norm, all norms)
+        per = {q: {n: run["metrics"][f"lnmonitor/{q}/{n}"] for n in run["norm_order"]}
+               for q in ("transmission", "share_median")}
+        assert head["first_transmission"] == per["transmission"][run["rungs"][0]]
+        assert head["max_transmission"] == max(per["transmission"].values())
+        assert head["final_share_median"] == per["share_median"]["model.lnf"]
+        assert head["mean_share_median"] == pytest.approx(sum(per["share_median"].values()) / 3, rel=1e-12)
+        assert len(set(per["transmission"].values())) == 3 and len(set(per["share_median"].values())) == 3
         assert {"shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5"} <= set(
             run["invariance"]["cases"]
         )
@@ -91,9 +100,11 @@ def test_end_to_end_writes_results_report_and_figures(compared):
     small, large = (r["headline"]["final_eps_over_var"] for r in results["runs"])
     assert large > small
     text = (out / "report.md").read_text()
-    assert "## eps = 1e-05" in text and "## eps = 0.1" in text
+    for run in results["runs"]:  # each eps's table holds its own run's figures
+        section = text.split(f"## eps = {store.eps_label(run['eps'])}\n", 1)[1].split("\n## ", 1)[0]
+        row = f"| validation loss (nats/char) | {run['val_loss']:.4f} | undefined (one seed) | 1 |"
+        assert row in section, section
     assert "no difference is resolved at this number of seeds" in text  # one seed: no interval
-    assert "undefined (one seed)" in text
     assert "## Over training" in text and "| 0.1 | " in text.split("## Over training")[1]
     assert "the runs occupied" in text
     for key, name in report.FIGURES.items():
