@@ -17,7 +17,7 @@ from torch import nn
 from lnmonitor.core.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.norms import find_norms
-from lnmonitor.core.roles import assign_roles, expected_final, stacks
+from lnmonitor.core.roles import assign_roles, expected_final, stack_of
 from lnmonitor.views.summary import summary_text
 
 transformers = pytest.importorskip("transformers")
@@ -112,12 +112,12 @@ def test_a_pre_ln_encoder_decoder_has_one_ladder_per_stack(family):
     figures = result.figures
     assert figures.rungs == ladder_of(order, f"{dec}.") and figures.rungs[-1] == dec_final
     assert figures.final == dec_final == expected_final(find_norms(model))  # before a step, too
-    assert [(s.stack, s.rungs, s.final) for s in figures.stacks] == [
+    assert [(s.stack, s.rungs, s.final) for s in figures.other_ladders] == [
         (enc, ladder_of(order, f"{enc}."), enc_final)]
     # the encoder's attenuation and growth under its own names, the decoder's under the plain ones
     sigma = sigma64(model, batch, order)
     m = result.metrics(positions=True)
-    enc_rungs, dec_rungs = figures.stacks[0].rungs, figures.rungs
+    enc_rungs, dec_rungs = figures.other_ladders[0].rungs, figures.rungs
     for name, rungs in ((f"lnmonitor/ladder/{enc}/attenuation", enc_rungs),
                         ("lnmonitor/ladder/attenuation", dec_rungs)):
         assert m[name] == pytest.approx(sigma[rungs[-1]] / sigma[rungs[0]], rel=2 * SIGMA_RESOLUTION), name
@@ -148,7 +148,7 @@ def test_a_post_ln_encoder_decoder_has_a_final_norm_per_stack_and_no_pre_norm_la
     # before a step (the HPARAMS columns), module order ends with the decoder's embedding norm: not it
     assert find_norms(model)[-1].name == "model.decoder.layernorm_embedding"
     assert expected_final(find_norms(model)) == result.figures.final
-    assert [(s.stack, s.rungs) for s in result.figures.stacks] == [
+    assert [(s.stack, s.rungs) for s in result.figures.other_ladders] == [
         ("model.encoder", ["model.encoder.layers.1.final_layer_norm"])]
     assert not any(k.startswith("lnmonitor/ladder/") for k in result.metrics())
     warned = [s for s in said if "rung(s)" in s]
@@ -167,7 +167,7 @@ def test_a_decoder_only_model_keeps_its_one_ladder():
     with meter.step():
         model(input_ids=x, labels=x).loss.backward()
     result = meter.result()
-    assert result.figures.stacks == () and set(meter.stacks.values()) == {""}
+    assert result.figures.other_ladders == () and set(meter.stack_of.values()) == {""}
     assert result.figures.rungs[0] == "model.layers.0.input_layernorm"
     assert result.figures.final == "model.norm"
     ladder = {k for k in result.metrics() if k.startswith("lnmonitor/ladder/")}
@@ -178,18 +178,18 @@ def test_a_decoder_only_model_keeps_its_one_ladder():
 def test_stacks_from_module_names():
     # one encoder or decoder module (OPT's decoder, BERT's encoder): one stack
     opt = ["model.decoder.layers.0.self_attn_layer_norm", "model.decoder.final_layer_norm"]
-    assert stacks(opt) == dict.fromkeys(opt, "")
+    assert stack_of(opt) == dict.fromkeys(opt, "")
     bert = ["bert.embeddings.LayerNorm", "bert.encoder.layer.0.output.LayerNorm",
             "cls.predictions.transform.LayerNorm"]
-    assert stacks(bert) == dict.fromkeys(bert, "")
+    assert stack_of(bert) == dict.fromkeys(bert, "")
     # the first encoder/decoder component names the stack (a ViT encoder inside an encoder)
     names = ["encoder.encoder.layer.0.layernorm_before", "encoder.layernorm", "decoder.h.0.ln_1",
              "decoder.ln_f"]
-    assert list(stacks(names).values()) == ["encoder", "encoder", "decoder", "decoder"]
+    assert list(stack_of(names).values()) == ["encoder", "encoder", "decoder", "decoder"]
     # a norm outside both: the stack sharing most of its path, else the one that ran just before
     names = ["text.encoder.layers.0.ln", "text.final_ln", "vision.pre_ln", "vision.encoder.layers.0.ln",
              "head_ln"]
-    assert list(stacks(names).values()) == [
+    assert list(stack_of(names).values()) == [
         "text.encoder", "text.encoder", "vision.encoder", "vision.encoder", "vision.encoder"]
 
 

@@ -91,7 +91,7 @@ class LadderFigures:
     final norm last when there is one), ``attenuation = inv_sigma(first rung) /
     inv_sigma(last rung)`` and ``growth = rms(last rung) / rms(first rung)`` (nan with fewer
     than two rungs), and the random-direction baselines of the shares.  The ladder is the
-    model's (the stack of the norm before the logits); ``stacks`` holds the ladders of the
+    model's (the stack of the norm before the logits); ``other_ladders`` holds the ladders of the
     other stacks, each its own residual stream (an encoder-decoder's encoder), in forward order."""
 
     norms: list[NormFigures]
@@ -100,7 +100,7 @@ class LadderFigures:
     attenuation: float
     growth: float
     baselines: dict[str, float]
-    stacks: tuple[Ladder, ...] = ()
+    other_ladders: tuple[Ladder, ...] = ()
 
     def by_name(self) -> dict[str, NormFigures]:
         return {f.name: f for f in self.norms}
@@ -140,7 +140,7 @@ class LadderFigures:
             m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
             m[per_norm("zero_grad_rows", n)] = float(s.zero_grad_rows)
         m.update(self.baselines)
-        for ladder in (self.main, *self.stacks):
+        for ladder in (self.main, *self.other_ladders):
             if len(ladder.rungs) >= 2:
                 m[ladder_metric("attenuation", ladder.stack)] = ladder.attenuation
                 m[ladder_metric("growth", ladder.stack)] = ladder.growth
@@ -150,7 +150,7 @@ class LadderFigures:
         """``lnmonitor/ladder_position/<norm>``: each rung's place in forward order (0 first),
         -1 for the norms that are not rungs; the other stacks' rungs come first (an
         encoder-decoder's encoder, then its decoder)."""
-        rungs = [name for ladder in (*self.stacks, self) for name in ladder.rungs]
+        rungs = [name for ladder in (*self.other_ladders, self) for name in ladder.rungs]
         place = {name: float(i) for i, name in enumerate(rungs)}
         return {per_norm("ladder_position", f.name): place.get(f.name, -1.0) for f in self.norms}
 
@@ -169,18 +169,18 @@ def _figures(s: NormStats) -> NormFigures:
 
 def ladder_figures(
     stats: Sequence[NormStats], rungs: Sequence[str], final: str | None = None,
-    stacks: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
+    other_ladders: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
 ) -> LadderFigures:
     """The figures of ``stats``; ``rungs`` names the norms that read the residual stream in
     forward order (``final``, when given, ends the ladder wherever it stands in ``rungs``).
-    ``stacks`` gives the other stacks' ladders the same way, ``{stack: (rungs, final)}`` in
+    ``other_ladders`` gives the other stacks' ladders the same way, ``{stack: (rungs, final)}`` in
     forward order (an encoder-decoder's encoder; ``rungs`` and ``final`` are then the
     decoder's).  A rung not measured this step has nan figures, and so have the attenuation
     and growth then: they are never taken between other rungs than the ladder's ends."""
     figures = [_figures(s) for s in stats]
     by_name = {f.name: f for f in figures}
     main = _ladder(by_name, "", rungs, final)
-    others = tuple(_ladder(by_name, stack, r, f) for stack, (r, f) in (stacks or {}).items())
+    others = tuple(_ladder(by_name, stack, r, f) for stack, (r, f) in (other_ladders or {}).items())
     return LadderFigures(figures, main.rungs, main.final, main.attenuation, main.growth,
                          _baselines(stats), others)
 

@@ -45,7 +45,7 @@ from lnmonitor.core.meter_messages import Roles
 from lnmonitor.core.metric_names import finite_metrics
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.padding import RowMasks
-from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stacks
+from lnmonitor.core.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
 from lnmonitor.core.row_stats import RowStats, histogram_rows, read
 from lnmonitor.core.taps import NormTap
 
@@ -148,11 +148,11 @@ class LadderMeter:
         self._ran_forward = False
         self._said_zero_grad = False  # rows without gradient by construction: said once
         self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
-        # each norm's stack (residual stream), and the stack of the model's ladder: known with the roles
-        self.stacks: dict[str, str] = {}
+        # {norm: stack} (its residual stream), and the stack of the model's ladder: known with the roles
+        self.stack_of: dict[str, str] = {}
         self.main_stack = ""
         # an encoder-decoder's decoder norms: their padding is the batch's decoder_attention_mask
-        named = stacks([n.name for n in self.norms])
+        named = stack_of([n.name for n in self.norms])
         decoder = {i for i, n in enumerate(self.norms) if named[n.name].rsplit(".", 1)[-1] == "decoder"}
         self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
         self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
@@ -274,11 +274,11 @@ class LadderMeter:
         self._say_conditions(row_stats)
         stats = [self._stats(i, s) for i, s in enumerate(row_stats)]
         # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
-        stack = {n.name: self.stacks.get(n.name, self.main_stack) for n in self.norms}
-        finals = {stack[n.name]: n.name for n in self.norms if n.role == FINAL}
+        stack_of_norm = {n.name: self.stack_of.get(n.name, self.main_stack) for n in self.norms}
+        finals = {stack_of_norm[n.name]: n.name for n in self.norms if n.role == FINAL}
         ladders: dict[str, list[str]] = {}
         for name in self.rungs():
-            ladders.setdefault(stack[name], []).append(name)
+            ladders.setdefault(stack_of_norm[name], []).append(name)
         rungs = ladders.pop(self.main_stack, [])
         others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
         figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
@@ -348,9 +348,9 @@ class LadderMeter:
         self.roles_known = True
         if self.reused:
             self._warn("reused", words.reused_message(self.owner, sorted(self.reused)))
-        self.stacks = stacks([n.name for n in ordered])
+        self.stack_of = stack_of([n.name for n in ordered])
         ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
-        self.main_stack = self.stacks[self.final_norm if self.final_norm in self.stacks else ran[-1]]
+        self.main_stack = self.stack_of[self.final_norm if self.final_norm in self.stack_of else ran[-1]]
         decided = self._roles(ordered, roles)
         self._say(words.roles_message(self.owner, decided, bool(self.ladder)))
         short = words.short_ladder_message(self.owner, decided)
@@ -360,13 +360,13 @@ class LadderMeter:
     def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
         """The role decision by stack, stacks in forward order (the model's ladder is the one
         of the norm before the logits)."""
-        order = dict.fromkeys(self.stacks[n.name] for n in ordered)
+        order = dict.fromkeys(self.stack_of[n.name] for n in ordered)
         ladders: dict[str, list[str]] = {stack: [] for stack in order}
         post: dict[str, list[str]] = {stack: [] for stack in order}
         finals: dict[str, str] = {}
         others: list[tuple[str, str]] = []
         for n in ordered:
-            stack, role = self.stacks[n.name], roles[n.name]
+            stack, role = self.stack_of[n.name], roles[n.name]
             if role in RUNGS and n.name not in self.reused and n.name not in self.refused:
                 ladders[stack].append(n.name)
             if role not in RUNGS:

@@ -14,7 +14,7 @@ from lnmonitor.core.norms import NormInfo
 
 __all__ = [
     "EMBEDDING", "FINAL", "POST", "QK", "RESIDUAL", "RUNGS", "RUNG_BYPASS_TOLERANCE", "STACK_NAMES",
-    "assign_roles", "expected_final", "stacks",
+    "assign_roles", "expected_final", "stack_of",
 ]
 
 
@@ -46,8 +46,8 @@ def _shared(a: str, b: str) -> int:
     return n
 
 
-def stacks(names: Sequence[str]) -> dict[str, str]:
-    """Each norm's stack: the residual stream it belongs to, ``names`` in forward order.
+def stack_of(names: Sequence[str]) -> dict[str, str]:
+    """``{norm: stack}``: the stack (residual stream) each norm belongs to, ``names`` in forward order.
 
     A stack is the qualified name of a module called ``encoder`` or ``decoder`` (the first
     such component of a norm's name: T5's ``encoder``, BART's ``model.decoder``); each has its
@@ -84,7 +84,7 @@ def assign_roles(
     loss gradient at its input goes around it (``bypass[name]``, measured on a training
     step: its input flows on through the residual), or when that was not measured (no
     gradient reached it: frozen inputs) and its name does not say it is an embedding norm.  Each
-    stack (:func:`stacks`: an encoder-decoder's encoder and decoder, else the whole model)
+    stack (:func:`stack_of`: an encoder-decoder's encoder and decoder, else the whole model)
     has its own final norm: ``final_norm`` in its stack, else the stack's last norm to run if
     its gradient does not go around it (with ``ladder``: the stack's last rung); a stack
     without one has none.  It is its ladder's last rung.  The other norms are, by name,
@@ -115,10 +115,10 @@ def assign_roles(
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
     else:
         rungs = [n.name for n in norms if rung(n.name)]
-    stack = stacks([n.name for n in norms])
+    stack_of_norm = stack_of([n.name for n in norms])
     finals = set()
-    for s in dict.fromkeys(stack.values()):
-        names = [n.name for n in norms if stack[n.name] == s]
+    for s in dict.fromkeys(stack_of_norm.values()):
+        names = [n.name for n in norms if stack_of_norm[n.name] == s]
         if final_norm in names:
             finals.add(final_norm)
         elif patterns is not None:
