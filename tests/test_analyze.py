@@ -75,7 +75,7 @@ def near(printed: float, value: float, decimals: int = 3) -> bool:
 
 def test_the_markdown_tables_are_the_meters_figures(analyzed):
     """Every number of the share and ladder tables, the attenuation and growth line and the
-    summary's ladder and share rows is the meter's figure under the name a monitor logs it
+    headline table's ladder and share rows is the meter's figure under the name a monitor logs it
     (analysis.json's metrics), row by row, and the ratios are the rungs' own."""
     md = (analyzed / "analysis.md").read_text()
     data = json.loads((analyzed / "analysis.json").read_text())

@@ -153,3 +153,26 @@ def test_images_and_summary_are_off_with_one_argument(tmp_path, caplog):
     acc = events(tb.log_dir)
     assert acc.Tags()["images"] == [] and "lnmonitor/inv_sigma/model.lnf" in acc.Tags()["scalars"]
     assert not any("lnmonitor summary" in r.getMessage() for r in caplog.records)
+
+
+def test_the_pictures_name_rungs_as_the_summary_does(monkeypatch):
+    """A GPT-2 held as a LightningModule's ``self.model``: its rungs share ``model.transformer.``,
+    and the step picture labels them without it, as the summary's table does (both dropped
+    only ``model.`` before: the picture read ``transformer.h.0.ln_1`` where the text read
+    ``h.0.ln_1``)."""
+    from lnmonitor.core.ladder import NormStats, ladder_figures
+    from lnmonitor.core.metric_names import per_norm
+    from lnmonitor.views import pictures
+
+    names = ["model.transformer.h.0.ln_1", "model.transformer.h.0.ln_2", "model.transformer.ln_f"]
+    figures = ladder_figures([NormStats(n, "layer", 8, 1e-5, 1.0 + i, 1.0 + i) for i, n in enumerate(names)],
+                             names, names[-1])
+    drawn = {}
+    monkeypatch.setattr(pictures, "ladder_picture", lambda labels, inv, rms, final, title: drawn.update(
+        labels=labels, final=final))
+    pictures.step_picture(figures, 3)
+    assert drawn == {"labels": ["h.0.ln_1", "h.0.ln_2", "ln_f"], "final": "ln_f"}
+    curves = {per_norm(tag, n): [(3, 1.0)] for n in names for tag in ("inv_sigma", "rms")}
+    curves.update({per_norm("ladder_position", n): [(3, float(i))] for i, n in enumerate(names)})
+    table = summary_text(curves)
+    assert all(re.search(rf"^  {re.escape(label)} ", table, re.M) for label in drawn["labels"]), table
