@@ -1,4 +1,5 @@
-"""lnmonitor.experiments.report on synthetic records: what the report says of its own wall time."""
+"""lnmonitor.experiments.report and its figures on synthetic records: the wall time, the tables and
+the verdict against scipy on the records, and what the heatmap and the dose-response draw."""
 
 import pytest
 
@@ -87,3 +88,40 @@ def test_the_report_tables_are_the_statistics_of_the_records(tmp_path):
     relative = mean / np.mean(list(base.values()))
     assert (f"- eps=0.1 is worse than eps=1e-05 by {mean:.4f} +/- {half:.4f} nats/char, "
             f"{100 * relative:.1f}% of the eps=1e-05 loss" in sections["Verdict"])
+
+
+def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, monkeypatch):
+    """The three panels against eps: the loss's mean over seeds, the geometric mean of the first
+    and the final norm's transmission, the mean attenuation and growth, each at its own eps
+    (given out of order), from records whose seeds differ; fewer than three eps draw nothing."""
+    import numpy as np
+
+    from lnmonitor.experiments import report_figures
+
+    rng = np.random.default_rng(0)
+    eps_values = [0.1, 1e-5, 1e-3]
+    records = {(e, s): {"eps": e, "seed": s, "headline": {
+        "val_loss": 1.5 + e + 0.1 * s, "first_transmission": (0.1 + e) * 10.0**-s, "final_transmission":
+        (0.01 + e) * rng.uniform(0.1, 1.0), "attenuation": 3.0 + 10 * e + s, "growth": 5.0 - 10 * e + 2 * s,
+    }} for e in eps_values for s in range(3)}
+    drawn = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
+    assert report_figures.figure_dose_response(records, eps_values, tmp_path / "dose.png")
+    ax_loss, ax_t, ax_l = drawn[0].axes
+    order = sorted(eps_values)
+
+    def mean(key, log=False):
+        values = [[records[(e, s)]["headline"][key] for s in range(3)] for e in order]
+        return np.exp(np.mean(np.log(values), axis=1)) if log else np.mean(values, axis=1)
+
+    errorbars = [line for line in ax_loss.lines if line.get_marker() == "o"]  # one mean per eps
+    np.testing.assert_allclose([line.get_xdata()[0] for line in errorbars], order)
+    np.testing.assert_allclose([line.get_ydata()[0] for line in errorbars], mean("val_loss"), rtol=1e-12)
+    lines = {line.get_label(): line for line in ax_t.lines + ax_l.lines}
+    for label, key, log in (("first norm", "first_transmission", True),
+                            ("final norm", "final_transmission", True),
+                            ("attenuation", "attenuation", False), ("growth", "growth", False)):
+        np.testing.assert_allclose(lines[label].get_xdata(), order)
+        np.testing.assert_allclose(lines[label].get_ydata(), mean(key, log), rtol=1e-12, err_msg=label)
+    two = {k: r for k, r in records.items() if k[0] != 0.1}
+    assert not report_figures.figure_dose_response(two, eps_values, tmp_path / "none.png")
