@@ -14,7 +14,7 @@ __all__ = ["register", "run"]
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "summarize", help="summarise what lnmonitor logged in a run or a folder of runs",
+        "summarize", help="summarize what lnmonitor logged in a run or a folder of runs",
         description="Read every run under LOGDIR (TensorBoard event files or a CSVLogger's "
         "metrics.csv), print the 1/sigma ladder, the dead-plane shares against the random "
         "baseline and the final-norm invariance residuals at the last logged step, how the "
