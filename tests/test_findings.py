@@ -13,7 +13,7 @@ import torch
 
 import lnmonitor
 from lnmonitor.core.arguments import ArgumentError
-from lnmonitor.core.findings import EPS_KNEE, EPS_SLOPE, KINDS, Finding, FindingsReader
+from lnmonitor.core.findings import EPS_KNEE, EPS_SLOPE, KINDS, Finding, FindingsReader, state_from_health
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
@@ -211,6 +211,26 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     assert [f.kind for f in reader.read(35, big).raised] == ["stream_growth"]
 
 
+def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_hold():
+    """state_from_health: raised at a kind's first 1, holding when its last value is 1, unknown
+    kinds left out; the restored reader raises nothing again and its summary shows no value it
+    did not keep."""
+    torch.manual_seed(0)
+    result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
+    points = [(3, "stream_growth", 1.0), (4, "stream_growth", 0.0), (6, "eps_dominates", 1.0),
+              (8, "stream_growth", 1.0), (9, "a_later_kind", 1.0)]
+    state = state_from_health(points)
+    assert {k: f["step"] for k, f in state["raised"].items()} == {"stream_growth": 3, "eps_dominates": 6}
+    assert state["holding"] == ["eps_dominates", "stream_growth"]
+    assert state_from_health(points[:2])["holding"] == []
+    assert state_from_health([]) == FindingsReader().state_dict()  # a fresh fit
+    said = []
+    reader = FindingsReader(warn=said.append)
+    reader.load_state_dict(state_from_health(points[:2]))
+    assert reader.read(10, _Figures(result, growth=50.0)).raised == [] and said == []
+    assert reader.summary() == ["stream_growth at step 3"]  # it holds again at step 10
+
+
 def test_on_finding_returning_true_asks_to_stop():
     torch.manual_seed(0)
     result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
@@ -392,19 +412,24 @@ def test_lightning_logs_the_finding_warns_once_and_stops_when_on_finding_says_so
         LayerNormMonitor(findings={"stream_growth": 0})
 
 
-def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path):
+def _gpt2_trainer(out, **args):
+    """A real transformers.Trainer on a tiny random GPT-2 (40 fixed sequences, batches of 4)."""
     transformers = pytest.importorskip("transformers")
-    from lnmonitor.integrations.transformers import LNMonitorCallback
-
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (40, 16))
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=5,
-                                          per_device_train_batch_size=4, save_strategy="no", report_to=[],
-                                          use_cpu=True, disable_tqdm=True)
+    settings = dict(output_dir=str(out), max_steps=5, per_device_train_batch_size=4, save_strategy="no",
+                    report_to=[], use_cpu=True, disable_tqdm=True)
+    args = transformers.TrainingArguments(**{**settings, **args})
     records = [{"input_ids": x, "labels": x} for x in ids]
-    hf = transformers.Trainer(model=model, args=args, train_dataset=records)
+    return transformers.Trainer(model=model, args=args, train_dataset=records)
+
+
+def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path):
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    hf = _gpt2_trainer(tmp_path)
     calls = []
     callback = LNMonitorCallback(hf, every_n_steps=1, invariance_every_n_steps=None, keep_history=True,
                                  findings=EVERY_STEP, on_finding=_stopper(calls))
@@ -414,6 +439,60 @@ def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path
         assert hf.train().global_step == 1
     assert sum(w.category is lnmonitor.HealthWarning for w in caught) == 1 and len(calls) == 1
     assert callback.history[0]["lnmonitor/health/stream_growth"] == 1.0
+
+
+def test_a_trainer_resumed_from_a_checkpoint_does_not_raise_a_finding_again(tmp_path):
+    """A ``train(resume_from_checkpoint=...)`` is the same fit: the kinds raised before the
+    checkpoint come back from its trainer_state.json, where the door keeps each change of a health
+    tag (1 raised at step 1; 0 at step 2, as ``on_finding`` lifts the threshold), so the finding is
+    said once over both runs; the resumed run, whose threshold holds again, logs the tag 1 and keeps
+    that change (so it restored "not holding").  The Trainer's own entries are untouched.  A
+    checkpoint without those entries (an older lnmonitor's) resumes and raises it anew, once."""
+    import json
+    import shutil
+
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    tag, calls = "lnmonitor/health/stream_growth", []
+
+    def run(resume=None):
+        def lift(finding):  # the finding no longer holds from the next measured step on
+            calls.append(finding)
+            callback.findings.thresholds["stream_growth"] = 1e6
+
+        callback = LNMonitorCallback(every_n_steps=1, invariance_every_n_steps=None, keep_history=True,
+                                     findings=EVERY_STEP, on_finding=lift)
+        hf = _gpt2_trainer(tmp_path / "out", max_steps=4, logging_steps=1, save_strategy="steps",
+                           save_steps=2)
+        hf.add_callback(callback)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf.train(resume_from_checkpoint=resume)
+        return hf, callback, [w for w in caught if w.category is lnmonitor.HealthWarning]
+
+    first, first_cb, raised = run()
+    assert len(raised) == 1 and [(h["step"], h[tag]) for h in first_cb.history] == [(1, 1.0), (2, 0.0),
+                                                                                       (3, 0.0), (4, 0.0)]
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    resumed, resumed_cb, again = run(str(checkpoint))
+    assert again == [] and len(calls) == 1
+    assert [(h["step"], h[tag]) for h in resumed_cb.history] == [(3, 1.0), (4, 1.0)]  # it holds again
+    assert resumed_cb.findings.raised["stream_growth"].step == 1  # raised at step 1, before the checkpoint
+
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    changes = [{tag: 1.0, "step": 1}, {tag: 0.0, "step": 2}]
+    assert [e for e in saved if tag in e] == changes
+    assert [e for e in resumed.state.log_history if tag in e] == [*changes, {tag: 1.0, "step": 3}]
+    assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]
+    assert "train_runtime" in first.state.log_history[-1]  # the Trainer's summary is still the last
+
+    old = tmp_path / "old"
+    shutil.copytree(checkpoint, old)
+    state = json.loads((old / "trainer_state.json").read_text())
+    state["log_history"] = [e for e in state["log_history"] if "loss" in e]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    _, _, anew = run(str(old))
+    assert len(anew) == 1 and len(calls) == 2  # nothing said it was raised: it is raised, once
 
 
 def test_the_loop_door_sets_should_stop_and_logs_1_while_it_holds_0_after():

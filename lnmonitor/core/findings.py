@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EPS_KNEE", "EPS_SLOPE", "KINDS", "TESTBED", "Finding", "FindingKind", "FindingsReader", "Reading",
-    "door_reader", "health",
+    "door_reader", "health", "state_from_health",
 ]
 
 # What each kind did in the stability testbed at its default threshold (docs/findings.md):
@@ -217,8 +217,10 @@ class FindingsReader:
             return False
 
     def summary(self) -> list[str]:
-        """One line per kind raised in this fit, for the end-of-fit summary."""
-        return [f"{f.kind} at step {f.step}: {f.value:.4g} (threshold {f.threshold:g})"
+        """One line per kind raised in this fit, for the end-of-fit summary (a kind restored by
+        :func:`state_from_health` has no value to show)."""
+        return [f"{f.kind} at step {f.step}"
+                + (f": {f.value:.4g} (threshold {f.threshold:g})" if math.isfinite(f.value) else "")
                 + ("" if f.kind in self.holding else "; ended") for f in self.raised.values()]
 
     def reset(self) -> None:
@@ -232,6 +234,25 @@ class FindingsReader:
     def load_state_dict(self, state: Mapping) -> None:
         self.raised = {k: Finding(**f) for k, f in state.get("raised", {}).items()}
         self.holding = set(state.get("holding", ())) & set(self.raised)
+
+
+def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
+    """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
+    ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
+    order (a door that keeps no state of its own keeps each change of those values): a kind with a
+    value 1 is raised, at the step of its first (its value, threshold and message were not kept:
+    NaN and a note), and holds when its last value is 1.  Kinds this version does not know are
+    left out; no points: a fresh fit's state."""
+    raised: dict[str, dict] = {}
+    last: dict[str, float] = {}
+    for step, kind, value in points:
+        if kind not in KINDS:
+            continue
+        if value == 1.0 and kind not in raised:
+            note = f"{kind} was raised at step {step}, before the checkpoint this fit resumed from"
+            raised[kind] = vars(Finding(kind, int(step), math.nan, math.nan, note))
+        last[kind] = value
+    return {"raised": raised, "holding": sorted(k for k, v in last.items() if v == 1.0)}
 
 
 def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str) -> FindingsReader | None:

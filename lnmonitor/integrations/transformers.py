@@ -25,14 +25,21 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, health
+from lnmonitor.core.findings import door_reader, health, state_from_health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS
 from lnmonitor.core.loss_contract import default_loss
 from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import CATEGORY_ORDER, INVARIANCE_LAYOUT, LADDER_LAYOUT, TRAINER_SPLIT
+from lnmonitor.core.metric_names import (
+    CATEGORY_ORDER,
+    INVARIANCE_LAYOUT,
+    LADDER_LAYOUT,
+    TRAINER_SPLIT,
+    health_metric,
+    parse,
+)
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 
 __all__ = ["LNMonitorCallback"]
@@ -57,7 +64,10 @@ class LNMonitorCallback(TrainerCallback):
     which apply their own naming (TensorBoard's and W&B's put ``train/`` before every tag;
     TensorBoard also gets a Custom Scalars layout for those tags).  The end-of-run point is
     reported at the last epoch's end, before the integrations close: one event file per
-    run.  Nothing is added to ``state.log_history``, which every checkpoint saves.
+    run.  Of these metrics only the findings' go to ``state.log_history`` (which every
+    checkpoint saves), and only when one changes: ``{"lnmonitor/health/<kind>": 1.0, "step":
+    global_step}`` when a kind is raised (0.0 when it stops holding), so that
+    ``train(resume_from_checkpoint=...)``, the same fit, does not raise it again.
 
     Args:
         trainer: not needed (``Trainer(..., callbacks=[LNMonitorCallback()])``); kept for
@@ -168,8 +178,8 @@ class LNMonitorCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._main = state.is_world_process_zero
         self.voice.reset(speaks=self._main)
-        if self.findings is not None:
-            self.findings.reset()  # each kind is raised once per fit
+        if self.findings is not None:  # each kind is raised once per fit; a resumed fit's are in log_history
+            self.findings.load_state_dict(state_from_health(_health_points(state.log_history)))
         self._logged = -1
         self._layout_written = False
         trainer = self.trainer or _running_trainer(self)
@@ -214,8 +224,10 @@ class LNMonitorCallback(TrainerCallback):
             if result is not None:
                 self.last_result = result
                 metrics = result.metrics(positions=self._logged < 0)
+                held = set(self.findings.holding) if self.findings is not None else set()
                 metrics.update(health(self.findings, state.global_step, result,
                                       lambda: setattr(control, "should_training_stop", True)))
+                self._keep_health(state, held)
                 self._report(metrics, args, state, control)
                 self._logged = state.global_step
         every = self.invariance_every_n_steps
@@ -234,6 +246,14 @@ class LNMonitorCallback(TrainerCallback):
         if self.meter is not None:
             self.meter.abort()
         self._measuring = None
+
+    def _keep_health(self, state, held: set[str]) -> None:
+        """Append to ``state.log_history`` the health tags that changed at this step (``held``:
+        the kinds that held before it), for a resumed fit to restore (:func:`_health_points`)."""
+        now = self.findings.holding if self.findings is not None else set()
+        changed = {health_metric(kind): float(kind in now) for kind in sorted(held ^ now)}
+        if changed:
+            state.log_history.append({**changed, "step": state.global_step})
 
     # -- the invariance probe ----------------------------------------------------------
 
@@ -330,6 +350,17 @@ def _running_trainer(callback) -> Trainer | None:
             return owner
         frame = frame.f_back
     return None
+
+
+def _health_points(log_history: Sequence[Mapping]):
+    """``(step, kind, value)`` of every ``lnmonitor/health/<kind>`` in the Trainer's
+    ``log_history`` (restored from a checkpoint's trainer_state.json before ``on_train_begin``;
+    empty on a fresh fit), in its order."""
+    for entry in log_history:
+        for tag, value in entry.items():
+            metric = parse(tag)
+            if metric is not None and metric.group == "health" and "step" in entry:
+                yield entry["step"], metric.statistic, value
 
 
 def _unusable(batch, label_names: Sequence[str]) -> str | None:
