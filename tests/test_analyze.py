@@ -290,8 +290,8 @@ def test_load_checkpoint_raises_usage_error(tmp_path):
         load_checkpoint(tmp_path / "nope.ckpt")
 
 
-def test_the_ladder_figure_names_rungs_as_everything_else_and_every_panel_has_a_y_label(checkpoint,
-                                                                                           monkeypatch):
+def test_the_figures_draw_the_meters_rungs_named_as_everything_else_and_every_panel_has_a_y_label(
+        checkpoint, monkeypatch):
     from lnmonitor.experiments import analysis_figures
 
     module, step = load_checkpoint(checkpoint)
@@ -304,6 +304,13 @@ def test_the_ladder_figure_names_rungs_as_everything_else_and_every_panel_has_a_
     labels = [t.get_text() for t in ladder.get_xticklabels()]
     assert labels == [a.short(r.name) for r in a.rungs]  # as the report's tables name them
     assert labels[0] == "blocks.0.ln1" and labels[-1] == "lnf"  # the LightningModule's model. gone
+    # the points are the meter's rungs: rms of the stream and 1/sigma, in forward order
+    meter = a.result.figures.by_name()
+    rms, inv_sigma = (line.get_ydata() for line in ladder.lines)
+    np.testing.assert_array_equal(rms, [meter[n].rms for n in a.result.figures.rungs])
+    np.testing.assert_array_equal(inv_sigma, [meter[n].inv_sigma for n in a.result.figures.rungs])
+    spectrum = figures["analysis_spectrum.png"].axes[0]
+    assert spectrum.get_title().startswith(f"{a.short(a.result.figures.final)}:")  # the final norm's
     for name, fig in figures.items():
         for ax in fig.axes:
             assert ax.get_ylabel(), (name, ax.get_title())
