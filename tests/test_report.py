@@ -125,3 +125,46 @@ def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, monkeyp
         np.testing.assert_allclose(lines[label].get_ydata(), mean(key, log), rtol=1e-12, err_msg=label)
     two = {k: r for k, r in records.items() if k[0] != 0.1}
     assert not report_figures.figure_dose_response(two, eps_values, tmp_path / "none.png")
+
+
+def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, monkeypatch):
+    """Records of the meter's result (format /2) whose first norm normalises the embeddings (no
+    rung): the ladder draws each run's rungs' 1/sigma, one line per seed; the share bars are each
+    norm's mean over seeds, with the records' random baseline."""
+    import numpy as np
+    from matplotlib.container import BarContainer
+
+    from lnmonitor.experiments import report_figures, store
+
+    norms, rungs = ["model.emb", "model.ln1", "model.lnf"], ["model.ln1", "model.lnf"]
+
+    def record(eps, seed):
+        scale = (1 + seed) * (1 + eps)
+        metrics = {f"lnmonitor/{stat}/{n}": (i + 1) * scale * (10 if stat == "inv_sigma" else 0.1)
+                   for stat in ("inv_sigma", "share_median") for i, n in enumerate(norms)}
+        metrics["lnmonitor/share_baseline/median"] = 0.125
+        info = {n: {"kind": "layer", "width": 128, "eps": eps, "role": role, "dead_dim": 2}
+                for n, role in zip(norms, ("embedding", "residual", "final"), strict=True)}
+        return {"format": store.RECORD_FORMAT, "eps": eps, "seed": seed, "metrics": metrics,
+                "norm_order": norms, "norm_info": info, "rungs": rungs, "final_norm": "model.lnf"}
+
+    eps_values = [1e-5, 0.1]
+    records = {(e, s): record(e, s) for e in eps_values for s in (0, 1)}
+    drawn = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
+    assert report_figures.figure_ladder(records, eps_values, tmp_path / "ladder.png")
+    (ax,) = drawn.pop().axes
+    lines = sorted(tuple(line.get_ydata()) for line in ax.lines)
+    assert lines == sorted(tuple(r["metrics"][f"lnmonitor/inv_sigma/{n}"] for n in rungs)
+                           for r in records.values())
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ln1", "lnf"]
+    assert report_figures.figure_shares(records, eps_values, tmp_path / "shares.png")
+    (ax,) = drawn.pop().axes
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for container, eps in zip(bars, eps_values, strict=True):
+        heights = [bar.get_height() for bar in container]
+        expected = [np.mean([records[(eps, s)]["metrics"][f"lnmonitor/share_median/{n}"] for s in (0, 1)])
+                    for n in norms]
+        np.testing.assert_allclose(heights, expected, rtol=1e-12)
+    baseline = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(baseline) == 1 and baseline[0].get_ydata()[0] == 0.125
