@@ -4,6 +4,7 @@ bad input (one line on stderr, exit code 2, nothing else)."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -32,6 +33,9 @@ def logdir(tmp_path_factory):
     return root
 
 
+COLUMNS = ("inv_sigma", "rms", "eps_over_var", "share_median", "share_max")  # the printed ladder's
+
+
 def _ladder_rows(out: str) -> dict[str, float]:
     """``{norm: 1/sigma}`` from the printed ladder table(s) of the first run."""
     rows = {}
@@ -50,9 +54,24 @@ def test_summarize_a_tensorboard_run_prints_the_ladder_and_writes_the_figures(lo
     logged = read_scalars(run)
     rows = _ladder_rows(out)
     assert list(rows) == NORMS  # forward order
-    for name, value in rows.items():
-        assert math.isclose(value, logged[f"lnmonitor/inv_sigma/{name}"][-1][1], rel_tol=5e-3), name
-    assert "random direction: median share" in out and "final-norm invariance at step 5" in out
+    # every column of the ladder is the last value logged (3 figures; eps/var 2)
+    table = {line.split()[0]: line.split()[1:6] for line in out.splitlines()
+             if line.split() and f"model.{line.split()[0]}" in NORMS}
+    for name in NORMS:
+        for cell, stat in zip(table[name.removeprefix("model.")], COLUMNS, strict=True):
+            value, rel = logged[f"lnmonitor/{stat}/{name}"][-1][1], 0.05 if stat == "eps_over_var" else 5e-3
+            assert math.isclose(float(cell), value, rel_tol=rel), (name, stat)
+    line = next(ln for ln in out.splitlines() if "random direction: median share" in ln)
+    shown = [float(x) for x in re.findall(r"\d\.\d+", line)]
+    assert [math.isclose(a, logged[f"lnmonitor/share_baseline/{q}"][-1][1], rel_tol=5e-3)
+            for a, q in zip(shown, ("median", "max"), strict=True)] == [True, True], line
+    # the invariance table: one column per case, the last probe's delta-loss and output residual
+    lines = out.split("final-norm invariance at step 5")[1].splitlines()
+    cases = lines[0].split()
+    for row, stat in ((lines[1], "dloss"), (lines[2], "out_residual")):
+        for case, cell in zip(cases, row.split()[-len(cases):], strict=True):
+            value = logged[f"lnmonitor/invariance/{case}/{stat}"][-1][1]
+            assert math.isclose(float(cell), value, rel_tol=0.05), (case, stat)  # "0" only for 0
     for png in ("version_0_ladder_heatmap.png", "version_0_shares.png"):
         with Image.open(tmp_path / png) as image:
             assert image.width > 300 and image.height > 200, png
