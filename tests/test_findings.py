@@ -202,7 +202,7 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     later = reader.read(15, result)
     assert later.ended == ["stream_growth"] and later.metrics == {"lnmonitor/health/stream_growth": 0.0}
     assert reader.read(20, big).raised == [] and len(seen) == 1 and len(said) == 1
-    assert reader.summary() == ["stream_growth at step 5: 50 (threshold 20)"]
+    assert reader.raised["stream_growth"].value == 50.0 and reader.raised["stream_growth"].step == 5
     again = FindingsReader(warn=said.append)
     again.load_state_dict(reader.state_dict())
     assert again.read(25, big).raised == [] and again.raised == reader.raised
@@ -213,8 +213,7 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
 
 def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_hold():
     """state_from_health: raised at a kind's first 1, holding when its last value is 1, unknown
-    kinds left out; the restored reader raises nothing again and its summary shows no value it
-    did not keep."""
+    kinds left out; the restored reader raises nothing again."""
     torch.manual_seed(0)
     result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
     points = [(3, "stream_growth", 1.0), (4, "stream_growth", 0.0), (6, "eps_dominates", 1.0),
@@ -228,7 +227,7 @@ def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_
     reader = FindingsReader(warn=said.append)
     reader.load_state_dict(state_from_health(points[:2]))
     assert reader.read(10, _Figures(result, growth=50.0)).raised == [] and said == []
-    assert reader.summary() == ["stream_growth at step 3"]  # it holds again at step 10
+    assert reader.raised["stream_growth"].step == 3 and reader.holding == {"stream_growth"}  # again at 10
 
 
 def test_on_finding_returning_true_asks_to_stop():

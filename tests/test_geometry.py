@@ -71,9 +71,9 @@ def test_dead_dim():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("eps", EPSS)
-def test_row_stats_against_numpy(kind, eps):
+def test_normalise_against_numpy(kind, eps):
     x = make_rows(5, 33, seed=1).reshape(5, 1, 33)
-    st_ = G.row_stats(x, eps, kind)
+    st_ = G.normalise(x, eps, kind)
     xn = x.numpy()
     if kind == "layer":
         mean = xn.mean(-1)
@@ -97,7 +97,7 @@ def test_row_stats_against_numpy(kind, eps):
 def test_transmission_is_the_length_lost_by_xhat(kind, eps):
     # |xhat|^2 = d * var / (var + eps) = d * (1 - transmission)
     x = make_rows(6, 40, seed=2, scale=0.5)
-    st_ = G.row_stats(x, eps, kind)
+    st_ = G.normalise(x, eps, kind)
     t = G.transmission(st_.var, eps)
     assert isinstance(t, torch.Tensor)
     np.testing.assert_allclose(
@@ -271,8 +271,8 @@ def test_dead_basis_is_orthonormal_and_dead(kind, eps):
     eye = torch.eye(k, dtype=torch.float64)
     assert (b.transpose(-1, -2) @ b - eye).abs().max().item() < 1e-13
     j = autograd_jac(x, eps, kind)
-    sigma = G.row_stats(x, eps, kind).sigma
-    t = G.transmission(G.row_stats(x, eps, kind).var, eps)
+    sigma = G.normalise(x, eps, kind).sigma
+    t = G.transmission(G.normalise(x, eps, kind).var, eps)
     # J maps the scale direction to (eps/(v+eps))/sigma times itself; J 1 = 0 (layer)
     ju = j @ b
     expected_last = (t / sigma)[:, None] * b[..., -1]
@@ -280,7 +280,7 @@ def test_dead_basis_is_orthonormal_and_dead(kind, eps):
     if kind == "layer":
         assert ju[..., 0].abs().max().item() < 1e-12
         # xhat / sqrt(d) is not unit length once eps > 0: |.|^2 = v/(v+eps)
-        xhat = G.row_stats(x, eps, kind).xhat
+        xhat = G.normalise(x, eps, kind).xhat
         naive = (xhat / math.sqrt(d)).norm(dim=-1) ** 2
         assert (naive - (1 - t)).abs().max().item() < 1e-12
 
@@ -332,7 +332,7 @@ def test_backward_identity(kind, eps):
     w = g * dy
     share, valid = G.dead_plane_share(x, dy, kind, weight=g)
     assert valid.all()
-    st_ = G.row_stats(x, eps, kind)
+    st_ = G.normalise(x, eps, kind)
     lhs = (dx.norm(dim=-1) * st_.sigma) ** 2
     rhs = w.norm(dim=-1) ** 2 * (1 - share**2)
     if eps > 0:

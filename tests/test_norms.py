@@ -14,7 +14,7 @@ import torch
 from conftest import free_port
 from torch import nn
 
-from lnmonitor.core.geometry import row_stats
+from lnmonitor.core.geometry import normalise
 from lnmonitor.core.norms import discover_norms, find_norms, select_norms
 from lnmonitor.core.registry import register_norm, unregister_norm
 from lnmonitor.core.roles import assign_roles, expected_final
@@ -133,7 +133,7 @@ FSDP2_UNITS = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from lnmonitor.core.geometry import row_stats
+    from lnmonitor.core.geometry import normalise
     from lnmonitor.core.norms import discover_norms
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ FSDP2_UNITS = textwrap.dedent("""
     assert not found.refused, found.refused
     for info, y in zip(found.norms, before):
         assert type(info.gain()) is torch.Tensor  # whole, not a shard
-        assert torch.allclose(info.affine(row_stats(x, info.eps(), info.kind).xhat), y, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(info.affine(normalise(x, info.eps(), info.kind).xhat), y, rtol=1e-5, atol=1e-5)
     print("ok")
 """)
 
@@ -236,7 +236,7 @@ def test_the_float64_reference_is_the_norms_own_output():
         x = torch.randn(5, 16, dtype=torch.float64)
         twin = copy.deepcopy(module).double()
         # as the invariance probe evaluates the final norm: its checked form on float64 rows
-        ours = info.affine(row_stats(x, info.eps(torch.float64), info.kind).xhat)
+        ours = info.affine(normalise(x, info.eps(torch.float64), info.kind).xhat)
         torch.testing.assert_close(ours, twin(x), rtol=1e-12, atol=1e-12)
 
 

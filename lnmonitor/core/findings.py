@@ -216,13 +216,6 @@ class FindingsReader:
                        "again in this fit (training goes on). To stop the run from it, return True.")
             return False
 
-    def summary(self) -> list[str]:
-        """One line per kind raised in this fit, for the end-of-fit summary (a kind restored by
-        :func:`state_from_health` has no value to show)."""
-        return [f"{f.kind} at step {f.step}"
-                + (f": {f.value:.4g} (threshold {f.threshold:g})" if math.isfinite(f.value) else "")
-                + ("" if f.kind in self.holding else "; ended") for f in self.raised.values()]
-
     def reset(self) -> None:
         """A new fit: every kind may be raised again."""
         self.raised, self.holding = {}, set()

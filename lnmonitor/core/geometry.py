@@ -32,13 +32,13 @@ from torch import Tensor
 from lnmonitor.core.kinds import NormKind
 
 __all__ = [
-    "RowStats",
+    "Normalised",
     "dead_basis",
     "dead_dim",
     "dead_plane_share",
     "deletion_cost",
     "jacobian",
-    "row_stats",
+    "normalise",
     "singular_values",
     "transmission",
 ]
@@ -104,10 +104,10 @@ def _work_dtype(*dtypes: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------
 
 
-class RowStats(NamedTuple):
-    """Per-row statistics.  ``mean``, ``var``, ``sigma`` have shape ``x.shape[:-1]``;
-    ``xhat`` has shape ``x.shape``.  For RMSNorm ``mean`` is zero and ``var`` is the
-    second moment ``mean(x^2)`` (so ``sigma`` is ``r``)."""
+class Normalised(NamedTuple):
+    """Rows as a norm normalises them, with the statistics that do it.  ``mean``, ``var``,
+    ``sigma`` have shape ``x.shape[:-1]``; ``xhat`` has shape ``x.shape``.  For RMSNorm
+    ``mean`` is zero and ``var`` is the second moment ``mean(x^2)`` (so ``sigma`` is ``r``)."""
 
     mean: Tensor
     var: Tensor
@@ -115,8 +115,9 @@ class RowStats(NamedTuple):
     xhat: Tensor
 
 
-def row_stats(x: Tensor, eps: float, kind: NormKind = "layer") -> RowStats:
-    """Statistics of each row of ``x`` (..., d), in ``x``'s dtype and units.
+def normalise(x: Tensor, eps: float, kind: NormKind = "layer") -> Normalised:
+    """Each row of ``x`` (..., d) normalised as the norm of ``kind`` does it (no gain or bias),
+    with its statistics, in ``x``'s dtype and units.
 
     layer: ``mean``, biased ``var = mean((x - mean)^2)``, ``sigma = sqrt(var + eps)``,
     ``xhat = (x - mean) / sigma``.  rms: ``mean = 0``, ``var = mean(x^2)``,
@@ -135,7 +136,7 @@ def row_stats(x: Tensor, eps: float, kind: NormKind = "layer") -> RowStats:
         xc = x
         var = (x * x).mean(dim=-1)
     sigma = torch.sqrt(var + eps)
-    return RowStats(mean=mean, var=var, sigma=sigma, xhat=xc / sigma.unsqueeze(-1))
+    return Normalised(mean=mean, var=var, sigma=sigma, xhat=xc / sigma.unsqueeze(-1))
 
 
 def transmission(var, eps: float):
@@ -189,7 +190,7 @@ def jacobian(
     """
     d = _check_x(x)
     _check_weight(weight, d)
-    st = row_stats(x, eps, kind)
+    st = normalise(x, eps, kind)
     xhat = st.xhat
     eye = torch.eye(d, dtype=x.dtype, device=x.device)
     a = eye - xhat.unsqueeze(-1) * xhat.unsqueeze(-2) / d
@@ -219,7 +220,7 @@ def singular_values(
     xw = x.to(dt)
     if weight is not None:
         return torch.linalg.svdvals(jacobian(xw, eps, kind, weight.to(dt)))
-    st = row_stats(xw, eps, kind)
+    st = normalise(xw, eps, kind)
     inv = 1.0 / st.sigma
     if k == 2 and d < 2:  # d = 1 LayerNorm: the output is constant, J = 0
         return torch.zeros_like(xw)

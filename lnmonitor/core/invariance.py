@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core import dtensors
 from lnmonitor.core.final_norm import find_final_norm, named_norm
-from lnmonitor.core.geometry import row_stats
+from lnmonitor.core.geometry import normalise
 from lnmonitor.core.hooks import Hooks, restored, sharded
 from lnmonitor.core.invariance_results import (
     CASE_TRANSFORMS,
@@ -140,7 +140,7 @@ def final_norm_invariance(
         if state["t"] is not None:
             h64 = _transform(h64, *state["t"])
         with torch.autocast(h.device.type, enabled=False):
-            stats = row_stats(h64, info.eps(h.dtype), info.kind)
+            stats = normalise(h64, info.eps(h.dtype), info.kind)
             out = info.affine(stats.xhat)
         if state["stats"] is None:
             state["stats"] = stats

@@ -181,7 +181,7 @@ def probe_norm_jacobian(
         sv0 = torch.linalg.svdvals(geometry.jacobian(row, 0.0, kind, g))
         rank, _ = numerical_rank(sv, rtol)
         rank0, _ = numerical_rank(sv0, rtol)
-        st = geometry.row_stats(row, eps, kind)
+        st = geometry.normalise(row, eps, kind)
         k = geometry.dead_dim(kind)
         basis = geometry.dead_basis(row, eps, kind)
         projector = torch.eye(d, dtype=_F64) - basis @ basis.T

@@ -5,7 +5,7 @@ on the device, with no host synchronisation, in two halves: a few passes over th
 call's ``(rows, d)`` tensors in the backward hook (``*_raw``), the rest once per step
 for all calls together (``finish_*``); :func:`row_values` turns those into the
 per-row share and statistics.  They must equal the reference maths of
-:mod:`lnmonitor.core.geometry` (``row_stats``, ``dead_plane_share``) to float32 rounding:
+:mod:`lnmonitor.core.geometry` (``normalise``, ``dead_plane_share``) to float32 rounding:
 the tests pin them against it and against float64.
 
 * ``var``: ``mean((x - mu)^2)`` (LayerNorm) or ``mean(x^2)`` (RMSNorm): the norm's own
