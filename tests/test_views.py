@@ -176,3 +176,29 @@ def test_the_pictures_name_rungs_as_the_summary_does(monkeypatch):
     curves.update({per_norm("ladder_position", n): [(3, float(i))] for i, n in enumerate(names)})
     table = summary_text(curves)
     assert all(re.search(rf"^  {re.escape(label)} ", table, re.M) for label in drawn["labels"]), table
+
+
+def test_summarize_share_figure_draws_each_norms_last_shares_in_ladder_order(tmp_path, monkeypatch):
+    """Each norm's median, p90 and max share at its last logged step (not its first), rungs in
+    ladder order then the others, against the run's last random baseline."""
+    from lnmonitor.views import summary_figures
+
+    p = "lnmonitor"
+    curves = {f"{p}/ladder_position/m.b": [(0, 0.0)], f"{p}/ladder_position/m.a": [(0, 1.0)],
+              f"{p}/ladder_position/m.c": [(0, -1.0)], f"{p}/share_baseline/median": [(0, 0.2), (10, 0.25)],
+              f"{p}/share_baseline/max": [(0, 0.6), (10, 0.65)]}
+    for i, name in enumerate(("m.b", "m.a", "m.c")):
+        curves[f"{p}/inv_sigma/{name}"] = [(0, 1.0), (10, 1.0)]
+        for j, stat in enumerate(("share_median", "share_p90", "share_max")):
+            curves[f"{p}/{stat}/{name}"] = [(0, 0.9), (10, 0.1 * (i + 1) + 0.2 * j)]
+    figures = []
+    monkeypatch.setattr(summary_figures, "save_png", lambda fig, path: figures.append(fig))
+    assert summary_figures.figure_shares(curves, "run", tmp_path / "shares.png")
+    (ax,) = figures[0].axes
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+    order = ("m.b", "m.a", "m.c")  # the rungs by position, then the norm that is not one
+    for stat, label in (("share_median", "median share"), ("share_p90", "p90 share"),
+                        ("share_max", "max share")):
+        assert lines[label] == [curves[f"{p}/{stat}/{n}"][-1][1] for n in order], label
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["b", "a", "c"]
+    assert lines["random direction, median"][0] == 0.25 and lines["random direction, max"][0] == 0.65
