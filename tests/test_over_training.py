@@ -70,3 +70,33 @@ def test_the_section_says_when_the_gap_is_resolved_and_what_the_first_norm_does(
     assert "never resolved (every interval includes 0)" in "\n".join(
         over_training.markdown(noise, [1e-5, 0.1], 1e-5))
     assert over_training.markdown({(1e-5, 0): {"eps": 1e-5, "seed": 0}}, [1e-5], 1e-5) == []
+
+
+def test_the_report_figures_over_training_draw_the_paired_gap_and_the_seeds_mean(tmp_path, monkeypatch):
+    """report_figures' loss gap (mean over seeds of the paired difference at each validation,
+    with its band) and its four panels of the first and the final norm's curves (the seeds'
+    geometric mean), on the grid above."""
+    import numpy as np
+
+    from lnmonitor.experiments import report_figures
+
+    figures = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: figures.append(fig))
+    records = grid([0.5, 0.2, 0.0])
+    assert report_figures.figure_loss_gap(records, [1e-5, 0.1], 1e-5, tmp_path / "gap.png")
+    (ax,) = figures.pop().axes
+    (line,) = [ln for ln in ax.lines if ln.get_label().startswith("eps=0.1")]
+    assert list(line.get_xdata()) == [100, 200, 300]
+    np.testing.assert_allclose(line.get_ydata(), [0.501, 0.201, 0.001], rtol=1e-9)  # gap + 0.001 x mean seed
+    assert len(ax.collections) == 1  # the 95% band
+    assert report_figures.figure_training_curves(records, [1e-5, 0.1], tmp_path / "curves.png")
+    panels = figures.pop().axes
+    # seed s scales its curves by 2^(s - 2): the seeds' geometric mean is half the fixture's curve
+    expected = {0: {1e-5: [5e-4, 2e-4, 1.5e-4], 0.1: [0.495, 0.45, 0.475]},
+                3: {1e-5: [0.5, 1.0, 1.5], 0.1: [0.5, 1.0, 1.5]}}  # first norm's transmission, final's rms
+    assert FIRST.rsplit(".", 1)[-1] in panels[0].get_title() and "lnf" in panels[3].get_title()
+    for i, by_eps in expected.items():
+        lines = {ln.get_label(): ln for ln in panels[i].lines}
+        for eps, label in ((1e-5, "eps=1e-05"), (0.1, "eps=0.1")):
+            assert list(lines[label].get_xdata()) == [0, 100, 200]
+            np.testing.assert_allclose(lines[label].get_ydata(), by_eps[eps], rtol=1e-9, err_msg=(i, eps))
