@@ -168,3 +168,27 @@ def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, 
         np.testing.assert_allclose(heights, expected, rtol=1e-12)
     baseline = [line for line in ax.lines if line.get_linestyle() == "--"]
     assert len(baseline) == 1 and baseline[0].get_ydata()[0] == 0.125
+
+
+def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_value(tmp_path, monkeypatch):
+    """The right panel: one point per run at its final norm's eps/var, the output residual and
+    abs(delta loss) of the scale-3 case; a delta-loss is signed (scaling can lower the loss), so
+    a run whose loss fell is drawn at its absolute value, not left out."""
+    import numpy as np
+
+    from lnmonitor.experiments import report_figures
+
+    head = {(1e-5, 0): (1e-7, 4e-7, -2.4e-7), (1e-5, 1): (2e-7, 8e-7, 4.8e-7), (0.1, 0): (0.05, 0.2, -0.01)}
+    records = {(e, s): {"eps": e, "seed": s, "headline": {
+        "final_eps_over_var": x, "out_residual_scale_3": residual, "dloss_scale_3": dloss}}
+        for (e, s), (x, residual, dloss) in head.items()}
+    drawn = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
+    assert report_figures.figure_invariance(records, [1e-5, 0.1], tmp_path / "invariance.png")
+    ax_runs = drawn[0].axes[1]
+    points = {c.get_label(): sorted(map(tuple, c.get_offsets().tolist())) for c in ax_runs.collections}
+    for eps, label in ((1e-5, "1e-05"), (0.1, "0.1")):
+        runs = [v for (e, _), v in sorted(head.items()) if e == eps]
+        assert points[f"output residual, eps={label}"] == sorted((x, r) for x, r, _ in runs)
+        np.testing.assert_allclose(points[f"abs(delta loss), eps={label}"],
+                                   sorted((x, abs(d)) for x, _, d in runs), rtol=1e-12)

@@ -157,7 +157,8 @@ def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) ->
         for key, marker, what in (("out_residual_scale_3", "s", "output residual"),
                                   ("dloss_scale_3", "^", "abs(delta loss)")):
             pts = [(x, r["headline"].get(key)) for x, r in zip(xs, runs, strict=True)]
-            pts = [(x, y) for x, y in pts if _pos(x) and _pos(y)]
+            # abs: the delta-loss is signed (a run whose loss fell is drawn, not left out)
+            pts = [(x, abs(y)) for x, y in pts if _pos(x) and y is not None and _pos(abs(y))]
             if pts:
                 ax_runs.scatter(*zip(*pts, strict=True), color=colors[eps], marker=marker, s=30,
                                 label=f"{what}, eps={eps_label(eps)}")
