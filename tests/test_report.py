@@ -192,3 +192,21 @@ def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_val
         assert points[f"output residual, eps={label}"] == sorted((x, r) for x, r, _ in runs)
         np.testing.assert_allclose(points[f"abs(delta loss), eps={label}"],
                                    sorted((x, abs(d)) for x, _, d in runs), rtol=1e-12)
+
+
+def test_the_validation_loss_figure_draws_one_line_per_seed_labelled_once_per_eps(tmp_path, monkeypatch):
+    from lnmonitor.experiments import report_figures
+
+    curves = {(1e-5, 0): [(9, 3.0), (19, 2.5)], (1e-5, 1): [(9, 3.1), (19, 2.6)],
+              (0.1, 0): [(9, 3.2), (19, 2.9)], (0.1, 1): []}  # a run without a curve yet: no line
+    drawn = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
+    assert report_figures.figure_val_loss(curves, [1e-5, 0.1], tmp_path / "val.png")
+    (ax,) = drawn[0].axes
+    lines = [(tuple(ln.get_xdata()), tuple(ln.get_ydata()), ln.get_color()) for ln in ax.lines]
+    assert sorted(x[:2] for x in lines) == sorted((tuple(s for s, _ in c), tuple(v for _, v in c))
+                                                  for c in curves.values() if c)
+    colour = {y: c for _, y, c in lines}
+    assert colour[(3.0, 2.5)] == colour[(3.1, 2.6)] != colour[(3.2, 2.9)]  # one colour per eps
+    assert ax.get_legend_handles_labels()[1] == ["eps=1e-05", "eps=0.1"]
+    assert not report_figures.figure_val_loss({(1e-5, 0): []}, [1e-5], tmp_path / "none.png")
