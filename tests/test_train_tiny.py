@@ -14,9 +14,10 @@ from lnmonitor.tiny.train import fit
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One short train-tiny run through the command line, shared by the tests below."""
+    """One short train-tiny run through the command line (eps 1e-4, not the default), shared by the
+    tests below."""
     out = tmp_path_factory.mktemp("runs")
-    code = main(["train-tiny", "--max-steps", "80", "--val-every", "40", "--out", str(out)])
+    code = main(["train-tiny", "--max-steps", "80", "--val-every", "40", "--eps", "1e-4", "--out", str(out)])
     assert code == 0
     return out
 
@@ -40,7 +41,10 @@ def test_run_writes_tensorboard_events_and_a_loadable_checkpoint(trained):
     run = trained / "train-tiny" / "version_0"
     assert list(run.glob("events.out.tfevents.*"))
     module = load_checkpoint(run / "checkpoints" / "last.ckpt")[0]
-    assert module.hparams.eps == 1e-5 and module.hparams.max_steps == 80
+    # the options given, not the defaults (eps 1e-5, 3,000 steps), in the checkpoint and its norms
+    assert module.hparams.eps == 1e-4 and module.hparams.max_steps == 80
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 9 and {m.eps for m in norms} == {1e-4}
     assert not module.training
 
 
