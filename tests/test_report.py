@@ -6,6 +6,16 @@ import pytest
 from lnmonitor.experiments import report
 
 
+@pytest.fixture
+def drawn(monkeypatch) -> list:
+    """The figures report_figures saves, kept as matplotlib figures instead of PNGs."""
+    from lnmonitor.experiments import report_figures
+
+    figures: list = []
+    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: figures.append(fig))
+    return figures
+
+
 def run(end: str, train: float, measure: float = 0.0) -> dict:
     return {"finished": f"2026-12-01T{end}+0000", "train_seconds": train, "measure_seconds": measure}
 
@@ -19,7 +29,7 @@ def test_runs_side_by_side_occupy_the_wall_time_once():
     assert report.occupied_seconds([{"train_seconds": 5.0}]) == 0.0  # no finish time: no span
 
 
-def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, monkeypatch):
+def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, drawn):
     import numpy as np
 
     from lnmonitor.experiments import report_figures
@@ -33,8 +43,6 @@ def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, monkeypat
 
     # two finished eps (1e-5, 0.1) with different curves, and 1.0 not finished: the heatmap is 0.1's
     records = {(1e-5, 0): record(1e-5, [1e-6, 2e-6]), (0.1, 0): record(0.1, [0.5, 0.25])}
-    drawn = []
-    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
     assert report_figures.figure_transmission_by_norm(records, [1e-5, 0.1, 1.0], tmp_path / "heat.png")
     (ax, _) = drawn[0].axes
     assert ax.get_title().startswith("eps=0.1:")
@@ -90,7 +98,7 @@ def test_the_report_tables_are_the_statistics_of_the_records(tmp_path):
             f"{100 * relative:.1f}% of the eps=1e-05 loss" in sections["Verdict"])
 
 
-def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, monkeypatch):
+def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, drawn):
     """The three panels against eps: the loss's mean over seeds, the geometric mean of the first
     and the final norm's transmission, the mean attenuation and growth, each at its own eps
     (given out of order), from records whose seeds differ; fewer than three eps draw nothing."""
@@ -104,8 +112,6 @@ def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, monkeyp
         "val_loss": 1.5 + e + 0.1 * s, "first_transmission": (0.1 + e) * 10.0**-s, "final_transmission":
         (0.01 + e) * rng.uniform(0.1, 1.0), "attenuation": 3.0 + 10 * e + s, "growth": 5.0 - 10 * e + 2 * s,
     }} for e in eps_values for s in range(3)}
-    drawn = []
-    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
     assert report_figures.figure_dose_response(records, eps_values, tmp_path / "dose.png")
     ax_loss, ax_t, ax_l = drawn[0].axes
     order = sorted(eps_values)
@@ -127,7 +133,7 @@ def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, monkeyp
     assert not report_figures.figure_dose_response(two, eps_values, tmp_path / "none.png")
 
 
-def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, monkeypatch):
+def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, drawn):
     """Records of the meter's result (format /2) whose first norm normalises the embeddings (no
     rung): the ladder draws each run's rungs' 1/sigma, one line per seed; the share bars are each
     norm's mean over seeds, with the records' random baseline."""
@@ -150,8 +156,6 @@ def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, 
 
     eps_values = [1e-5, 0.1]
     records = {(e, s): record(e, s) for e in eps_values for s in (0, 1)}
-    drawn = []
-    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
     assert report_figures.figure_ladder(records, eps_values, tmp_path / "ladder.png")
     (ax,) = drawn.pop().axes
     lines = sorted(tuple(line.get_ydata()) for line in ax.lines)
@@ -170,7 +174,7 @@ def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, 
     assert len(baseline) == 1 and baseline[0].get_ydata()[0] == 0.125
 
 
-def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_value(tmp_path, monkeypatch):
+def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_value(tmp_path, drawn):
     """The right panel: one point per run at its final norm's eps/var, the output residual and
     abs(delta loss) of the scale-3 case; a delta-loss is signed (scaling can lower the loss), so
     a run whose loss fell is drawn at its absolute value, not left out."""
@@ -182,8 +186,6 @@ def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_val
     records = {(e, s): {"eps": e, "seed": s, "headline": {
         "final_eps_over_var": x, "out_residual_scale_3": residual, "dloss_scale_3": dloss}}
         for (e, s), (x, residual, dloss) in head.items()}
-    drawn = []
-    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
     assert report_figures.figure_invariance(records, [1e-5, 0.1], tmp_path / "invariance.png")
     ax_runs = drawn[0].axes[1]
     points = {c.get_label(): sorted(map(tuple, c.get_offsets().tolist())) for c in ax_runs.collections}
@@ -194,13 +196,11 @@ def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_val
                                    sorted((x, abs(d)) for x, _, d in runs), rtol=1e-12)
 
 
-def test_the_validation_loss_figure_draws_one_line_per_seed_labelled_once_per_eps(tmp_path, monkeypatch):
+def test_the_validation_loss_figure_draws_one_line_per_seed_labelled_once_per_eps(tmp_path, drawn):
     from lnmonitor.experiments import report_figures
 
     curves = {(1e-5, 0): [(9, 3.0), (19, 2.5)], (1e-5, 1): [(9, 3.1), (19, 2.6)],
               (0.1, 0): [(9, 3.2), (19, 2.9)], (0.1, 1): []}  # a run without a curve yet: no line
-    drawn = []
-    monkeypatch.setattr(report_figures, "save_png", lambda fig, path: drawn.append(fig))
     assert report_figures.figure_val_loss(curves, [1e-5, 0.1], tmp_path / "val.png")
     (ax,) = drawn[0].axes
     lines = [(tuple(ln.get_xdata()), tuple(ln.get_ydata()), ln.get_color()) for ln in ax.lines]
