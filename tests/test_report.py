@@ -210,3 +210,27 @@ def test_the_validation_loss_figure_draws_one_line_per_seed_labelled_once_per_ep
     assert colour[(3.0, 2.5)] == colour[(3.1, 2.6)] != colour[(3.2, 2.9)]  # one colour per eps
     assert ax.get_legend_handles_labels()[1] == ["eps=1e-05", "eps=0.1"]
     assert not report_figures.figure_val_loss({(1e-5, 0): []}, [1e-5], tmp_path / "none.png")
+
+
+def test_the_invariance_figure_draws_each_sweep_and_its_fit_over_the_fitted_points(tmp_path, drawn):
+    """The left panel: every point whose loss moved at abs(delta loss), and the run's fitted line
+    ``constant * (eps/var)^slope`` over the eps/var of its fitted points only."""
+    import numpy as np
+
+    from lnmonitor.experiments import report_figures
+
+    sweep = [  # (eps/var, dloss, in fit, float32 rounding)
+        (1e-7, 3e-7, False, True), (1e-4, 2e-5, True, False), (1e-2, -1.9e-3, True, False),
+        (1.0, 0.2, True, False), (100.0, 0.5, False, False), (0.5, 0.0, False, False),
+    ]
+    keys = ("eps_over_var", "dloss", "in_fit", "rounding")
+    record = {"eps": 1e-5, "seed": 0, "headline": {"scale_slope": 0.97, "scale_constant": 0.2},
+              "invariance": {"sweep": [dict(zip(keys, p, strict=True)) for p in sweep]}}
+    assert report_figures.figure_invariance({(1e-5, 0): record}, [1e-5], tmp_path / "invariance.png")
+    ax = drawn[0].axes[0]
+    points = sorted(tuple(xy) for c in ax.collections for xy in c.get_offsets().tolist())
+    assert points == sorted((x, abs(d)) for x, d, _, _ in sweep if d != 0)  # the unmoved loss: no log
+    (fit,) = ax.lines
+    x = fit.get_xdata()
+    assert x[0] == pytest.approx(1e-4) and x[-1] == pytest.approx(1.0)
+    np.testing.assert_allclose(fit.get_ydata(), 0.2 * x**0.97, rtol=1e-12)
