@@ -202,3 +202,23 @@ def test_summarize_share_figure_draws_each_norms_last_shares_in_ladder_order(tmp
         assert lines[label] == [curves[f"{p}/{stat}/{n}"][-1][1] for n in order], label
     assert [t.get_text() for t in ax.get_xticklabels()] == ["b", "a", "c"]
     assert lines["random direction, median"][0] == 0.25 and lines["random direction, max"][0] == 0.65
+
+
+def test_summarize_ladders_figure_draws_each_runs_last_ladder_in_rung_order(tmp_path, monkeypatch):
+    from lnmonitor.views import summary_figures
+
+    def run(values: dict) -> dict:
+        curves = {f"lnmonitor/ladder_position/{n}": [(0, float(i))] for i, n in enumerate(values)}
+        curves.update({f"lnmonitor/inv_sigma/{n}": [(0, 9.0), (10, v)] for n, v in values.items()})
+        return curves
+
+    runs = {"a": run({"m.z": 2.0, "m.y": 1.0, "m.x": 0.5}), "b": run({"m.z": 3.0, "m.y": 0.3, "m.x": 0.1}),
+            "one rung": run({"m.z": 1.0})}
+    figures = []
+    monkeypatch.setattr(summary_figures, "save_png", lambda fig, path: figures.append(fig))
+    assert summary_figures.figure_ladders(runs, tmp_path / "ladders.png")
+    (ax,) = figures[0].axes
+    assert {line.get_label(): list(line.get_ydata()) for line in ax.lines} == {
+        "a": [2.0, 1.0, 0.5], "b": [3.0, 0.3, 0.1]}  # the last step's, by ladder position
+    alone = {"a": runs["a"], "one rung": runs["one rung"]}  # one ladder to draw: no figure
+    assert not summary_figures.figure_ladders(alone, tmp_path / "x.png")
