@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import lnmonitor
 from lnmonitor.core.arguments import ArgumentError
-from lnmonitor.core.findings import EPS_KNEE, EPS_SLOPE, KINDS, Finding, FindingsReader, state_from_health
+from lnmonitor.core.findings import EPS_COSTS, EPS_KNEE, KINDS, Finding, FindingsReader, state_from_health
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
@@ -258,7 +259,29 @@ def test_findings_warn_with_health_warning_and_a_failing_on_finding_is_said_once
     assert reader.on_finding is None
 
 
-def test_the_eps_finding_cites_the_laws_cost_per_decade():
+# the eps comparisons EPS_COSTS reads: eps 0.1 against 1e-5 at GPT-2's init, paired seeds
+EPS_COST_RECORDS = {
+    "LayerNorm on the Python help text": "eps-compare-gpt2-init",
+    "RMSNorm on the Python help text": "eps-law-oos/rms-4x128",
+    "LayerNorm on the standard library's source": "eps-law-oos/python-source-4x128",
+}
+
+
+def test_the_eps_finding_cites_the_cost_measured_on_each_corpus():
+    """The eps finding gives the measured costs, each the mean paired difference of its records,
+    and says the size is the corpus's, not a figure for this run."""
+    import json
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    assert set(EPS_COST_RECORDS) == set(EPS_COSTS)
+    for where, folder in EPS_COST_RECORDS.items():
+        record = json.loads((results / folder / "results.json").read_text())
+        recipe = record["runs"][0]["config"]["recipe"]
+        assert recipe["init"] == "gpt2" and recipe["max_steps"] == 3000, where
+        assert recipe["norm"] == ("rms" if where.startswith("RMSNorm") else "layer"), where
+        assert ("source" in record["runs"][0]["data_name"]) == ("source" in where), where
+        difference = record["differences"]["0.1"]
+        assert difference["n"] >= 2 and round(difference["mean"], 4) == EPS_COSTS[where], where
     torch.manual_seed(0)
     # GPT-2's init at eps 0.1: the first norm reads var ~8e-4, eps/var ~130 (docs/eps.md)
     result, _ = _measured(TinyGPT(GPTConfig(depth=2, eps=0.1, init="gpt2")), torch.randint(0, 65, (4, 32)))
@@ -267,8 +290,9 @@ def test_the_eps_finding_cites_the_laws_cost_per_decade():
     said = []
     finding = FindingsReader(warn=said.append).read(0, result).raised
     eps = [f for f in finding if f.kind == "eps_dominates"][0]
-    assert f"+{EPS_SLOPE * math.log10(value / EPS_KNEE):.3f}" in eps.message
-    assert "one corpus" in eps.message and eps.value == value
+    for where, cost in EPS_COSTS.items():
+        assert f"+{cost:.3f} nats/char with {where}" in eps.message
+    assert "the corpus's" in eps.message and eps.value == value
 
 
 @pytest.mark.parametrize("bad", [{"nope": 1.0}, {"stream_growth": -1.0}, {"stream_growth": math.inf},
