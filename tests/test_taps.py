@@ -3,6 +3,8 @@ references left behind, autocast and loss scaling, skipped rows."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +75,26 @@ def test_no_hooks_and_no_references_left():
     assert tap._pending == []
     rows = tap.collect()
     assert rows.data is None and rows.records == []
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(16), nn.RMSNorm(16)], ids=["layer", "rms"])
+@pytest.mark.parametrize("bypass", [False, True], ids=["plain", "bypass"])
+def test_a_norm_input_is_let_go_once_its_backward_has_run(norm, bypass):
+    """The taps hold a norm's input only until they have measured it: the activation is
+    freed while the graph, and the hooks holding the tap's boxes, still live."""
+    tap = NormTap(find_norms(nn.Sequential(norm)))
+    tap.attach(bypass=bypass)
+    leaf = torch.randn(4, 16, requires_grad=True)
+    stream = leaf * 2.0  # only the norm keeps it (a product by a constant saves nothing)
+    alive = weakref.ref(stream)
+    seen = []
+    leaf.register_hook(lambda g: seen.append(alive() is None))  # the graph lives on until this returns
+    loss = (norm(stream) * torch.arange(16.0)).sum()
+    del stream
+    loss.backward()
+    tap.detach()
+    assert seen == [True]
+    assert tap.collect().data.shape == (5, 4)  # and it was measured
 
 
 def test_bfloat16_autocast_is_measured_in_float32():

@@ -221,6 +221,7 @@ class NormTap:
         x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
         box.x = box.saved = box.gain = box.keep = None
         if not box.awaits_input:  # else the input hook, or detach(), lets it go
+            box.like = None  # the hook keeps the box until the graph goes: hold no tensor in it
             self._drop(box)
         return x, saved, gain, keep
 
