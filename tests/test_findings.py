@@ -291,7 +291,7 @@ def test_the_eps_finding_cites_the_cost_measured_on_each_corpus():
     finding = FindingsReader(warn=said.append).read(0, result).raised
     eps = [f for f in finding if f.kind == "eps_dominates"][0]
     for where, cost in EPS_COSTS.items():
-        assert f"+{cost:.3f} nats/char with {where}" in eps.message
+        assert f"+{cost:.4f} nats/char with {where}" in eps.message
     assert "the corpus's" in eps.message and eps.value == value
 
 

@@ -57,7 +57,7 @@ EPS_KNEE = CANDIDATES["first_eps_over_var"][1]
 # tiny recipe, mean over paired seeds; tests/test_findings.py holds each to its records in results/.
 EPS_COSTS: dict[str, float] = {
     "LayerNorm on the Python help text": 0.0275,
-    "RMSNorm on the Python help text": 0.0211,
+    "RMSNorm on the Python help text": 0.0245,
     "LayerNorm on the standard library's source": 0.1312,
 }
 
@@ -206,7 +206,7 @@ class FindingsReader:
         return reading
 
     def _message(self, kind: FindingKind, step: int, value: float, threshold: float) -> str:
-        costs = "; ".join(f"+{cost:.3f} nats/char with {where}" for where, cost in EPS_COSTS.items())
+        costs = "; ".join(f"+{cost:.4f} nats/char with {where}" for where, cost in EPS_COSTS.items())
         numbers_ = dict(value=value, threshold=threshold, step=step, eps_costs=costs, **TESTBED[kind.name])
         return (f"{self.owner}: {kind.seen.format(**numbers_)}. What it meant: "
                 f"{kind.meant.format(**numbers_)}. Try: {kind.advice}. Said once per fit "
