@@ -53,6 +53,12 @@ def test_bad_data_files_are_explained(tmp_path, content, message):
         load_corpus(path)
 
 
+def test_a_misspelt_built_in_corpus_is_told_the_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="does not exist.*built-in corpus: python-help, python-source"):
+        load_corpus("python-sauce")
+
+
 def test_vocab_round_trip():
     vocab = CharVocab.from_text("hello, world")
     assert vocab.decode(vocab.encode("lol, word")) == "lol, word"

@@ -62,7 +62,8 @@ def load_corpus(path: str | Path | None = None, *, min_chars: int = 1000) -> str
         return BUILT_IN[str(path or "python-help")][1]()
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"data file {str(path)!r} does not exist: pass a UTF-8 text file to --data")
+        raise UsageError(f"data file {str(path)!r} does not exist: pass a UTF-8 text file to --data, "
+                         f"or a built-in corpus: {', '.join(BUILT_IN)}")
     raw = path.read_bytes()
     if not raw.strip():
         raise UsageError(f"data file {str(path)!r} is empty: pass a UTF-8 text file with text in it")
