@@ -1,0 +1,96 @@
+"""Every step's stream growth, for the price of two reductions.
+
+The ladder's growth -- the median row rms of the last rung's input over the first rung's --
+is the figure that moves before a run goes wrong (docs/findings.md).  The meter measures it on
+measured steps; :class:`GrowthWatch` takes it on every training forward in between, from two
+forward pre-hooks (the first rung and the last), one on-device reduction each: no backward
+hook, nothing kept past the step, and no host sync.  A step's largest value (several forwards:
+gradient accumulation) stays on the device until :meth:`GrowthWatch.take` reads it -- at once
+on the CPU; on an accelerator through a non-blocking copy into pinned memory, read once its
+event has completed (the next step at the latest), so the device never waits for the host.
+
+Forwards without gradient (validation, probes) and forwards inside
+:func:`~lnmonitor.core.hooks.unmeasured` are not training steps and are not watched.  The
+value differs from the meter's ``growth`` of the same step by the histograms' resolution (the
+meter reads a median from 1/32-octave bins, this one is exact) and by padding rows (the meter
+leaves them out; the watch has no mask).  Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.core.hooks import Hooks, measuring
+
+__all__ = ["GrowthWatch", "row_rms"]
+
+
+def row_rms(x: Tensor) -> Tensor:
+    """``sqrt`` of the median over rows (every dimension but the last) of ``mean(x**2)`` over
+    the last: the rms of the stream a norm reads, as the meter's ``rms`` figure defines it
+    (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count)."""
+    return x.detach().float().pow(2).mean(-1).flatten().median().sqrt()
+
+
+class GrowthWatch:
+    """The every-step growth of one ladder (see the module docstring).
+
+    ``attach(first, last)`` hooks the two rungs until :meth:`detach`; each training forward
+    computes ``row_rms(last input) / row_rms(first input)`` on the device and keeps the step's
+    largest; :meth:`take` closes a step.
+    """
+
+    def __init__(self) -> None:
+        self._hooks = Hooks()
+        self._first: Tensor | None = None  # this forward's first-rung rms, until the last rung runs
+        self._max: Tensor | None = None  # the step's largest growth so far, on the device
+        self._pending: list[tuple[int, Tensor, object]] = []  # accelerator copies on their way
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    def attach(self, first: nn.Module, last: nn.Module) -> None:
+        """Watch the ladder from ``first`` to ``last`` (two different modules)."""
+        self.detach()
+        self._hooks.forward_pre(first, self._on_first)
+        self._hooks.forward_pre(last, self._on_last)
+
+    def detach(self) -> None:
+        """Remove the hooks and forget every value not yet taken."""
+        self._hooks.remove()
+        self._first = self._max = None
+        self._pending = []
+
+    def _on_first(self, module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and measuring():
+            self._first = row_rms(args[0])
+
+    def _on_last(self, module: nn.Module, args: tuple) -> None:
+        first, self._first = self._first, None
+        if first is None or not (args and isinstance(args[0], Tensor)):
+            return
+        growth = row_rms(args[0]) / first
+        self._max = growth if self._max is None else torch.maximum(self._max, growth)
+
+    def take(self, step: int) -> tuple[int, float] | None:
+        """Close step ``step``: ``(step, growth)`` of the latest step whose value has reached the
+        host (this one on the CPU, an earlier one on an accelerator), or None when there is none
+        (no training forward ran through both rungs since the last take, or a copy is still on
+        its way)."""
+        value, self._max, self._first = self._max, None, None
+        if value is not None:
+            if value.device.type == "cpu":
+                return step, float(value)
+            host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((step, host, event))
+        arrived = None
+        while self._pending and self._pending[0][2].query():
+            done, host, _ = self._pending.pop(0)
+            arrived = (done, float(host))
+        return arrived
+
