@@ -12,7 +12,7 @@ event has completed (the next step at the latest), so the device never waits for
 Forwards without gradient (validation, probes) and forwards inside
 :func:`~lnmonitor.core.hooks.unmeasured` are not training steps and are not watched.  The
 value differs from the meter's ``growth`` of the same step by the histograms' resolution (the
-meter reads a median from 1/32-octave bins, this one is exact) and by padding rows (the meter
+meter reads its median from a histogram, this one is exact) and by padding rows (the meter
 leaves them out; the watch has no mask).  Imports torch only.
 """
 
