@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from lnmonitor.core.ladder import LadderFigures
     from lnmonitor.core.scales import Scales
 
-__all__ = ["CANDIDATES", "SIGNALS", "crosses", "growth_rate", "step_signals"]
+__all__ = ["CANDIDATES", "SIGNALS", "crosses", "growth_over_start", "growth_rate", "step_signals"]
 
 # name -> what it is (units); the order of the testbed's table
 SIGNALS = {
@@ -63,6 +63,15 @@ def crosses(value: float, direction: str, threshold: float) -> bool:
     if direction == "<":
         return value < threshold
     return abs(value) > threshold
+
+
+def growth_over_start(growth: float, start: float) -> float:
+    """The ladder's ``growth`` over its value at the fit's first measured step (``start``): what
+    the fit itself did to the stream, whatever the model it started from had (a pretrained
+    checkpoint's ladder is tall from the start); nan unless both are finite and positive."""
+    if not (math.isfinite(growth) and math.isfinite(start) and growth > 0 and start > 0):
+        return math.nan
+    return growth / start
 
 
 def growth_rate(previous: tuple[int, float] | None, step: int, growth: float) -> float:
