@@ -14,7 +14,15 @@ import torch
 
 import lnmonitor
 from lnmonitor.core.arguments import ArgumentError
-from lnmonitor.core.findings import EPS_COSTS, EPS_KNEE, KINDS, Finding, FindingsReader, state_from_health
+from lnmonitor.core.findings import (
+    EPS_COSTS,
+    EPS_KNEE,
+    KINDS,
+    Finding,
+    FindingsReader,
+    long_form,
+    state_from_health,
+)
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
@@ -203,13 +211,17 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     later = reader.read(15, result)
     assert later.ended == ["stream_growth"] and later.metrics == {"lnmonitor/health/stream_growth": 0.0}
     assert reader.read(20, big).raised == [] and len(seen) == 1 and len(said) == 1
-    assert reader.raised["stream_growth"].value == 50.0 and reader.raised["stream_growth"].step == 5
+    # judged against the fit's first measured step (step 0's growth), not as an absolute height
+    assert reader.start == (0, result.figures.growth)
+    assert reader.raised["stream_growth"].value == 50.0 / result.figures.growth
+    assert reader.raised["stream_growth"].step == 5
     again = FindingsReader(warn=said.append)
     again.load_state_dict(reader.state_dict())
     assert again.read(25, big).raised == [] and again.raised == reader.raised
     assert reader.read(30, None).metrics == {}
-    reader.reset()  # a new fit
-    assert [f.kind for f in reader.read(35, big).raised] == ["stream_growth"]
+    reader.reset()  # a new fit, judged against its own first measured step
+    assert reader.read(35, big).raised == [] and reader.start == (35, 50.0)
+    assert [f.kind for f in reader.read(40, _Figures(result, growth=50.0 * 21)).raised] == ["stream_growth"]
 
 
 def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_hold():
@@ -227,17 +239,19 @@ def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_
     said = []
     reader = FindingsReader(warn=said.append)
     reader.load_state_dict(state_from_health(points[:2]))
-    assert reader.read(10, _Figures(result, growth=50.0)).raised == [] and said == []
-    assert reader.raised["stream_growth"].step == 3 and reader.holding == {"stream_growth"}  # again at 10
+    reader.read(10, result)  # the resumed fit's first measured step: its growth's start
+    assert reader.read(11, _Figures(result, growth=50.0 * result.figures.growth)).raised == [] and said == []
+    assert reader.raised["stream_growth"].step == 3 and reader.holding == {"stream_growth"}  # again at 11
 
 
 def test_on_finding_returning_true_asks_to_stop():
     torch.manual_seed(0)
     result, _ = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
-    big = _Figures(result, growth=50.0)
-    assert FindingsReader(on_finding=lambda f: True, warn=lambda _: None).read(0, big).stop is True
-    assert FindingsReader(on_finding=lambda f: 1, warn=lambda _: None).read(0, big).stop is False
-    assert FindingsReader(warn=lambda _: None).read(0, big).stop is False
+    big = _Figures(result, growth=50.0 * result.figures.growth)
+    for on_finding, stops in ((lambda f: True, True), (lambda f: 1, False), (None, False)):
+        reader = FindingsReader(on_finding=on_finding, warn=lambda _: None)
+        assert reader.read(0, result).stop is False
+        assert reader.read(5, big).stop is stops
 
 
 def test_findings_warn_with_health_warning_and_a_failing_on_finding_is_said_once():
@@ -252,7 +266,8 @@ def test_findings_warn_with_health_warning_and_a_failing_on_finding_is_said_once
     reader = FindingsReader(on_finding=on_finding, thresholds={"eps_dominates": 1e-9})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reader.read(0, _Figures(result, growth=100.0))
+        reader.read(0, result)
+        reader.read(5, _Figures(result, growth=100.0 * result.figures.growth))
     kinds = [w.category for w in caught]
     assert kinds == [lnmonitor.HealthWarning] * 3 and issubclass(lnmonitor.HealthWarning, UserWarning)
     assert len(calls) == 1 and "on_finding raised RuntimeError: boom" in str(caught[1].message)
@@ -290,9 +305,11 @@ def test_the_eps_finding_cites_the_cost_measured_on_each_corpus():
     said = []
     finding = FindingsReader(warn=said.append).read(0, result).raised
     eps = [f for f in finding if f.kind == "eps_dominates"][0]
-    for where, cost in EPS_COSTS.items():
-        assert f"+{cost:.4f} nats/char with {where}" in eps.message
-    assert "the corpus's" in eps.message and eps.value == value
+    assert eps.value == value and eps.message.endswith("More: docs/findings.md#eps_dominates.")
+    assert len(eps.message) < 400 and "nats/char" not in eps.message  # short: the figures are in the docs
+    for where, cost in EPS_COSTS.items():  # ... and in the long form the summary gives
+        assert f"+{cost:.4f} nats/char with {where}" in long_form("eps_dominates")
+    assert "the corpus's" in long_form("eps_dominates")
 
 
 @pytest.mark.parametrize("bad", [{"nope": 1.0}, {"stream_growth": -1.0}, {"stream_growth": math.inf},
@@ -550,9 +567,11 @@ def test_the_summary_lists_the_findings_with_when_they_were_raised_and_whether_t
     assert health_lines(curves) == [
         "findings (docs/findings.md):",
         "  eps_dominates: raised at step 0; still held at step 15",
+        f"    what it meant in the testbed: {long_form('eps_dominates')}",
         "  stream_growth: raised at step 5; had ended at step 15",
+        f"    what it meant in the testbed: {long_form('stream_growth')}",
     ]
-    assert summary_text(curves).endswith("had ended at step 15")
+    assert summary_text(curves).endswith(long_form("stream_growth"))
     assert health_lines({"lnmonitor/ladder/growth": [(0, 2.0)]}) == []
 
 

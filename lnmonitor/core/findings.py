@@ -1,13 +1,16 @@
 """Findings: what the numbers mean for this run, said once, before the damage.
 
 A :class:`Finding` is a statement about the run that a measured step's figures support: what
-was seen (the numbers), what it meant in the stability testbed (docs/findings.md: the lead
-time before the damage and how often it preceded it), and what to try.  :class:`FindingsReader`
-reads each measured step's :class:`~lnmonitor.core.meter.LadderResult` (and the
-:class:`~lnmonitor.core.scales.Scales` of that step, when the door took them) through
-:func:`~lnmonitor.core.signals.step_signals` -- nothing is recomputed -- and returns a
+was seen (one sentence with its number), what to try (one sentence) and where in
+docs/findings.md the testbed's figures are (:func:`long_form` gives them to the summary).
+:class:`FindingsReader` reads each measured step's :class:`~lnmonitor.core.meter.LadderResult`
+(and the :class:`~lnmonitor.core.scales.Scales` of that step, when the door took them) through
+:func:`~lnmonitor.core.signals.step_signals` -- nothing is recomputed -- and every step's growth
+(:meth:`FindingsReader.read_growth`, from the meter's every-step watch), and returns a
 :class:`Reading`: the findings raised at this step, the kinds that ended, and the
-``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  Each kind is raised
+``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  The growth is
+judged against the fit's first measured step: a ladder that was tall when the fit began is a
+fact of the checkpoint, said as information, never a finding.  Each kind is raised
 once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
 ``on_finding(finding)`` (a user can lower the lr there; returning True asks the door to stop the
 run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
@@ -25,16 +28,16 @@ from typing import TYPE_CHECKING
 
 from lnmonitor.core.arguments import ArgumentError, function
 from lnmonitor.core.metric_names import health_metric
-from lnmonitor.core.signals import CANDIDATES, crosses, step_signals
+from lnmonitor.core.signals import CANDIDATES, crosses, growth_over_start, step_signals
 from lnmonitor.errors import HealthWarning
 
 if TYPE_CHECKING:
-    from lnmonitor.core.meter import LadderResult
+    from lnmonitor.core.meter import LadderMeter, LadderResult
     from lnmonitor.core.scales import Scales
 
 __all__ = [
-    "EPS_COSTS", "EPS_KNEE", "KINDS", "TESTBED", "Finding", "FindingKind", "FindingsReader", "Reading",
-    "door_reader", "health", "state_from_health",
+    "EPS_COSTS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind", "FindingsReader",
+    "Reading", "door_reader", "every_step", "health", "long_form", "state_from_health", "tall_start_message",
 ]
 
 # What each kind did in the stability testbed at its default threshold (docs/findings.md):
@@ -65,46 +68,53 @@ EPS_COSTS: dict[str, float] = {
 @dataclass(frozen=True)
 class FindingKind:
     """One kind of finding: the ``signal`` it reads (a key of
-    :func:`~lnmonitor.core.signals.step_signals`), its ``direction`` (``">"``, ``"<"``) and
-    default ``threshold``, and its English: ``seen`` (formatted with ``value``, ``threshold``,
-    ``step`` and ``eps_costs``), ``meant`` (the testbed's figures) and ``advice``."""
+    :func:`~lnmonitor.core.signals.step_signals`, or ``growth_over_start``), its ``direction``
+    (``">"``, ``"<"``) and default ``threshold``, and its English: ``seen`` (one sentence,
+    formatted with ``value``, ``threshold``, ``step``, ``start`` and ``growth``), ``advice`` (one
+    sentence), ``meant`` (the testbed's figures, formatted with :data:`TESTBED`'s and
+    ``eps_costs``: the long form, for the summary and docs) and ``anchor`` (its section of
+    docs/findings.md)."""
 
     name: str
     signal: str
     direction: str
     threshold: float
     seen: str
-    meant: str
     advice: str
+    meant: str
 
+    @property
+    def anchor(self) -> str:
+        return f"docs/findings.md#{self.name}"
+
+
+# The growth a fit's first measured step may already have without a word beyond information:
+# healthy small models start near 1x and sit at 3-5x (docs/design.md); a pretrained checkpoint's
+# ladder is tens to hundreds of times (docs/findings.md): a fact of the model, not of this fit.
+TALL_AT_START = 20.0
 
 KINDS: dict[str, FindingKind] = {k.name: k for k in (
     FindingKind(
-        "stream_growth", "growth", ">", 20.0,
-        "the residual stream grew {value:,.0f}x from the first norm's input to the final norm's "
-        "(step {step}; healthy small models sit at 3-5x, and a threshold of {threshold:g}x)",
-        "growth above 20x came before the loss fell behind in {hits} of the {bad} runs that went "
-        "wrong, by a median of {lead:g} steps ({lead_min} to {lead_max}); in {late} more it came at "
-        "most {late_max} steps after (runs hurt from their first steps, measured every 5 steps); it "
-        "fired on {false} of the {clean} runs that trained well, and the peers' loss rules "
-        "(llm-foundry KillLossSpike, OLMo-core StabilityMonitorCallback) flagged {peer_hits} of the "
-        "{bad} in time",
-        "lower the learning rate or add a warm-up; the final norm divides its gradient by this "
+        "stream_growth", "growth_over_start", ">", 20.0,
+        "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
+        "first's, went from {start:,.1f}x at its first measured step to {growth:,.0f}x at step {step})",
+        "lower the learning rate or add a warm-up",
+        "growth over the fit's start above 20x came before the loss went wrong in {hits} of the {bad} "
+        "runs that went wrong, by a median of {lead:g} steps ({lead_min} to {lead_max}); it fired on "
+        "{false} of the {clean} runs that trained well; the final norm divides its gradient by this "
         "scale, so the layers before it learn at a rate you did not choose",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
-        "the first norm's eps is {value:,.0f}x the variance it reads (step {step}), above the "
-        "knee of {threshold:g} the eps grid fitted on one corpus: it passes eps/(var+eps) of its "
-        "gradient along its input instead of normalising",
+        "the first norm's eps is {value:,.0f}x the variance it reads (step {step}; the knee is "
+        "{threshold:g}): it passes eps/(var+eps) of its gradient along its input instead of normalising",
+        "lower eps, or start the stream the first norm reads at a variance well above eps "
+        "(e.g. N(0, 1) embeddings instead of N(0, 0.02))",
         "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 "
         "steps in every configuration measured (docs/eps.md): {eps_costs}; the size is the "
-        "corpus's (the law fitted on the help text predicted +0.028 for the library's source), "
-        "so read it as a direction, not a figure for this run; in the stability testbed it fired "
-        "in {hits} of the {bad} runs that went wrong (GPT-2's init at eps 0.1), {lead:g} steps "
-        "before the loss fell behind, and on {false} of the {clean} runs that trained well",
-        "lower eps, or start the stream the first norm reads at a variance well above eps "
-        "(e.g. PyTorch's N(0, 1) embeddings instead of N(0, 0.02))",
+        "corpus's, so read it as a direction, not a figure for this run; in the stability testbed it "
+        "fired in {hits} of the {bad} runs that went wrong, {lead:g} steps before the loss fell behind, "
+        "and on {false} of the {clean} runs that trained well",
     ),
 )}
 
@@ -173,20 +183,43 @@ class FindingsReader:
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
                  on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> None:
         self.thresholds = _thresholds(thresholds, "thresholds")
         self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
         self.owner = owner
         self._warn = warn or (lambda message: warnings.warn(message, HealthWarning, stacklevel=2))
+        self._say = say or (lambda message: None)
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
+        self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
 
     def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
-        """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said)."""
-        reading = Reading()
+        """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
+        The fit's first measured step with a ladder sets the growth every later step is judged
+        against; a ladder already taller than :data:`TALL_AT_START` there is said as information."""
         if result is None:
-            return reading
+            return Reading()
         signals = step_signals(result.figures, scales)
+        growth = signals["growth"]
+        if self.start is None and math.isfinite(growth) and growth > 0:
+            self.start = (step, growth)
+            if growth > TALL_AT_START:
+                self._say(tall_start_message(self.owner, step, growth))
+        return self._judge(step, signals)
+
+    def read_growth(self, step: int, growth: float) -> Reading:
+        """The every-step growth of step ``step`` (:meth:`LadderMeter.take_growth`): only
+        ``stream_growth`` is judged, against the fit's first measured step (nothing before it)."""
+        if self.start is None:
+            return Reading()
+        return self._judge(step, {"growth": growth})
+
+    def _judge(self, step: int, signals: dict[str, float]) -> Reading:
+        """Raise, hold and end the kinds whose signal ``signals`` has."""
+        reading = Reading()
+        if self.start is not None:
+            signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
+                                                                         self.start[1])}
         for name, kind in KINDS.items():
             threshold = self.thresholds[name]
             value = signals.get(kind.signal, math.nan)
@@ -194,7 +227,8 @@ class FindingsReader:
                 continue  # no figure this step: a held kind keeps its state
             holds = crosses(value, kind.direction, threshold)
             if holds and name not in self.raised:
-                finding = Finding(name, step, value, threshold, self._message(kind, step, value, threshold))
+                message = self._message(kind, step, value, threshold, signals.get("growth", math.nan))
+                finding = Finding(name, step, value, threshold, message)
                 self.raised[name] = finding
                 reading.raised.append(finding)
             if name in self.holding and not holds:
@@ -202,17 +236,15 @@ class FindingsReader:
             self.holding = (self.holding | {name}) if holds else (self.holding - {name})
         reading.metrics = {health_metric(k): float(k in self.holding) for k in self.raised}
         for finding in reading.raised:
-            reading.stop = self._say(finding) or reading.stop
+            reading.stop = self._say_finding(finding) or reading.stop
         return reading
 
-    def _message(self, kind: FindingKind, step: int, value: float, threshold: float) -> str:
-        costs = "; ".join(f"+{cost:.4f} nats/char with {where}" for where, cost in EPS_COSTS.items())
-        numbers_ = dict(value=value, threshold=threshold, step=step, eps_costs=costs, **TESTBED[kind.name])
-        return (f"{self.owner}: {kind.seen.format(**numbers_)}. What it meant: "
-                f"{kind.meant.format(**numbers_)}. Try: {kind.advice}. Said once per fit "
-                f"(lnmonitor/health/{kind.name} is 1 while it holds).")
+    def _message(self, kind: FindingKind, step: int, value: float, threshold: float, growth: float) -> str:
+        start = self.start[1] if self.start is not None else math.nan
+        seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start, growth=growth)
+        return f"{self.owner}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
 
-    def _say(self, finding: Finding) -> bool:
+    def _say_finding(self, finding: Finding) -> bool:
         """Warn, and call ``on_finding``; True when it asks to stop the run."""
         self._warn(finding.message)
         if self.on_finding is None:
@@ -226,16 +258,22 @@ class FindingsReader:
             return False
 
     def reset(self) -> None:
-        """A new fit: every kind may be raised again."""
-        self.raised, self.holding = {}, set()
+        """A new fit: every kind may be raised again, against the new fit's first measured step."""
+        self.raised, self.holding, self.start = {}, set(), None
 
     def state_dict(self) -> dict:
-        """What a resumed fit needs so a kind is not raised twice."""
-        return {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding)}
+        """What a resumed fit needs so a kind is not raised twice, and its growth is judged
+        against the same start."""
+        state = {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding)}
+        if self.start is not None:
+            state["start"] = list(self.start)
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         self.raised = {k: Finding(**f) for k, f in state.get("raised", {}).items()}
         self.holding = set(state.get("holding", ())) & set(self.raised)
+        start = state.get("start")
+        self.start = (int(start[0]), float(start[1])) if start else None
 
 
 def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
@@ -257,7 +295,8 @@ def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
     return {"raised": raised, "holding": sorted(k for k, v in last.items() if v == 1.0)}
 
 
-def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str) -> FindingsReader | None:
+def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
+                say: Callable[[str], None] | None = None) -> FindingsReader | None:
     """The reader a door builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
@@ -275,7 +314,7 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str) ->
             warnings.warn(message, HealthWarning, stacklevel=2)
 
     return FindingsReader(thresholds=_thresholds(findings, "findings"), on_finding=on_finding, owner=owner,
-                          warn=warn)
+                          warn=warn, say=say)
 
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
@@ -289,3 +328,31 @@ def health(reader: FindingsReader | None, step: int, result: LadderResult | None
     if reading.stop:
         stop()
     return reading.metrics
+
+
+def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: int,
+               stop: Callable[[], object]) -> Reading:
+    """What a door does at the end of every optimizer step ``step``: close it for the meter's
+    every-step growth and read that (a finding is said at the step the growth crosses, on an
+    accelerator the step after); ``stop()`` when ``on_finding`` asked to stop."""
+    if reader is None or meter is None:
+        return Reading()
+    taken = meter.take_growth(step)
+    if taken is None:
+        return Reading()
+    reading = reader.read_growth(*taken)
+    if reading.stop:
+        stop()
+    return reading
+
+
+def tall_start_message(owner: str, step: int, growth: float) -> str:
+    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first measured step ({step}): "
+            "a fact of the model this fit starts from (a pretrained checkpoint's stream grows tens to "
+            "hundreds of times over depth), not a finding; stream_growth judges the growth from here.")
+
+
+def long_form(kind: str) -> str:
+    """What a kind meant in the testbed, for the end-of-fit summary and docs."""
+    costs = "; ".join(f"+{cost:.4f} nats/char with {where}" for where, cost in EPS_COSTS.items())
+    return KINDS[kind].meant.format(eps_costs=costs, **TESTBED[kind])

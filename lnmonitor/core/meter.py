@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lnmonitor.core import meter_messages as words
 from lnmonitor.core.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.door import Voice
+from lnmonitor.core.growth_watch import GrowthWatch
 from lnmonitor.core.histograms import Layout, merge
 from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.ladder import LadderFigures, NormStats, ladder_figures
@@ -157,6 +158,7 @@ class LadderMeter:
         self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
         self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
+        self._watch = GrowthWatch()  # the ladder's growth on every step, once the roles are known
         said = measured_eps_message(owner, self.norms)
         if said:
             self._say(said)
@@ -226,6 +228,23 @@ class LadderMeter:
         self._tap.collect()
         self._pending = None
 
+    def close(self) -> None:
+        """The end of training: :meth:`abort`, and the every-step growth's hooks removed."""
+        self.abort()
+        self._watch.detach()
+
+    def take_growth(self, step: int) -> tuple[int, float] | None:
+        """Close optimizer step ``step`` for the every-step growth
+        (:class:`~lnmonitor.core.growth_watch.GrowthWatch`): ``(step, growth)`` of the latest
+        step whose value has reached the host, or None (no ladder watched yet, no training
+        forward since the last call, or a copy still on its way from an accelerator).  One of
+        several processes gets None: each sees its own batches, and a finding (and a stop) must be
+        the same on every rank, so there the growth is judged on the measured steps' merged rows."""
+        if self.off_reason is not None:
+            self._watch.detach()
+            return None
+        return self._watch.take(step)
+
     def _unhook(self) -> None:
         self._tap.detach()
         self._tap.row_mask = None
@@ -262,6 +281,7 @@ class LadderMeter:
         row_stats = read(merge(flat, self.layout), self.layout, counts=counts)
         if not self.roles_known:
             self._assign_roles(row_stats)
+            self._watch_ladder()
         unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
@@ -356,6 +376,14 @@ class LadderMeter:
         short = words.short_ladder_message(self.owner, decided)
         if short:
             self._warn("one-rung", short)
+
+    def _watch_ladder(self) -> None:
+        """Hook the first and last rung of the model's ladder for the every-step growth (not in
+        one of several processes: see :meth:`take_growth`)."""
+        rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
+        if len(rungs) >= 2 and not _several_processes():
+            modules = {info.name: info.module for info in self.norms}
+            self._watch.attach(modules[rungs[0]], modules[rungs[-1]])
 
     def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
         """The role decision by stack, stacks in forward order (the model's ladder is the one

@@ -22,7 +22,7 @@ from torch import nn
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, health
+from lnmonitor.core.findings import door_reader, every_step, health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
@@ -152,7 +152,8 @@ class LoopMonitor:
         self._pictures = writer if self.images and hasattr(writer, "add_image") else None
         self.owner = "LoopMonitor"
         self.voice = Voice(speaks=_rank_zero())
-        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
+        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
+                                    self.voice.say)
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
         self._kept = History(keep_history)
@@ -191,9 +192,9 @@ class LoopMonitor:
         return self._kept.rows
 
     def shut(self) -> None:
-        """Remove the hooks and forget the step in progress (the guard tripped)."""
+        """Remove every hook and forget the step in progress (the guard tripped, or the run ended)."""
         self._measuring = None
-        self.meter.abort()
+        self.meter.close()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -219,6 +220,10 @@ class LoopMonitor:
         them, or None when this step was not measured.  Every process must call it.  After
         the last step (``max_steps``) the run ends here (see :meth:`close`)."""
         step, self._measuring = self._measuring, None
+        if self._started is not None:
+            reading = every_step(self.findings, self.meter, self._started, self._stop_run)
+            if step is None and (reading.raised or reading.ended) and _rank_zero():
+                self._emit(self._started, reading.metrics)  # said at the step the every-step growth crossed
         metrics = None if step is None else self._finish(step)
         if self.max_steps and self._started == self.max_steps - 1:
             self._end(self._started)
@@ -237,8 +242,10 @@ class LoopMonitor:
 
     @guarded
     def abort(self) -> None:
-        """End a measured step without its numbers (the loop's step raised): no hook is left."""
-        self.shut()
+        """End a measured step without its numbers (the loop's step raised): no hook of the step
+        is left (the every-step growth's stay until :meth:`close`)."""
+        self._measuring = None
+        self.meter.abort()
 
     @guarded
     def close(self) -> None:
@@ -256,7 +263,7 @@ class LoopMonitor:
             return None
         self.last_result = result
         metrics = result.metrics(positions=not self._logged)
-        metrics.update(health(self.findings, step, result, lambda: setattr(self, "should_stop", True)))
+        metrics.update(health(self.findings, step, result, self._stop_run))
         self._logged = True
         if not _rank_zero():
             return metrics
@@ -266,6 +273,10 @@ class LoopMonitor:
             self._last_picture = step
             self._picture(run_metric("ladder"), step, lambda: step_picture(result.figures, step))
         return metrics
+
+    def _stop_run(self) -> None:
+        """``on_finding`` asked to stop: the loop reads :attr:`should_stop`."""
+        self.should_stop = True
 
     def _end(self, step: int) -> None:
         """The invariance point of ``step`` with its sweep, the heatmap and the summary (once)."""

@@ -25,7 +25,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, health, state_from_health
+from lnmonitor.core.findings import door_reader, every_step, health, state_from_health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
@@ -142,7 +142,7 @@ class LNMonitorCallback(TrainerCallback):
         self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
         self.owner = "LNMonitorCallback"
         self.voice = Voice()
-        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
+        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner, self._say)
         self.off_reason: str | None = None
         self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
@@ -167,10 +167,10 @@ class LNMonitorCallback(TrainerCallback):
         self.voice.warn(key, text)
 
     def shut(self) -> None:
-        """Remove the hooks and forget the step in progress (the guard tripped)."""
+        """Remove every hook and forget the step in progress (the guard tripped, or training ended)."""
         self._measuring = None
         if self.meter is not None:
-            self.meter.abort()
+            self.meter.close()
 
     # -- training ----------------------------------------------------------------------
 
@@ -217,6 +217,13 @@ class LNMonitorCallback(TrainerCallback):
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
+        stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
+        held = set(self.findings.holding) if self.findings is not None else set()
+        reading = every_step(self.findings, self.meter, state.global_step, stop)
+        if self._measuring is None and (reading.raised or reading.ended):
+            self._keep_health(state, held)  # said at the step the every-step growth crossed
+            self._report(reading.metrics, args, state, control)
+            self._logged = state.global_step
         if self._measuring is not None:
             self._measuring = None
             self.meter.stop()
@@ -224,9 +231,7 @@ class LNMonitorCallback(TrainerCallback):
             if result is not None:
                 self.last_result = result
                 metrics = result.metrics(positions=self._logged < 0)
-                held = set(self.findings.holding) if self.findings is not None else set()
-                metrics.update(health(self.findings, state.global_step, result,
-                                      lambda: setattr(control, "should_training_stop", True)))
+                metrics.update(health(self.findings, state.global_step, result, stop))
                 self._keep_health(state, held)
                 self._report(metrics, args, state, control)
                 self._logged = state.global_step
@@ -243,9 +248,7 @@ class LNMonitorCallback(TrainerCallback):
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
-        if self.meter is not None:
-            self.meter.abort()
-        self._measuring = None
+        self.shut()
 
     def _keep_health(self, state, held: set[str]) -> None:
         """Append to ``state.log_history`` the health tags that changed at this step (``held``:

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.door import due, guarded
-from lnmonitor.core.findings import door_reader, health
+from lnmonitor.core.findings import door_reader, every_step, health
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
@@ -199,12 +199,14 @@ class LayerNormMonitor(MonitorCallback):
             keep_history = arguments.optional_flag(keep_history, "keep_history")
         super().__init__(keep_history)
         with misconfiguration():
-            self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner)
+            self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
+                                        self._say)
         self.every_n_steps: int | None = self._every_arg
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []
         self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
         self._measuring: int | None = None
+        self._stepping: int | None = None  # the optimizer step whose batches are running
         self._last_step: int | None = None
         self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
         self._last_picture: float = -math.inf  # the step of the last ladder picture
@@ -296,10 +298,10 @@ class LayerNormMonitor(MonitorCallback):
         self._stop()
 
     def _stop(self) -> None:
-        """End a measured step early (an exception, the end of the fit): no hook, no row left."""
+        """End the fit's measuring (an exception, the end of the fit): no hook, no row left."""
         if self.meter is not None:
-            self.meter.abort()
-        self._measuring = None
+            self.meter.close()
+        self._measuring = self._stepping = None
 
     # -- the measured step -----------------------------------------------------------
 
@@ -311,6 +313,8 @@ class LayerNormMonitor(MonitorCallback):
         if self.meter is None or self.meter.off_reason:
             return
         step = trainer.global_step
+        if self._stepping is None:
+            self._stepping = step
         starts = self._measuring is None and step > self._sink.last_step
         if starts and due(step, self.every_n_steps, self._last_step):
             self._measuring = step
@@ -323,9 +327,16 @@ class LayerNormMonitor(MonitorCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._measuring is None or trainer.global_step == self._measuring:
-            return  # not measuring, or still accumulating gradients for this step
-        step, self._measuring = self._measuring, None
+        if self._stepping is None or trainer.global_step == self._stepping:
+            return  # still accumulating gradients for this step
+        step, self._stepping = self._stepping, None
+        stop = lambda: setattr(trainer, "should_stop", True)  # noqa: E731
+        reading = every_step(self.findings, self.meter, step, stop)
+        if self._measuring is None:
+            if reading.raised or reading.ended:  # said at the step the every-step growth crossed
+                self._log(trainer, step, reading.metrics)
+            return
+        self._measuring = None
         self.meter.stop()
         gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
         result = self.meter.result(gather, counts=self.histograms, label=f"the measured step {step}")
@@ -335,18 +346,22 @@ class LayerNormMonitor(MonitorCallback):
         if self._positions:  # the fit's first measured step: the roles are known
             self._check_columns(result.figures.final)
         metrics = result.metrics(positions=self._positions)
-        metrics.update(health(self.findings, step, result, lambda: setattr(trainer, "should_stop", True)))
-        logged = self._sink.log(
-            trainer, step, metrics,
-            (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None,
-        )
+        metrics.update(health(self.findings, step, result, stop))
+        extra = (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None
+        logged = self._log(trainer, step, metrics, extra)
         self._positions = self._positions and not logged
         if logged and trainer.is_global_zero:
-            self._trail.add(step, metrics)
             spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
             if self.images and spaced:
                 self._sink.log_image(trainer, run_metric("ladder"), step, step_picture(result.figures, step))
                 self._last_picture = step
+
+    def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], extra=None) -> bool:
+        """Log ``metrics`` at ``step`` and keep them for the end-of-fit summary (rank zero)."""
+        logged = self._sink.log(trainer, step, metrics, extra)
+        if logged and trainer.is_global_zero:
+            self._trail.add(step, metrics)
+        return logged
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
         dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lnmonitor.core.findings import KINDS, TALL_AT_START, long_form
 from lnmonitor.core.metric_names import (
     INVARIANCE_CASES,
     baseline_metric,
@@ -152,6 +153,8 @@ def health_lines(curves: Curves) -> list[str]:
         raised = next((s for s, v in points if v >= 1), points[0][0])
         held = "still held" if points[-1][1] >= 1 else "had ended"
         lines.append(f"  {kind}: raised at step {raised}; {held} at step {points[-1][0]}")
+        if kind in KINDS:
+            lines.append(f"    what it meant in the testbed: {long_form(kind)}")
     return lines
 
 
@@ -196,6 +199,10 @@ def ladder_lines(curves: Curves) -> list[str]:
             if start is not None:
                 lines.append(f"  {label} ({word}): {_f(now)}x" + (
                     f", {_f(start[1])}x at step {start[0]}" if start[0] != steps[-1] else ""))
+            if key == "growth" and not stack and start is not None and start[1] > TALL_AT_START:
+                lines.append(f"  the ladder was already {_f(start[1])}x at the first measured step: a fact "
+                             "of the model the fit started from, not a finding (stream_growth judges "
+                             "the growth from there)")
     return lines
 
 

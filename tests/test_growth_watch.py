@@ -1,0 +1,199 @@
+"""The every-step growth (core/growth_watch.py) and the finding it carries through every door:
+judged against the fit's first measured step, said at the step it crosses."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lnmonitor
+from lnmonitor.core.growth_watch import GrowthWatch, row_rms
+from lnmonitor.core.meter import LadderMeter
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+
+def _model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(width=32, depth=2, heads=2, context=16))
+
+
+def _inputs(model, names):
+    """The input of each named module at its last call, caught by an independent hook."""
+    seen, handles = {}, []
+    modules = dict(model.named_modules())
+    for name in names:
+        handles.append(modules[name].register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, args[0].detach().clone())))
+    return seen, handles
+
+
+def _rms64(x: torch.Tensor) -> float:
+    ms = x.double().pow(2).mean(-1).flatten().sort().values
+    return float(ms[(ms.numel() - 1) // 2].sqrt())  # the lower median, as torch.median
+
+
+def test_the_watch_is_the_row_rms_of_the_last_rung_over_the_first_on_each_training_step():
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    seen, handles = _inputs(model, ["blocks.0.ln1", "lnf"])
+    watch = GrowthWatch()
+    assert watch.take(0) is None  # nothing attached
+    watch.attach(model.blocks[0].ln1, model.lnf)
+    model(x, x)[1].backward()
+    step, value = watch.take(0)
+    expected = _rms64(seen["lnf"]) / _rms64(seen["blocks.0.ln1"])
+    assert step == 0 and value == pytest.approx(expected, rel=1e-6)
+    assert float(row_rms(seen["lnf"])) == pytest.approx(_rms64(seen["lnf"]), rel=1e-6)
+    assert watch.take(1) is None  # no forward since
+    with torch.no_grad():  # validation is not a training step
+        model(x, x)
+    assert watch.take(2) is None
+    # two micro-batches: the step's largest
+    small, big = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))
+    values = []
+    for batch in (small, big):
+        model(batch, batch)[1].backward()
+        values.append(_rms64(seen["lnf"]) / _rms64(seen["blocks.0.ln1"]))
+    assert watch.take(3)[1] == pytest.approx(max(values), rel=1e-6)
+    for handle in handles:
+        handle.remove()
+    watch.detach()
+    assert not model.lnf._forward_pre_hooks and not model.blocks[0].ln1._forward_pre_hooks
+
+
+def test_the_meter_watches_its_ladder_once_the_roles_are_known_and_agrees_with_its_own_growth():
+    model, x = _model(), torch.randint(0, 65, (8, 16))
+    meter = LadderMeter(model, say=lambda _: None)
+    assert meter.take_growth(0) is None  # no roles yet: nothing watched
+    with meter.step():
+        model(x, x)[1].backward()
+    first = meter.result()
+    assert meter.take_growth(0) is None  # attached after that step's forward
+    with meter.step():  # both at once: the meter's histogram median against the watch's exact one
+        model(x, x)[1].backward()
+    measured = meter.result().figures.growth
+    step, every = meter.take_growth(1)
+    assert step == 1 and every == pytest.approx(measured, rel=0.03)
+    assert first.figures.rungs[0] == "blocks.0.ln1" and first.figures.rungs[-1] == "lnf"
+    meter.close()
+    assert not model.lnf._forward_pre_hooks and meter.take_growth(2) is None
+
+
+def _blow_up(model: TinyGPT) -> None:
+    """What a harmful update does to the stream, at once: the last block writes 300x larger."""
+    with torch.no_grad():
+        model.blocks[-1].mlp.proj.weight.mul_(300.0)
+        model.blocks[-1].mlp.proj.bias.mul_(300.0)
+
+
+def _health(caught):
+    return [w for w in caught if w.category is lnmonitor.HealthWarning]
+
+
+def test_the_loop_door_says_the_growth_at_the_step_it_crosses_not_at_the_next_measured_one():
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    seen = []
+    monitor = LoopMonitor(model, every_n_steps=5, images=False, summary=False, keep_history=True,
+                          on_finding=seen.append, max_steps=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):
+            if step == 7:
+                _blow_up(model)
+            with monitor.step(step):
+                model(x, x)[1].backward()
+    monitor.close()
+    assert [f.kind for f in seen] == ["stream_growth"] and seen[0].step == 7  # measured: 0, 5, 10, 11
+    assert seen[0].value > 20 and len(_health(caught)) == 1
+    message = str(_health(caught)[0].message)
+    assert "at step 7" in message and message.endswith("More: docs/findings.md#stream_growth.")
+    assert len(message) < 300  # one sentence seen, one to try, the place in the docs
+    logged = {r["step"]: r.get("lnmonitor/health/stream_growth") for r in monitor.history}
+    assert logged[7] == 1.0 and logged[10] == 1.0 and logged[0] is None
+
+
+def test_lightning_says_the_growth_at_the_step_it_crosses():
+    import lightning as L
+
+    from lnmonitor import LayerNormMonitor
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _model()
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 7 and batch_idx == 14:  # the first of step 7's two micro-batches
+                _blow_up(self.model)
+            return self.model(batch, batch)[1]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights move only by _blow_up
+
+    seen = []
+    monitor = LayerNormMonitor(every_n_steps=5, images=False, summary=False, keep_history=True,
+                               on_finding=seen.append)
+    trainer = L.Trainer(max_steps=10, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2)
+    data = torch.utils.data.DataLoader(torch.randint(0, 65, (80, 16)), batch_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Module(), data)
+    assert [(f.kind, f.step) for f in seen] == [("stream_growth", 7)] and len(_health(caught)) == 1
+    assert {r["step"]: r.get("lnmonitor/health/stream_growth") for r in monitor.history}[7] == 1.0
+    assert not monitor.meter.model.model.lnf._forward_pre_hooks  # the watch's hooks leave with the fit
+
+
+def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    class BlowUp(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 6:  # the update that makes global_step 7
+                with torch.no_grad():
+                    model.transformer.h[-1].mlp.c_proj.weight.mul_(300.0)
+
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    records = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (40, 16))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=9, per_device_train_batch_size=4, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=1e-9, logging_steps=5)
+    seen = []
+    callback = LNMonitorCallback(on_finding=seen.append, keep_history=True, invariance_every_n_steps=None)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                   train_dataset=records, callbacks=[BlowUp(), callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert [(f.kind, f.step) for f in seen] == [("stream_growth", 7)] and len(_health(caught)) == 1
+    tag = "lnmonitor/health/stream_growth"
+    assert [e for e in trainer.state.log_history if tag in e][0] == {tag: 1.0, "step": 7}
+
+
+def test_a_fine_tune_of_a_tall_ladder_says_its_height_once_and_raises_nothing(capsys):
+    """A checkpoint whose stream is already tall (every pretrained LM's): information, not a
+    finding; a healthy fine-tune that moves the ladder a little raises nothing."""
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    _blow_up(model)  # the checkpoint: a 300x stream from its last block
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = LoopMonitor(model, every_n_steps=5, images=False, keep_history=True, max_steps=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):
+            with monitor.step(step):
+                model(x, x)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    start = monitor.history[0]["lnmonitor/ladder/growth"]
+    assert start > 20 and not _health(caught)  # tall at its first step: no HealthWarning
+    assert not any(k.startswith("lnmonitor/health/") for r in monitor.history for k in r)
+    said = capsys.readouterr().err
+    assert said.count("the ladder is already") == 1 and "a fact of the model this fit starts from" in said
+    assert "the ladder was already" in said  # the end-of-fit summary says it too
