@@ -197,3 +197,69 @@ def test_a_fine_tune_of_a_tall_ladder_says_its_height_once_and_raises_nothing(ca
     said = capsys.readouterr().err
     assert said.count("the ladder is already") == 1 and "a fact of the model this fit starts from" in said
     assert "the ladder was already" in said  # the end-of-fit summary says it too
+
+
+# ---------------------------------------------------------------------------
+# rows without gradient: construction (one per sequence) told apart from collapse
+# ---------------------------------------------------------------------------
+
+
+def _zero_grad(model, x, y, hook=None):
+    warned = {}
+    meter = LadderMeter(model, say=lambda _: None, warn=warned.setdefault)
+    handle = model.head.register_forward_pre_hook(hook) if hook else None
+    with meter.step():
+        model(x, y)[1].backward()
+    if handle:
+        handle.remove()
+    return meter.result().figures.by_name()["lnf"].stats, warned
+
+
+def test_rows_whose_gradient_vanished_are_told_apart_from_each_sequences_last_token():
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    healthy, warned = _zero_grad(model, x, x)  # nanoGPT's shape: a target at every position
+    assert healthy.zero_grad_rows == 0 and healthy.vanished_grad_rows == 0 and not warned
+    keep = torch.arange(16) < 6  # the final norm's output reaches the loss at 6 of 16 positions
+
+    def silence_most(module, args):
+        return (args[0] * keep[:, None],)
+
+    collapsed, warned = _zero_grad(model, x, x, silence_most)
+    # 4 sequences x 10 positions lost their gradient; one per sequence is what construction allows
+    assert collapsed.zero_grad_rows == 4 and collapsed.vanished_grad_rows == 4 * 10 - 4
+    # causal attention: those positions reach no target through any layer, so every norm lost them
+    said = "36 of 64 rows of blocks.0.ln1 (and rows of 4 other norms) lost their gradient"
+    assert said in warned["vanished"]
+    metrics = LadderMeter(model, say=lambda _: None)
+    with metrics.step():
+        model(x, x)[1].backward()
+    assert metrics.result().metrics()["lnmonitor/vanished_grad_rows/lnf"] == 0.0
+
+
+def test_a_causal_lms_last_token_is_construction_and_a_flat_input_is_not_judged():
+    transformers = pytest.importorskip("transformers")
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (3, 16))
+    meter = LadderMeter(model, say=lambda _: None)
+    with meter.step():
+        model(input_ids=ids, labels=ids).loss.backward()
+    stats = {f.name: f.stats for f in meter.result().figures.norms}
+    assert all(s.zero_grad_rows == 3 and s.vanished_grad_rows == 0 for s in stats.values())  # the last token
+
+    class Flat(torch.nn.Module):  # rows handed to the norm flat: their sequences are unknown
+        def __init__(self):
+            super().__init__()
+            self.inner, self.ln = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.ln(self.inner(x)).pow(2).sum()
+
+    flat = Flat()
+    meter = LadderMeter(flat, say=lambda _: None)
+    with meter.step():
+        flat(torch.randn(12, 8)).backward()
+    import math
+
+    assert math.isnan(meter.result().figures.norms[0].stats.vanished_grad_rows)

@@ -71,7 +71,8 @@ VALUE_BINS = 1 << (31 - VALUE_SHIFT)  # every non-negative float32 bit pattern, 
 VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 5  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows, rows without gradient
+N_SUMS = 6  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows, rows without gradient,
+# rows that may lack a gradient by construction (one per sequence: its last token)
 N_MAX = 5  # share max; top var bin, -(bottom var bin), top ms bin, -(bottom ms bin): merged by max
 
 

@@ -36,7 +36,9 @@ class NormStats:
     RMSNorm); ``ms``: median of the stream's mean square ``mean(x^2)``; the shares: median,
     90th percentile and maximum of the dead-plane share over ``share_rows`` rows;
     ``skipped_rows``: rows without a share that are faults (non-finite, constant);
-    ``zero_grad_rows``: rows without gradient by construction (a causal LM's last token).
+    ``zero_grad_rows``: rows without gradient by construction (a causal LM's last token);
+    ``vanished_grad_rows``: rows without gradient beyond that (one per sequence), rows with a
+    target whose gradient vanished: a fault (nan where the rows' sequences are unknown).
     nan where nothing was measured.
     """
 
@@ -52,6 +54,7 @@ class NormStats:
     share_rows: int = 0
     skipped_rows: int = 0
     zero_grad_rows: int = 0
+    vanished_grad_rows: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ class LadderFigures:
             m[per_norm("share_max", n)] = s.share_max
             m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
             m[per_norm("zero_grad_rows", n)] = float(s.zero_grad_rows)
+            m[per_norm("vanished_grad_rows", n)] = s.vanished_grad_rows
         m.update(self.baselines)
         for ladder in (self.main, *self.other_ladders):
             if len(ladder.rungs) >= 2:

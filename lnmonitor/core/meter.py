@@ -317,11 +317,15 @@ class LadderMeter:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
         if any(s.pad_rows for s in row_stats):
             self._warn("padding", words.padding_message(self.owner, self._rows.source))
-        zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, row_stats, strict=True)
-                if s.zero_grad_rows]
+        vanished = [(info.name, int(s.vanished_grad_rows), s.rows - s.pad_rows)
+                    for info, s in zip(self.norms, row_stats, strict=True) if s.vanished_grad_rows > 0]
+        zero = [(info.name, s.construction_rows) for info, s in zip(self.norms, row_stats, strict=True)
+                if s.construction_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
             self._say(words.zero_grad_message(self.owner, zero))
+        if vanished:
+            self._warn("vanished", words.vanished_grad_message(self.owner, vanished))
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
             self._warn("unmasked", words.unmasked_message(self.owner, self._rows.source, names))
@@ -339,7 +343,8 @@ class LadderMeter:
             name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
             var=s.var_median, ms=s.ms_median, share_median=s.share_median, share_p90=s.share_p90,
             share_max=s.share_max, share_rows=s.share_rows, skipped_rows=s.skipped_rows,
-            zero_grad_rows=s.zero_grad_rows,
+            zero_grad_rows=s.construction_rows,
+            vanished_grad_rows=s.vanished_grad_rows,
         )
 
     def rungs(self) -> list[str]:

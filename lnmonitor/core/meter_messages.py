@@ -18,7 +18,7 @@ __all__ = [
     "narrow_message",
     "no_backward_message", "off_message", "off_reason", "padding_message", "reused_message",
     "roles_message", "row_mask_message", "short_ladder_message", "some", "span", "unmasked_message",
-    "unmeasured_message", "zero_grad_message",
+    "unmeasured_message", "vanished_grad_message", "zero_grad_message",
 ]
 
 
@@ -135,6 +135,17 @@ def zero_grad_message(owner: str, zero: Sequence[tuple[str, int]]) -> str:
             "zero or rounding-level gradient with a finite input: each sequence's last token in a causal "
             "LM, which has no target): they have no share and are counted in zero_grad_rows, not in "
             "skipped_rows, which counts faults (non-finite or constant rows). Said once.")
+
+
+def vanished_grad_message(owner: str, vanished: Sequence[tuple[str, int, int]]) -> str:
+    """Rows with a target whose gradient vanished: ``[(norm, rows, of rows), ...]``, the largest
+    share named."""
+    name, count, rows = max(vanished, key=lambda v: v[1] / max(v[2], 1))
+    more = f" (and rows of {len(vanished) - 1} other norms)" if len(vanished) > 1 else ""
+    return (f"{owner}: {count} of {rows} rows of {name}{more} lost their gradient beyond the one per "
+            "sequence a causal LM's last token lacks: rows with a target whose gradient vanished, a "
+            "fault (saturated attention or activations, a collapsing stream), counted in "
+            "vanished_grad_rows. Said once.")
 
 
 def forward_only_message(owner: str, names: Sequence[str]) -> str:

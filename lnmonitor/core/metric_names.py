@@ -162,6 +162,7 @@ LADDER_LAYOUT = {
             "Multiline", [f"{PREFIX}/share_max/.*", f"{PREFIX}/share_baseline/max.*"]],
         "skipped rows (faults: non-finite or constant)": ["Multiline", [f"{PREFIX}/skipped_rows/.*"]],
         "rows without gradient by construction": ["Multiline", [f"{PREFIX}/zero_grad_rows/.*"]],
+        "rows whose gradient vanished (a fault)": ["Multiline", [f"{PREFIX}/vanished_grad_rows/.*"]],
     },
 }
 

@@ -116,6 +116,8 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
         sums[index, 3] = pads
+    for index, count in rows.without_target.items():
+        sums[index, 5] = count
     if fingerprint:
         prints = fingerprints(data, counts, [r.norm for r in recs], n)
         flat[layout.max_end :].copy_(prints.view(torch.float32))  # the float64 bits, as two float32
@@ -146,6 +148,7 @@ class RowStats:
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
     zero_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
+    without_target: float = math.nan  # of those, how many construction allows (one per sequence)
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
 
@@ -155,6 +158,22 @@ class RowStats:
         input, a constant row.  Padding (:attr:`pad_rows`) and rows without gradient by
         construction (:attr:`zero_grad_rows`: a causal LM's last token, a frozen norm) apart."""
         return self.rows - self.pad_rows - self.zero_grad_rows - self.share_rows
+
+    @property
+    def vanished_grad_rows(self) -> float:
+        """Rows without gradient beyond what construction allows (:attr:`without_target`, one
+        per sequence): rows with a target whose gradient vanished, a fault (collapse); nan where
+        the rows' sequences are unknown (a flat input)."""
+        if not math.isfinite(self.without_target):
+            return math.nan
+        return float(max(0.0, self.zero_grad_rows - round(self.without_target)))
+
+    @property
+    def construction_rows(self) -> int:
+        """Rows without gradient that construction allows: :attr:`zero_grad_rows` less
+        :attr:`vanished_grad_rows` (all of them where the sequences are unknown)."""
+        vanished = self.vanished_grad_rows
+        return self.zero_grad_rows - (int(vanished) if math.isfinite(vanished) else 0)
 
     def _need_counts(self) -> None:
         if self.share_counts is None:
@@ -229,6 +248,7 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
                 zero_grad_rows=int(round(sums[i, 4])),
+                without_target=float(sums[i, 5]),
                 share_counts=share_c[i] if counts else None,
                 var_counts=hist[i, sb : sb + lb] if counts else None,
             )
