@@ -11,6 +11,7 @@ import torch
 import lnmonitor
 from lnmonitor.core.growth_watch import GrowthWatch, row_rms
 from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.signals import step_signals
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 
@@ -212,21 +213,23 @@ def _zero_grad(model, x, y, hook=None):
         model(x, y)[1].backward()
     if handle:
         handle.remove()
-    return meter.result().figures.by_name()["lnf"].stats, warned
+    figures = meter.result().figures
+    return figures.by_name()["lnf"].stats, warned, step_signals(figures)["vanished_share"]
 
 
 def test_rows_whose_gradient_vanished_are_told_apart_from_each_sequences_last_token():
     model, x = _model(), torch.randint(0, 65, (4, 16))
-    healthy, warned = _zero_grad(model, x, x)  # nanoGPT's shape: a target at every position
-    assert healthy.zero_grad_rows == 0 and healthy.vanished_grad_rows == 0 and not warned
+    healthy, warned, share = _zero_grad(model, x, x)  # nanoGPT's shape: a target at every position
+    assert healthy.zero_grad_rows == 0 and healthy.vanished_grad_rows == 0 and not warned and share == 0
     keep = torch.arange(16) < 6  # the final norm's output reaches the loss at 6 of 16 positions
 
     def silence_most(module, args):
         return (args[0] * keep[:, None],)
 
-    collapsed, warned = _zero_grad(model, x, x, silence_most)
+    collapsed, warned, share = _zero_grad(model, x, x, silence_most)
     # 4 sequences x 10 positions lost their gradient; one per sequence is what construction allows
     assert collapsed.zero_grad_rows == 4 and collapsed.vanished_grad_rows == 4 * 10 - 4
+    assert collapsed.share_rows == 24 and share == 36 / (36 + 24)  # of the rows that should have had one
     # causal attention: those positions reach no target through any layer, so every norm lost them
     said = "36 of 64 rows of blocks.0.ln1 (and rows of 4 other norms) lost their gradient"
     assert said in warned["vanished"]

@@ -32,6 +32,8 @@ SIGNALS = {
     "attention_max": "largest attention logit over every layer",
     "logit_max": "largest output logit",
     "z_mean": "mean log-partition of the output rows (nats)",
+    "vanished_share": "rows whose gradient vanished (beyond one per sequence) over the rows that should "
+                      "have had one, the largest over norms",
 }
 
 # Each signal's alarm as stated before the testbed was measured (docs/findings.md): a
@@ -51,6 +53,7 @@ CANDIDATES: dict[str, tuple[str, float]] = {
     "attention_max": (">", 30.0),
     "logit_max": (">", 50.0),
     "z_mean": ("abs>", 20.0),
+    "vanished_share": (">", 0.05),  # stated with the held-out part, before it was trained
 }
 
 
@@ -98,6 +101,9 @@ def step_signals(figures: LadderFigures | None, scales: Scales | None = None) ->
             out["inv_sigma_first"], out["inv_sigma_last"] = rungs[0].inv_sigma, rungs[-1].inv_sigma
             out["first_eps_over_var"] = rungs[0].eps_over_var
             out["first_transmission"] = rungs[0].transmission
+        shares = [f.stats.vanished_grad_rows / (f.stats.vanished_grad_rows + f.stats.share_rows)
+                  for f in figures.norms if f.stats.vanished_grad_rows + f.stats.share_rows > 0]
+        out["vanished_share"] = max(shares, default=nan)
         final = by_name.get(figures.final) if figures.final else None
         if final is not None:
             out["final_share_p90"] = final.stats.share_p90
