@@ -154,7 +154,7 @@ def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
 
     class BlowUp(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 6:  # the update that makes global_step 7
+            if state.global_step == 2:  # the update that makes global_step 3, before the first log at 5
                 with torch.no_grad():
                     model.transformer.h[-1].mlp.c_proj.weight.mul_(300.0)
 
@@ -171,9 +171,12 @@ def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
-    assert [(f.kind, f.step) for f in seen] == [("stream_growth", 7)] and len(_health(caught)) == 1
+    # the fit's first step was measured for the findings alone (its start and roles), not logged
+    assert [(f.kind, f.step) for f in seen] == [("stream_growth", 3)] and len(_health(caught)) == 1
     tag = "lnmonitor/health/stream_growth"
-    assert [e for e in trainer.state.log_history if tag in e][0] == {tag: 1.0, "step": 7}
+    assert [e for e in trainer.state.log_history if tag in e][0] == {tag: 1.0, "step": 3}
+    logged = [r["step"] for r in callback.history if "lnmonitor/ladder/growth" in r]
+    assert logged == [5, 9] and [r["step"] for r in callback.history][0] == 3
 
 
 def test_a_fine_tune_of_a_tall_ladder_says_its_height_once_and_raises_nothing(capsys):
@@ -266,3 +269,32 @@ def test_a_causal_lms_last_token_is_construction_and_a_flat_input_is_not_judged(
     import math
 
     assert math.isnan(meter.result().figures.norms[0].stats.vanished_grad_rows)
+
+
+def test_a_trainer_fine_tune_of_a_tall_gpt2_at_its_defaults_raises_nothing(tmp_path):
+    """Issue 34's case: a GPT-2 whose ladder is ~100x at its first step (as a pretrained one's),
+    fine-tuned at lr 5e-5 through transformers.Trainer with the callback at its defaults: the
+    ladder moves, the loss falls, and no finding (it was said at the first measured step before)."""
+    transformers = pytest.importorskip("transformers")
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.mlp.c_proj.weight.mul_(150.0)
+    records = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (40, 16))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=4, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=5e-5, logging_steps=10)
+    callback = LNMonitorCallback(keep_history=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=records, callbacks=[callback])
+    said = []
+    callback.voice._say = said.append
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not _health(caught) and callback.findings.raised == {}
+    assert callback.findings.start[1] > 50  # tall from its first step: a fact of the checkpoint
+    assert sum("the ladder is already" in text for text in said) == 1

@@ -150,6 +150,7 @@ class LNMonitorCallback(TrainerCallback):
         self._points = InvariancePoints(self.owner, self.voice)
         self._reporters: list = []
         self._measuring: int | None = None
+        self._silent = False  # the measured step is the fit's first, measured for the findings alone
         self._first_step = False
         self._main = True
         self._logged = -1
@@ -211,8 +212,13 @@ class LNMonitorCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
-        if self._due(state.global_step + 1, state.max_steps):
-            self._measuring = state.global_step + 1
+        after = state.global_step + 1
+        logs = self._due(after, state.max_steps)
+        # the fit's first step is measured for the findings even where the Trainer logs nothing:
+        # the growth is judged against it, and the every-step growth needs its roles
+        first = self.findings is not None and self.findings.start is None and not self.meter.roles_known
+        if logs or first:
+            self._measuring, self._silent = after, not logs
             self.meter.start()
 
     @guarded
@@ -231,10 +237,16 @@ class LNMonitorCallback(TrainerCallback):
             if result is not None:
                 self.last_result = result
                 metrics = result.metrics(positions=self._logged < 0)
-                metrics.update(health(self.findings, state.global_step, result, stop))
+                found = health(self.findings, state.global_step, result, stop)
                 self._keep_health(state, held)
-                self._report(metrics, args, state, control)
-                self._logged = state.global_step
+                if self._silent:  # measured for the findings alone: only what they raised is logged
+                    metrics = found if found else {}
+                else:
+                    metrics.update(found)
+                if metrics:
+                    self._report(metrics, args, state, control)
+                if not self._silent:
+                    self._logged = state.global_step
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
