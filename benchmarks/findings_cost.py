@@ -1,27 +1,87 @@
-"""What the findings add to a measured step, timed directly.
+"""What the findings add to training, side by side.
 
-The findings read figures the meter has already computed (:mod:`lnmonitor.core.findings`): no
-tensor, no host sync.  This times :meth:`FindingsReader.read` on a real measured step of the
-tiny GPT (the study's model, batch 32, one thread) next to that measured step and a plain one,
-so the ratio stays readable on a loaded machine (``overhead.py``'s side-by-side step times do
-not, there).
+Two costs (docs/findings.md, "Cost"):
 
-    python benchmarks/findings_cost.py
+* **every step**: the ladder's growth on every training step (the meter's
+  :class:`~lnmonitor.core.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
+  reduction each) and its reading (:func:`lnmonitor.core.findings.every_step`).  Timed as whole
+  training steps (forward, backward, AdamW, and the door's end-of-step call) of one model with the
+  watch beside an identical copy without, interleaved block by block, as the median of the
+  per-block ratios;
+* **measured steps**: :meth:`FindingsReader.read` of a measured step's figures (no tensor, no
+  host sync), against that measured step.
+
+The shapes: nanoGPT's smallest (2 layers, width 64, 2 heads, context 64, batch 12) and the tiny
+model at width 64 and 128 (4 layers, context 64, batch 32), one torch thread.
+
+    python benchmarks/findings_cost.py [--blocks 15] [--steps 10]
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import statistics
 import time
 
 import torch
 
-from lnmonitor.core.findings import FindingsReader
+from lnmonitor.core.findings import FindingsReader, every_step
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
+SHAPES = {
+    "nanoGPT smallest (2 x 64, batch 12)": (GPTConfig(width=64, depth=2, heads=2, context=64), 12),
+    "tiny, width 64 (4 x 64, batch 32)": (GPTConfig(width=64, depth=4, heads=4, context=64), 32),
+    "tiny, width 128 (4 x 128, batch 32)": (GPTConfig(width=128, depth=4, heads=4, context=64), 32),
+}
 
-def main(repeats: int = 5, reads: int = 2000) -> None:
-    torch.set_num_threads(1)
+
+def _trainer(model: TinyGPT, x: torch.Tensor, meter: LadderMeter | None, reader: FindingsReader | None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    counter = [0]
+
+    def step() -> None:
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        counter[0] += 1
+        if meter is not None:
+            every_step(reader, meter, counter[0], lambda: None)
+
+    return step
+
+
+def every_step_ratio(config: GPTConfig, batch: int, blocks: int, steps: int) -> tuple[float, float, float]:
+    """(median ratio watched / plain, its min, its max) over ``blocks`` interleaved blocks."""
+    torch.manual_seed(0)
+    plain_model = TinyGPT(config)
+    watched_model = copy.deepcopy(plain_model)
+    x = torch.randint(0, config.vocab_size, (batch, config.context))
+    meter = LadderMeter(watched_model, say=lambda _: None)
+    reader = FindingsReader(warn=lambda _: None)
+    with meter.step():  # the fit's first measured step: the roles, the growth's start, the watch
+        watched_model(x, x)[1].backward()
+    reader.read(0, meter.result())
+    watched_model.zero_grad(set_to_none=True)
+    variants = [_trainer(plain_model, x, None, None), _trainer(watched_model, x, meter, reader)]
+    for run in variants:  # warm-up
+        for _ in range(steps):
+            run()
+    ratios = []
+    for block in range(blocks):
+        times = [0.0, 0.0]
+        for k in ((0, 1) if block % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                variants[k]()
+            times[k] = time.perf_counter() - start
+        ratios.append(times[1] / times[0])
+    meter.close()
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def read_cost(repeats: int = 5, reads: int = 2000) -> None:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig())
     x = torch.randint(0, 65, (32, 64))
@@ -37,18 +97,28 @@ def main(repeats: int = 5, reads: int = 2000) -> None:
     for _ in range(repeats):
         result = measured()
     step = (time.perf_counter() - start) / repeats
-    start = time.perf_counter()
-    for _ in range(repeats):
-        model(x, x)[1].backward()
-    plain = (time.perf_counter() - start) / repeats
+    meter.close()
     reader = FindingsReader(warn=lambda _: None)
     start = time.perf_counter()
     for i in range(reads):
         reader.read(i, result)
     read = (time.perf_counter() - start) / reads
-    print(f"plain step {plain * 1e3:.1f} ms, measured step {step * 1e3:.1f} ms, findings read "
-          f"{read * 1e6:.1f} us: {read / step:.1e} of a measured step, {read / (50 * plain):.1e} of the "
-          "50 steps between two measured ones at the default cadence")
+    print(f"findings read of a measured step: {read * 1e6:.1f} us, {read / step:.1e} of that measured step "
+          f"({step * 1e3:.1f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=15, help="interleaved blocks per shape")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per block")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| shape | every step, with the growth watch / without: median (min to max) |")
+    print("|---|---|")
+    for name, (config, batch) in SHAPES.items():
+        median, low, high = every_step_ratio(config, batch, args.blocks, args.steps)
+        print(f"| {name} | {median:.4f}x ({low:.4f} to {high:.4f}) |", flush=True)
+    read_cost()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ leaves them out; the watch has no mask).  Imports torch only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -29,8 +31,11 @@ __all__ = ["GrowthWatch", "row_rms"]
 def row_rms(x: Tensor) -> Tensor:
     """``sqrt`` of the median over rows (every dimension but the last) of ``mean(x**2)`` over
     the last: the rms of the stream a norm reads, as the meter's ``rms`` figure defines it
-    (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count)."""
-    return x.detach().float().pow(2).mean(-1).flatten().median().sqrt()
+    (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count).  Taken as
+    the median of the rows' norms over ``sqrt(width)`` (the square root preserves the order):
+    two kernels instead of five, on every step."""
+    norms = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
+    return norms.median().mul_(1.0 / math.sqrt(x.shape[-1]))
 
 
 class GrowthWatch:
