@@ -184,7 +184,8 @@ def layout_message(owner: str, refused: Mapping[str, str]) -> str:
 def compiled_message(owner: str) -> str:
     return (f"{owner}: the model is compiled (torch.compile); its measured steps run eagerly "
             "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, "
-            "and the other steps run the compiled code.")
+            "and the other steps run the compiled code, which runs no hook added after it compiled: "
+            "there the findings read the ladder's growth on the measured steps only, not every step.")
 
 
 def decoder_padding_message(owner: str) -> str:
