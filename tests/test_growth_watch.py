@@ -298,3 +298,11 @@ def test_a_trainer_fine_tune_of_a_tall_gpt2_at_its_defaults_raises_nothing(tmp_p
     assert not _health(caught) and callback.findings.raised == {}
     assert callback.findings.start[1] > 50  # tall from its first step: a fact of the checkpoint
     assert sum("the ladder is already" in text for text in said) == 1
+
+
+def test_under_torch_compile_the_growth_is_said_to_be_read_on_measured_steps_only():
+    """Compiled steps run no hook added after compiling (a watch attached then takes nothing
+    on them), so the meter says where the findings read the growth."""
+    said = []
+    LadderMeter(torch.compile(_model()), say=said.append)
+    assert any("the findings read the ladder's growth on the measured steps only" in s for s in said)
