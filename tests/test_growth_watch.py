@@ -63,6 +63,20 @@ def test_the_watch_is_the_row_rms_of_the_last_rung_over_the_first_on_each_traini
     assert not model.lnf._forward_pre_hooks and not model.blocks[0].ln1._forward_pre_hooks
 
 
+def test_a_float64_forward_is_watched_in_float64_not_refused():
+    """A probe's exact twin runs the model in float64 with the watch's hooks on it: the watch
+    must read it (it once raised there and turned the probe off)."""
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    watch = GrowthWatch()
+    watch.attach(model.blocks[0].ln1, model.lnf)
+    model.double()(x, x)[1].backward()
+    _, value = watch.take(0)
+    stream = torch.randn(3, 5, 32, dtype=torch.float64)
+    assert row_rms(stream).dtype == torch.float32
+    assert float(row_rms(stream)) == pytest.approx(_rms64(stream), rel=1e-7)
+    assert value > 0
+
+
 def test_the_meter_watches_its_ladder_once_the_roles_are_known_and_agrees_with_its_own_growth():
     model, x = _model(), torch.randint(0, 65, (8, 16))
     meter = LadderMeter(model, say=lambda _: None)

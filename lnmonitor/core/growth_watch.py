@@ -33,9 +33,12 @@ def row_rms(x: Tensor) -> Tensor:
     the last: the rms of the stream a norm reads, as the meter's ``rms`` figure defines it
     (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count).  Taken as
     the median of the rows' norms over ``sqrt(width)`` (the square root preserves the order):
-    two kernels instead of five, on every step."""
-    norms = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
-    return norms.median().mul_(1.0 / math.sqrt(x.shape[-1]))
+    two kernels instead of five, on every step.  A float64 stream (a probe's exact twin) is
+    reduced in float64 and the result rounded to float32."""
+    x = x.detach()
+    wide = torch.float32 if x.dtype != torch.float64 else None  # vector_norm refuses to narrow
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=wide)
+    return norms.median().float().mul_(1.0 / math.sqrt(x.shape[-1]))
 
 
 class GrowthWatch:
