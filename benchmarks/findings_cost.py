@@ -4,10 +4,13 @@ Two costs (docs/findings.md, "Cost"):
 
 * **every step**: the ladder's growth on every training step (the meter's
   :class:`~lnmonitor.core.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
-  reduction each) and its reading (:func:`lnmonitor.core.findings.every_step`).  Timed as whole
-  training steps (forward, backward, AdamW, and the door's end-of-step call) of one model with the
-  watch beside an identical copy without, interleaved block by block, as the median of the
-  per-block ratios;
+  reduction each) and its reading (:func:`lnmonitor.core.findings.every_step`).  Timed two ways:
+  (a) whole training steps (forward, backward, AdamW, and the door's end-of-step call) of one model
+  with the watch beside an identical copy without, interleaved block by block, as the median of
+  the per-block ratios -- the honest whole, but on a shared machine its blocks scatter by
+  +-10-20%, more than the watch costs; (b) the watch's own work, the two hooks on the step's real
+  rung inputs and the end-of-step read, timed alone and divided by the plain step's median time:
+  the same cost, resolved to a few microseconds;
 * **measured steps**: :meth:`FindingsReader.read` of a measured step's figures (no tensor, no
   host sync), against that measured step.
 
@@ -27,6 +30,7 @@ import time
 import torch
 
 from lnmonitor.core.findings import FindingsReader, every_step
+from lnmonitor.core.growth_watch import GrowthWatch
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
@@ -81,6 +85,55 @@ def every_step_ratio(config: GPTConfig, batch: int, blocks: int, steps: int) -> 
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def watch_ratio(config: GPTConfig, batch: int, repeats: int = 2000) -> tuple[float, float, float]:
+    """(the watch's own microseconds per step, the plain step's milliseconds, 1 + their ratio):
+    the two rungs' forwards on their real inputs of one step with the watch's hooks (and the
+    door's end-of-step read) minus the same forwards without, the median of 7 interleaved pairs."""
+    torch.manual_seed(0)
+    model = TinyGPT(config)
+    x = torch.randint(0, config.vocab_size, (batch, config.context))
+    meter = LadderMeter(model, say=lambda _: None)
+    reader = FindingsReader(warn=lambda _: None)
+    with meter.step():
+        model(x, x)[1].backward()
+    reader.read(0, meter.result())
+    meter.close()
+    first, last = {}, {}
+    h1 = model.blocks[0].ln1.register_forward_pre_hook(lambda m, a: first.__setitem__("x", a[0]))
+    h2 = model.lnf.register_forward_pre_hook(lambda m, a: last.__setitem__("x", a[0]))
+    plain = _trainer(model, x, None, None)
+    for _ in range(5):
+        plain()
+    h1.remove()
+    h2.remove()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(10):
+            plain()
+        times.append((time.perf_counter() - start) / 10)
+    step = statistics.median(times)
+    watch = GrowthWatch()
+    ln1, lnf, a, b = model.blocks[0].ln1, model.lnf, first["x"], last["x"]
+
+    def rungs(watched: bool) -> float:  # the two rungs' forwards (and the read), timed
+        if watched:
+            watch.attach(ln1, lnf)
+        start = time.perf_counter()
+        for i in range(repeats):
+            ln1(a)
+            lnf(b)
+            if watched:
+                reader.read_growth(*watch.take(i + 1))
+        elapsed = (time.perf_counter() - start) / repeats
+        watch.detach()
+        return elapsed
+
+    costs = [rungs(True) - rungs(False) for _ in range(7)]
+    cost = statistics.median(costs)
+    return cost * 1e6, step * 1e3, 1 + cost / step
+
+
 def read_cost(repeats: int = 5, reads: int = 2000) -> None:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig())
@@ -113,11 +166,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="training steps per block")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| shape | every step, with the growth watch / without: median (min to max) |")
-    print("|---|---|")
+    print("| shape | plain step | the watch's own work per step | its ratio | whole steps, with / without: "
+          "median (min to max) |")
+    print("|---|---:|---:|---:|---|")
     for name, (config, batch) in SHAPES.items():
+        own, step, ratio = watch_ratio(config, batch)
         median, low, high = every_step_ratio(config, batch, args.blocks, args.steps)
-        print(f"| {name} | {median:.4f}x ({low:.4f} to {high:.4f}) |", flush=True)
+        print(f"| {name} | {step:.2f} ms | {own:.1f} us | {ratio:.4f}x "
+              f"| {median:.4f}x ({low:.4f} to {high:.4f}) |", flush=True)
     read_cost()
 
 

@@ -31,29 +31,35 @@ __all__ = ["GrowthWatch", "row_rms"]
 def row_rms(x: Tensor) -> Tensor:
     """``sqrt`` of the median over rows (every dimension but the last) of ``mean(x**2)`` over
     the last: the rms of the stream a norm reads, as the meter's ``rms`` figure defines it
-    (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count).  Taken as
-    the median of the rows' norms over ``sqrt(width)`` (the square root preserves the order):
-    two kernels instead of five, on every step.  A float64 stream (a probe's exact twin) is
-    reduced in float64 and the result rounded to float32."""
-    x = x.detach()
-    wide = torch.float32 if x.dtype != torch.float64 else None  # vector_norm refuses to narrow
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=wide)
-    return norms.median().float().mul_(1.0 / math.sqrt(x.shape[-1]))
+    (float32, a 0-dim tensor on ``x``'s device; the lower median of an even count)."""
+    return _median_row_norm(x).mul_(1.0 / math.sqrt(x.shape[-1]))
+
+
+def _median_row_norm(x: Tensor) -> Tensor:
+    """The median of the rows' Euclidean norms: ``row_rms`` times ``sqrt(width)`` (the square
+    root preserves the order), two kernels on every step.  A float64 stream (a probe's exact
+    twin) is reduced in float64 and the result rounded to float32."""
+    if x.dtype == torch.float64:  # vector_norm refuses to narrow
+        return torch.linalg.vector_norm(x.detach(), dim=-1).median().float()
+    return torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32).median()
 
 
 class GrowthWatch:
     """The every-step growth of one ladder (see the module docstring).
 
     ``attach(first, last)`` hooks the two rungs until :meth:`detach`; each training forward
-    computes ``row_rms(last input) / row_rms(first input)`` on the device and keeps the step's
-    largest; :meth:`take` closes a step.
+    computes the last input's median row norm over the first's on the device and keeps the
+    step's largest; :meth:`take` closes a step, applying the widths' ``sqrt`` as a Python float
+    (``row_rms(last) / row_rms(first)``, one kernel fewer).
     """
 
     def __init__(self) -> None:
         self._hooks = Hooks()
-        self._first: Tensor | None = None  # this forward's first-rung rms, until the last rung runs
-        self._max: Tensor | None = None  # the step's largest growth so far, on the device
-        self._pending: list[tuple[int, Tensor, object]] = []  # accelerator copies on their way
+        self._first: Tensor | None = None  # this forward's first-rung median row norm, until the last runs
+        self._first_width = 0
+        self._max: Tensor | None = None  # the step's largest ratio of median row norms so far, on the device
+        self._widths = 1.0  # sqrt(first width / last width): the norms' ratio times it is the rms ratio
+        self._pending: list[tuple[int, Tensor, object, float]] = []  # accelerator copies on their way
 
     @property
     def attached(self) -> bool:
@@ -73,14 +79,15 @@ class GrowthWatch:
 
     def _on_first(self, module: nn.Module, args: tuple) -> None:
         if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and measuring():
-            self._first = row_rms(args[0])
+            self._first, self._first_width = _median_row_norm(args[0]), args[0].shape[-1]
 
     def _on_last(self, module: nn.Module, args: tuple) -> None:
         first, self._first = self._first, None
         if first is None or not (args and isinstance(args[0], Tensor)):
             return
-        growth = row_rms(args[0]) / first
-        self._max = growth if self._max is None else torch.maximum(self._max, growth)
+        ratio = _median_row_norm(args[0]) / first
+        self._widths = math.sqrt(self._first_width / args[0].shape[-1])  # a Python float, no kernel
+        self._max = ratio if self._max is None else torch.maximum(self._max, ratio)
 
     def take(self, step: int) -> tuple[int, float] | None:
         """Close step ``step``: ``(step, growth)`` of the latest step whose value has reached the
@@ -90,15 +97,15 @@ class GrowthWatch:
         value, self._max, self._first = self._max, None, None
         if value is not None:
             if value.device.type == "cpu":
-                return step, float(value)
+                return step, float(value) * self._widths
             host = torch.empty((), dtype=value.dtype, pin_memory=True)
             host.copy_(value, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((step, host, event))
+            self._pending.append((step, host, event, self._widths))
         arrived = None
         while self._pending and self._pending[0][2].query():
-            done, host, _ = self._pending.pop(0)
-            arrived = (done, float(host))
+            done, host, _, widths = self._pending.pop(0)
+            arrived = (done, float(host) * widths)
         return arrived
 
