@@ -26,7 +26,7 @@ from lnmonitor.core.findings import (
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter import LadderMeter
 from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
-from lnmonitor.core.signals import crosses, growth_rate, step_signals
+from lnmonitor.core.signals import crosses, growth_jump, growth_rate, step_signals
 from lnmonitor.experiments import stability_events as ev
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import Recipe
@@ -188,6 +188,21 @@ def test_step_signals_are_the_meters_figures():
     assert growth_rate((10, 2.0), 20, 20.0) == pytest.approx(0.1)
     assert math.isnan(growth_rate(None, 20, 20.0)) and math.isnan(growth_rate((20, 2.0), 20, 3.0))
     assert crosses(-30.0, "abs>", 20.0) and not crosses(math.nan, ">", 0.0) and crosses(0.01, "<", 0.05)
+
+
+def test_growth_jump_is_the_growth_over_its_least_value_in_the_ten_steps_before():
+    read = [(0, 2.0), (5, 1.5), (9, 4.0), (12, math.nan), (13, 3.0)]
+    assert growth_jump(read, 14, 60.0) == 60.0 / 1.5  # steps 4..13: 5, 9, 13 (nan is no value)
+    assert growth_jump(read, 16, 60.0) == 60.0 / 3.0  # steps 6..15: 9 and 13
+    assert growth_jump(read, 10, 3.0) == 3.0 / 1.5  # steps 0..9, not step 10 itself
+    assert math.isnan(growth_jump(read, 30, 60.0)) and math.isnan(growth_jump([], 3, 2.0))
+    assert math.isnan(growth_jump(read, 14, math.inf))
+    # the reader reads it from what it read before, every step and measured steps alike
+    reader = FindingsReader(warn=lambda _: None)
+    reader.start = (0, 2.0)
+    for step, growth in [(1, 2.0), (2, 2.5), (3, 80.0)]:
+        reader.read_growth(step, growth)
+    assert reader._recent == [(1, 2.0), (2, 2.5), (3, 80.0)]
 
 
 def _Figures(result, **changed):

@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING
 
 from lnmonitor.core.arguments import ArgumentError, function
 from lnmonitor.core.metric_names import health_metric
-from lnmonitor.core.signals import CANDIDATES, crosses, growth_over_start, step_signals
+from lnmonitor.core.signals import (
+    CANDIDATES,
+    JUMP_WINDOW,
+    crosses,
+    growth_jump,
+    growth_over_start,
+    step_signals,
+)
 from lnmonitor.errors import HealthWarning
 
 if TYPE_CHECKING:
@@ -192,6 +199,7 @@ class FindingsReader:
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
+        self._recent: list[tuple[int, float]] = []  # (step, growth) read in the last JUMP_WINDOW steps
 
     def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
         """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
@@ -217,9 +225,13 @@ class FindingsReader:
     def _judge(self, step: int, signals: dict[str, float]) -> Reading:
         """Raise, hold and end the kinds whose signal ``signals`` has."""
         reading = Reading()
+        growth = signals.get("growth", math.nan)
+        signals = dict(signals)
         if self.start is not None:
-            signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
-                                                                         self.start[1])}
+            signals["growth_over_start"] = growth_over_start(growth, self.start[1])
+        if "growth" in signals:
+            signals["growth_jump"] = growth_jump(self._recent, step, growth)
+            self._recent = [(s, g) for s, g in self._recent if s >= step - JUMP_WINDOW] + [(step, growth)]
         for name, kind in KINDS.items():
             threshold = self.thresholds[name]
             value = signals.get(kind.signal, math.nan)
@@ -259,7 +271,7 @@ class FindingsReader:
 
     def reset(self) -> None:
         """A new fit: every kind may be raised again, against the new fit's first measured step."""
-        self.raised, self.holding, self.start = {}, set(), None
+        self.raised, self.holding, self.start, self._recent = {}, set(), None, []
 
     def state_dict(self) -> dict:
         """What a resumed fit needs so a kind is not raised twice, and its growth is judged

@@ -10,13 +10,15 @@ value is a field of the step's :class:`~lnmonitor.core.meter.LadderResult` figur
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lnmonitor.core.ladder import LadderFigures
     from lnmonitor.core.scales import Scales
 
-__all__ = ["CANDIDATES", "SIGNALS", "crosses", "growth_over_start", "growth_rate", "step_signals"]
+__all__ = ["CANDIDATES", "JUMP_WINDOW", "SIGNALS", "crosses", "growth_jump", "growth_over_start",
+           "growth_rate", "step_signals"]
 
 # name -> what it is (units); the order of the testbed's table
 SIGNALS = {
@@ -32,6 +34,7 @@ SIGNALS = {
     "attention_max": "largest attention logit over every layer",
     "logit_max": "largest output logit",
     "z_mean": "mean log-partition of the output rows (nats)",
+    "growth_jump": "growth over its least value in the JUMP_WINDOW steps before: how fast the stream grew",
     "vanished_share": "rows whose gradient vanished (beyond one per sequence) over the rows that should "
                       "have had one, the largest over norms",
 }
@@ -54,7 +57,11 @@ CANDIDATES: dict[str, tuple[str, float]] = {
     "logit_max": (">", 50.0),
     "z_mean": ("abs>", 20.0),
     "vanished_share": (">", 0.05),  # stated with the held-out part, before it was trained
+    "growth_jump": (">", 25.0),  # above the fitted part's clean runs (22.35), before the held-out part
 }
+
+# the steps growth_jump looks back over
+JUMP_WINDOW = 10
 
 
 def crosses(value: float, direction: str, threshold: float) -> bool:
@@ -77,6 +84,17 @@ def growth_over_start(growth: float, start: float) -> float:
     return growth / start
 
 
+def growth_jump(recent: Sequence[tuple[int, float]], step: int, growth: float) -> float:
+    """``growth`` at ``step`` over the least finite positive growth of ``recent`` (``(step,
+    growth)`` pairs read before) at steps ``step - JUMP_WINDOW`` to ``step - 1``: how many times
+    the stream grew within the window; nan when no such earlier value exists or ``growth`` is
+    not finite."""
+    earlier = [g for s, g in recent if step - JUMP_WINDOW <= s < step and math.isfinite(g) and g > 0]
+    if not earlier or not math.isfinite(growth):
+        return math.nan
+    return growth / min(earlier)
+
+
 def growth_rate(previous: tuple[int, float] | None, step: int, growth: float) -> float:
     """Change of ``log10(growth)`` per step since ``previous = (step, growth)``; nan without a
     previous finite positive growth or a later step."""
@@ -89,9 +107,10 @@ def growth_rate(previous: tuple[int, float] | None, step: int, growth: float) ->
 
 def step_signals(figures: LadderFigures | None, scales: Scales | None = None) -> dict[str, float]:
     """The signals of one measured step (nan where the step has no such figure, e.g. a model
-    with one rung, or without ``cross_entropy``); ``growth_rate`` is the reader's, left out."""
+    with one rung, or without ``cross_entropy``); ``growth_rate`` and ``growth_jump`` need
+    earlier steps and are the reader's, left out."""
     nan = math.nan
-    out = dict.fromkeys(k for k in SIGNALS if k != "growth_rate")
+    out = dict.fromkeys(k for k in SIGNALS if k not in ("growth_rate", "growth_jump"))
     out.update({k: nan for k in out})
     if figures is not None:
         by_name = figures.by_name()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lnmonitor.core.files import atomic_write_text, read_json
-from lnmonitor.core.signals import CANDIDATES, crosses, growth_rate
+from lnmonitor.core.signals import CANDIDATES, crosses, growth_jump, growth_rate
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.stability_events import (
     damage_onset,
@@ -68,12 +68,15 @@ def load_records(out: Path) -> list[dict]:
 
 
 def with_rates(measured: list[dict]) -> list[dict]:
-    """The measured steps with ``growth_rate`` filled in from the step before."""
-    out, previous = [], None
+    """The measured steps with ``growth_rate`` (from the step before) and ``growth_jump`` (over
+    the measured steps of its window) filled in, as the live reader reads them."""
+    out, previous, read = [], None, []
     for m in measured:
         growth = m.get("growth")
         growth = math.nan if growth is None else growth
-        out.append({**m, "growth_rate": growth_rate(previous, m["step"], growth)})
+        out.append({**m, "growth_rate": growth_rate(previous, m["step"], growth),
+                    "growth_jump": growth_jump(read, m["step"], growth)})
+        read.append((m["step"], growth))
         if math.isfinite(growth):
             previous = (m["step"], growth)
     return out
