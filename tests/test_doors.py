@@ -181,7 +181,7 @@ def _pictures(folder) -> dict[str, list[tuple[int, int, int]]]:
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate):
+def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate, capsys):
     """With ``accumulate`` micro-batches per optimizer step, each door measures all of them as
     one step.  With accumulation the Trainer's own update differs from the mean-loss step the
     others take (transformers 5.3 divides the accumulated gradient by the number of
@@ -230,6 +230,12 @@ def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate):
     assert [p[0] for p in pictures["lnmonitor/ladder"]] == [0, 3]
     assert [p[0] for p in pictures["lnmonitor/ladder_over_training"]] == [3]
     assert _pictures(tmp_path / "loop") == pictures
+    # the Trainer's too, to its TensorBoard writer: its steps count the updates done (one more)
+    hf_pictures = {tag.removeprefix("train/"): [(step - 1, *size) for step, *size in points]
+                   for tag, points in _pictures(tmp_path / "hf").items()}
+    assert hf_pictures == pictures
+    said = capsys.readouterr().err  # and it prints the end-of-training summary, as the others do
+    assert said.count("lnmonitor summary: GPT2LMHeadModel, end of training") == 1
 
 
 def _trainer_script(out, processes: int) -> dict:

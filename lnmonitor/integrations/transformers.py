@@ -39,8 +39,12 @@ from lnmonitor.core.metric_names import (
     TRAINER_SPLIT,
     health_metric,
     parse,
+    per_norm,
+    run_metric,
 )
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
+from lnmonitor.views.pictures import over_training_picture, step_picture
+from lnmonitor.views.summary import Trail, summary_text
 
 __all__ = ["LNMonitorCallback"]
 
@@ -67,7 +71,9 @@ class LNMonitorCallback(TrainerCallback):
     run.  Of these metrics only the findings' go to ``state.log_history`` (which every
     checkpoint saves), and only when one changes: ``{"lnmonitor/health/<kind>": 1.0, "step":
     global_step}`` when a kind is raised (0.0 when it stops holding), so that
-    ``train(resume_from_checkpoint=...)``, the same fit, does not raise it again.
+    ``train(resume_from_checkpoint=...)``, the same fit, does not raise it again.  As every
+    monitor does, it logs the ladder's picture (to the Trainer's TensorBoard writer, when it
+    reports to TensorBoard) and prints the one-screen summary at the end of training.
 
     Args:
         trainer: not needed (``Trainer(..., callbacks=[LNMonitorCallback()])``); kept for
@@ -84,6 +90,11 @@ class LNMonitorCallback(TrainerCallback):
         probe_size: the probe's rows (default 64, as ``FinalNormInvarianceMonitor``).
         keep_history: keep every reported dict in :attr:`history`; None keeps them only
             when the Trainer reports to no integration.
+        images: write the ladder pictures (``train/lnmonitor/ladder`` at most every
+            ``image_every_n_steps``, and ``train/lnmonitor/ladder_over_training`` at the end) to
+            the Trainer's TensorBoard writer; nothing without ``report_to="tensorboard"``.
+        image_every_n_steps: the least number of steps between two ladder pictures.
+        summary: print the one-screen summary of the run at the end of training (main process).
         findings, on_finding: as for :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`
             (docs/findings.md); ``on_finding`` returning True stops training
             (``control.should_training_stop``).
@@ -120,6 +131,9 @@ class LNMonitorCallback(TrainerCallback):
         invariance_every_n_steps: int | None = 1000,
         probe_size: int | None = PROBE_WINDOWS,
         keep_history: bool | None = None,
+        images: bool = True,
+        image_every_n_steps: int = 50,
+        summary: bool = True,
         findings: Mapping[str, float | None] | bool | None = None,
         on_finding: Callable | None = None,
     ) -> None:
@@ -140,6 +154,10 @@ class LNMonitorCallback(TrainerCallback):
                                                                "invariance_every_n_steps")
         self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
         self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
+        self.images = arguments.flag(images, "images")
+        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
+                                                          allow_none=False)
+        self.summary = arguments.flag(summary, "summary")
         self.owner = "LNMonitorCallback"
         self.voice = Voice()
         self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner, self._say)
@@ -155,6 +173,9 @@ class LNMonitorCallback(TrainerCallback):
         self._main = True
         self._logged = -1
         self._layout_written = False
+        self._trail = Trail(series=(per_norm("inv_sigma", ""),))  # the main process's curves, for the end
+        self._last_picture = -math.inf
+        self._ended = False
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -183,6 +204,9 @@ class LNMonitorCallback(TrainerCallback):
             self.findings.load_state_dict(state_from_health(_health_points(state.log_history)))
         self._logged = -1
         self._layout_written = False
+        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
+        self._last_picture = -math.inf
+        self._ended = False
         trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
         self._first_step = bool(args.logging_first_step)
@@ -247,6 +271,7 @@ class LNMonitorCallback(TrainerCallback):
                     self._report(metrics, args, state, control)
                 if not self._silent:
                     self._logged = state.global_step
+                    self._step_picture(result, state)
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
@@ -254,9 +279,10 @@ class LNMonitorCallback(TrainerCallback):
     @guarded
     def on_epoch_end(self, args, state, control, **kwargs):
         # the end of training comes here before on_train_end, where the integrations close
-        if self.invariance_every_n_steps is not None and (
-                control.should_training_stop or state.global_step >= state.max_steps):
-            self._run_probe(args, state, control, sweep=True)
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            if self.invariance_every_n_steps is not None:
+                self._run_probe(args, state, control, sweep=True)
+            self._end()
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
@@ -324,6 +350,7 @@ class LNMonitorCallback(TrainerCallback):
         if not self._main or not metrics:
             return
         self._kept.add(state.global_step, metrics)
+        self._trail.add(state.global_step, metrics)
         if not self._layout_written:
             self._layout_written = True
             self._write_layout()
@@ -335,6 +362,40 @@ class LNMonitorCallback(TrainerCallback):
                 self._warn(f"report-{type(reporter).__name__}",
                            f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
                            "goes to it (training goes on).")
+
+    def _writer(self):
+        """The Trainer's TensorBoard ``SummaryWriter`` (None: no TensorBoard, or it is closed)."""
+        return next((w for cb in self._reporters if (w := getattr(cb, "tb_writer", None)) is not None), None)
+
+    def _picture(self, tag: str, step: int, draw: Callable) -> None:
+        writer = self._writer() if self.images and self._main else None
+        if writer is None:
+            return
+        try:
+            writer.add_image(f"{TRAINER_SPLIT}/{tag}", draw(), step, dataformats="HWC")
+        except Exception as err:  # noqa: BLE001 - a picture must never stop training
+            self.images = False
+            self._warn("images", f"LNMonitorCallback: no more pictures ({err!r}); the metrics go on")
+
+    def _step_picture(self, result: LadderResult, state) -> None:
+        step = state.global_step
+        if step - self._last_picture >= self.image_every_n_steps or step >= state.max_steps:
+            self._last_picture = step
+            self._picture(run_metric("ladder"), step, lambda: step_picture(result.figures, step))
+
+    def _end(self) -> None:
+        """The ladder over training (a picture) and the summary, once, at the last epoch's end
+        (before the integrations close their writers)."""
+        if self._ended or not self._main or not self._trail:
+            return
+        self._ended = True
+        curves = self._trail.curves()
+        heatmap = over_training_picture(curves) if self.images and self._writer() is not None else None
+        if heatmap is not None:
+            self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
+        if self.summary:
+            model = self.meter.model if self.meter is not None else None
+            self._say(summary_text(curves, f"{type(model).__name__}, end of training"))
 
     def _write_layout(self) -> None:
         """The Custom Scalars layout, for the tags as the Trainer's TensorBoard writes them."""
