@@ -320,3 +320,20 @@ def test_under_torch_compile_the_growth_is_said_to_be_read_on_measured_steps_onl
     said = []
     LadderMeter(torch.compile(_model()), say=said.append)
     assert any("the findings read the ladder's growth on the measured steps only" in s for s in said)
+
+
+def test_without_a_finding_that_reads_the_growth_nothing_is_watched():
+    """findings=False, or the growth's kinds turned off: the every-step watch is not attached
+    (it would cost every step for nothing)."""
+    from lnmonitor.core.findings import GROWTH_SIGNALS, KINDS
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    growth_kinds = {name: None for name, kind in KINDS.items() if kind.signal in GROWTH_SIGNALS}
+    assert growth_kinds
+    for findings, watched in ((None, True), (False, False), (growth_kinds, False)):
+        model, x = _model(), torch.randint(0, 65, (4, 16))
+        monitor = LoopMonitor(model, every_n_steps=5, images=False, summary=False, findings=findings)
+        with monitor.step(0):
+            model(x, x)[1].backward()
+        assert bool(model.lnf._forward_pre_hooks) is watched, findings
+        monitor.close()

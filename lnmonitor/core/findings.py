@@ -44,8 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EPS_COSTS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind", "FindingsReader",
-    "Reading", "door_reader", "every_step", "health", "long_form", "state_from_health", "tall_start_message",
+    "Reading", "door_reader", "every_step", "health", "long_form", "reads_growth", "state_from_health",
+    "tall_start_message",
 ]
+
+# the signals read from the ladder's growth, which the every-step watch feeds
+GROWTH_SIGNALS = frozenset({"growth", "growth_over_start", "growth_jump"})
 
 # What each kind did in the stability testbed at its default threshold (docs/findings.md):
 # the figures of lnmonitor.experiments.stability_table.signal_figures over the records in
@@ -356,6 +360,13 @@ def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: i
     if reading.stop:
         stop()
     return reading
+
+
+def reads_growth(reader: FindingsReader | None) -> bool:
+    """Whether ``reader`` judges a kind read from the ladder's growth: a door's meter watches the
+    growth on every step only then."""
+    return reader is not None and any(
+        kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())
 
 
 def tall_start_message(owner: str, step: int, growth: float) -> str:

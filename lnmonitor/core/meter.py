@@ -95,6 +95,9 @@ class LadderMeter:
         say: where information goes (default: :class:`~lnmonitor.core.door.Voice`'s: the
             ``lnmonitor`` logger when logging is configured, else standard error).
         warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
+        watch_growth: take the ladder's growth on every training step once the roles are known
+            (:class:`~lnmonitor.core.growth_watch.GrowthWatch`, :meth:`take_growth`); a door
+            turns it off when no finding reads it, so it costs nothing there.
 
     Raises:
         NormSelectionError: the model has no normalisation layer, the patterns select none,
@@ -114,6 +117,7 @@ class LadderMeter:
         owner: str = "LadderMeter",
         say: Callable[[str], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
+        watch_growth: bool = True,
     ) -> None:
         self.owner = owner
         self.final_norm = final_norm
@@ -159,6 +163,7 @@ class LadderMeter:
         self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         self._watch = GrowthWatch()  # the ladder's growth on every step, once the roles are known
+        self.watch_growth = watch_growth
         said = measured_eps_message(owner, self.norms)
         if said:
             self._say(said)
@@ -386,7 +391,7 @@ class LadderMeter:
         """Hook the first and last rung of the model's ladder for the every-step growth (not in
         one of several processes: see :meth:`take_growth`)."""
         rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
-        if len(rungs) >= 2 and not _several_processes():
+        if self.watch_growth and len(rungs) >= 2 and not _several_processes():
             modules = {info.name: info.module for info in self.norms}
             self._watch.attach(modules[rungs[0]], modules[rungs[-1]])
 

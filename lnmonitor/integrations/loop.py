@@ -22,7 +22,7 @@ from torch import nn
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health
+from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
@@ -165,6 +165,7 @@ class LoopMonitor:
             exclude=arguments.patterns(exclude, "exclude"), final_norm=final_norm,
             ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
             owner=self.owner, say=self.voice.say, warn=self.voice.warn,
+            watch_growth=reads_growth(self.findings),
         )
         self._trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._measuring: int | None = None

@@ -25,7 +25,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health, state_from_health
+from lnmonitor.core.findings import door_reader, every_step, health, reads_growth, state_from_health
 from lnmonitor.core.hooks import sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
@@ -213,6 +213,7 @@ class LNMonitorCallback(TrainerCallback):
         self.meter = LadderMeter(
             model, include=self.include, exclude=self.exclude, final_norm=self.final_norm, ladder=self.ladder,
             row_mask=self.row_mask, owner="LNMonitorCallback", say=self._say, warn=self._warn,
+            watch_growth=reads_growth(self.findings),
         )
         callbacks = trainer.callback_handler.callbacks if trainer is not None else []
         self._reporters = [cb for cb in callbacks if type(cb) in INTEGRATION_TO_CALLBACK.values()]

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lnmonitor.core import arguments
 from lnmonitor.core.door import due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health
+from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
 from lnmonitor.core.meter import LadderMeter, LadderResult
 from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, per_norm, run_metric
 from lnmonitor.core.norms import NormInfo
@@ -255,7 +255,7 @@ class LayerNormMonitor(MonitorCallback):
             self.meter = LadderMeter(
                 pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
                 ladder=self.ladder, row_mask=self.row_mask, owner="LayerNormMonitor", say=self._say,
-                warn=self._warn,
+                warn=self._warn, watch_growth=reads_growth(self.findings),
             )
         self.meter.order = list(self._order)
         # TensorBoard keeps the session written now, before a step has found the roles: its columns
