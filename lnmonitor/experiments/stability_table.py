@@ -97,7 +97,7 @@ def run_group(record: dict) -> str:
     return f"{record['group']}/{record['recipe'].get('schedule', 'one-cycle')}"
 
 
-def _best_runs(records: list[dict]) -> dict[tuple[str, int], dict]:
+def best_runs(records: list[dict]) -> dict[tuple[str, int], dict]:
     """Per (group, seed): the run of the group's best configuration (lowest mean final loss),
     groups by :func:`run_group`."""
     by_config: dict[tuple[str, str], list[float]] = {}
@@ -112,7 +112,7 @@ def _best_runs(records: list[dict]) -> dict[tuple[str, int], dict]:
 
 
 def analyse(records: list[dict]) -> list[RunEvents]:
-    best = _best_runs(records)
+    best = best_runs(records)
     runs = []
     for r in records:
         final = r["final_val_loss"] if r["final_val_loss"] is not None else math.nan

@@ -1,0 +1,71 @@
+"""The held-out part of the findings' testbed: its events and rules on hand-built series (exact),
+its tables regenerated from the committed records, and one run end to end."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from lnmonitor.experiments import stability_heldout as H
+from lnmonitor.experiments import stability_heldout_table as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_visible_event_is_the_ten_step_mean_above_the_references_or_a_non_finite_loss():
+    reference = [3.0] * 30
+    assert T.visible_event([3.0] * 30, reference) is None
+    # 0.31 above from step 12 on: the first window wholly above is step 21's (step 20's mean 3.279)
+    worse = [3.0] * 12 + [3.31] * 18
+    assert T.visible_event(worse, reference) == 21
+    # a loss far above from step 2 shows in the first window (step 9)
+    assert T.visible_event([3.0, 3.0] + [9.0] * 28, reference) == 9
+    assert T.visible_event([3.0, math.nan] + [3.0] * 28, reference) == 1
+    assert T.damaged([3.0] * 10 + [3.2] * 20, reference) and not T.damaged([3.05] * 30, reference)
+    assert T.damaged([3.0] * 29 + [math.inf], reference)
+
+
+def test_the_growth_rules_and_the_running_minimum_fire_where_they_should():
+    points = [(0, 2.0), (1, 2.5), (2, 3.0), (3, 80.0), (4, 90.0)]
+    fires = T.growth_fires(points)
+    assert fires == {"growth_jump > 25": 3, "growth_over_start > 35": 3, "growth > 20": 3}
+    slow = [(s, 2.0 * 1.3 ** s) for s in range(20)]  # x1.3 a step: x13.8 in 10 steps, 2.0 -> 288
+    fires = T.growth_fires(slow)
+    assert fires["growth_jump > 25"] is None
+    assert fires["growth > 20"] == 9 and fires["growth_over_start > 35"] == 14  # 1.3**14 = 39.4
+    assert T.running_minimum([3.0] * 10 + [2.0, 3.1]) == 11 and T.running_minimum([3.0] * 12) is None
+    assert T.running_minimum([3.0] * 11 + [math.nan]) == 11
+
+
+def test_the_rule_to_ship():
+    held = dict(bad=9, hits=6, clean=20, false=2, false_fine_tunes=0, blowups=3, blowup_hits=2)
+    assert T.ships("growth > 20", held) and T.ships("growth_jump > 25", held)
+    assert not T.ships("growth > 20", {**held, "hits": 5})
+    assert not T.ships("growth > 20", {**held, "false": 3})
+    assert not T.ships("growth > 20", {**held, "false_fine_tunes": 1})
+    assert not T.ships("growth_jump > 25", {**held, "blowup_hits": 1})
+    assert not T.ships("growth > 20", {})
+
+
+def test_the_docs_tables_are_the_records():
+    doc = (ROOT / "docs" / "findings.md").read_text()
+    inside = doc.split(T.MARKERS[0], 1)[1].split(T.MARKERS[1], 1)[0]
+    records = H.load(ROOT / H.DEFAULT_OUT)
+    assert len(records) == len(H.RUNS)  # every run of the part, none missing
+    from lnmonitor.experiments.stability_table import load_records
+
+    table = T.markdown(T.judge_fitted(load_records(ROOT / T.FITTED)), T.judge_heldout(records))
+    assert inside == "\n" + table
+
+
+def test_one_held_out_run_records_every_step(monkeypatch):
+    monkeypatch.setattr(H, "STEPS", 12)
+    monkeypatch.setattr(H, "TRAIN_CHARS", 20_000)
+    record = H.run(H.HeldOutRun("torch-nn", 1e-3, 0, 0))
+    assert len(record["loss"]) == len(record["growth"]) == len(record["grad_norm"]) == 12
+    assert [m["step"] for m in record["measured"]] == [0, 10]
+    assert all(g is not None and g > 1 for g in record["growth"])  # the watch, every step
+    assert record["growth"][0] == pytest.approx(record["measured"][0]["growth"])
+    assert record["measured"][0]["vanished_share"] == 0.0
