@@ -68,13 +68,25 @@ class HeldOutRun:
 
 
 FAMILIES = ("torch-nn", "hf-gpt2", "hf-llama", "finetune-gpt2")
-REFERENCE_LR = {"torch-nn": 1e-3, "hf-gpt2": 1e-3, "hf-llama": 1e-3, "finetune-gpt2": 1e-4}
+# the confirmation part's (docs/findings.md, "An amendment ... and its confirmation"): unseen families
+DEEP_FAMILIES = ("hf-gpt2-deep", "tiny-deep")
+REFERENCE_LR = {"torch-nn": 1e-3, "hf-gpt2": 1e-3, "hf-llama": 1e-3, "finetune-gpt2": 1e-4,
+                "hf-gpt2-deep": 1e-3, "tiny-deep": 1e-3}
 SCRATCH_LRS = ((1e-3, 0), (3e-3, 0), (1e-2, 0), (3e-2, 50), (3e-2, 0), (1e-1, 0))
 FINE_TUNE_LRS = ((1e-4, 0), (1e-3, 0), (3e-2, 0), (1e-1, 0))
-RUNS = tuple(HeldOutRun(family, lr, warmup, seed)
-             for family in FAMILIES
-             for lr, warmup in (FINE_TUNE_LRS if family == "finetune-gpt2" else SCRATCH_LRS)
-             for seed in SEEDS)
+
+
+def _runs(families: tuple[str, ...], seeds: tuple[int, ...]) -> tuple[HeldOutRun, ...]:
+    return tuple(HeldOutRun(family, lr, warmup, seed)
+                 for family in families
+                 for lr, warmup in (FINE_TUNE_LRS if family == "finetune-gpt2" else SCRATCH_LRS)
+                 for seed in seeds)
+
+
+RUNS = _runs(FAMILIES, SEEDS)
+CONFIRM_SEEDS = (3, 4, 5)
+CONFIRM_RUNS = _runs(FAMILIES + DEEP_FAMILIES, CONFIRM_SEEDS)
+CONFIRM_OUT = Path("results/stability-confirm")
 
 
 # -- the models ----------------------------------------------------------------------------
@@ -115,14 +127,31 @@ class Logits(nn.Module):
         return self.model(input_ids=x).logits
 
 
+class TinyLogits(nn.Module):
+    """This project's TinyGPT as a function of the tokens to their logits."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+        config = GPTConfig(vocab_size=VOCAB, width=WIDTH, depth=depth, heads=HEADS, context=CONTEXT)
+        self.model = TinyGPT(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[0]
+
+
 def build(family: str) -> nn.Module:
     """A freshly initialised model of ``family`` (the fine-tunes' before their checkpoint)."""
     if family == "torch-nn":
         return TorchPreLN()
+    if family == "tiny-deep":
+        return TinyLogits(2 * DEPTH)
     import transformers
 
-    if family in ("hf-gpt2", "finetune-gpt2"):
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=WIDTH, n_layer=DEPTH,
+    if family in ("hf-gpt2", "finetune-gpt2", "hf-gpt2-deep"):
+        depth = 2 * DEPTH if family == "hf-gpt2-deep" else DEPTH
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=WIDTH, n_layer=depth,
                                          n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return Logits(transformers.GPT2LMHeadModel(config))
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
@@ -240,34 +269,37 @@ def _run_group(out: Path, specs: list[HeldOutRun], force: bool) -> list[str]:
     return done
 
 
-def run_all(out: Path = DEFAULT_OUT, *, jobs: int = 1, force: bool = False,
-            echo: Callable[[str], None] = print) -> list[Path]:
-    """Train every run of :data:`RUNS` that has no record under ``out`` (grouped by family and
+def run_all(out: Path = DEFAULT_OUT, *, runs: tuple[HeldOutRun, ...] = RUNS, jobs: int = 1,
+            force: bool = False, echo: Callable[[str], None] = print) -> list[Path]:
+    """Train every run of ``runs`` that has no record under ``out`` (grouped by family and
     seed: a fine-tune's checkpoint is made once per seed), ``jobs`` groups side by side."""
     groups: dict[tuple[str, int], list[HeldOutRun]] = {}
-    for spec in RUNS:
+    for spec in runs:
         groups.setdefault((spec.family, spec.seed), []).append(spec)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(_run_group, out, specs, force) for specs in groups.values()]
         for future in futures:
             for path in future.result():
                 echo(f"wrote {path}")
-    return [record_path(out, spec) for spec in RUNS]
+    return [record_path(out, spec) for spec in runs]
 
 
-def load(out: Path = DEFAULT_OUT) -> list[dict]:
-    """Every record under ``out``, in :data:`RUNS`' order."""
-    return [read_json(record_path(out, spec), "held-out record") for spec in RUNS
+def load(out: Path = DEFAULT_OUT, runs: tuple[HeldOutRun, ...] = RUNS) -> list[dict]:
+    """Every record of ``runs`` under ``out``, in their order."""
+    return [read_json(record_path(out, spec), "held-out record") for spec in runs
             if record_path(out, spec).exists()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train the findings' held-out part (docs/findings.md).")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--part", choices=("heldout", "confirm"), default="heldout")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/stability-<part>")
     parser.add_argument("--jobs", type=int, default=1, help="family-and-seed groups side by side")
     parser.add_argument("--force", action="store_true", help="train again runs that have a record")
     args = parser.parse_args(argv)
-    run_all(args.out, jobs=args.jobs, force=args.force)
+    confirm = args.part == "confirm"
+    out = args.out or (CONFIRM_OUT if confirm else DEFAULT_OUT)
+    run_all(out, runs=CONFIRM_RUNS if confirm else RUNS, jobs=args.jobs, force=args.force)
     return 0
 
 
