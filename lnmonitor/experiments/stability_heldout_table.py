@@ -30,6 +30,7 @@ __all__ = ["RULES", "Judged", "judge_fitted", "judge_heldout", "markdown", "visi
 VISIBLE_WINDOW, VISIBLE_MARGIN = 10, 0.3
 DAMAGE_WINDOW, DAMAGE_MARGIN = 20, 0.10
 MARKERS = ("<!-- stability-heldout-table:start -->", "<!-- stability-heldout-table:end -->")
+CONFIRM_MARKERS = ("<!-- stability-confirm-table:start -->", "<!-- stability-confirm-table:end -->")
 FITTED = Path("results/stability")
 
 
@@ -114,6 +115,11 @@ class Judged:
     def bad(self) -> bool:
         return self.event is not None
 
+    @property
+    def bad_amended(self) -> bool:
+        """The amended event (docs/findings.md): the visible event, or ended damaged."""
+        return self.event is not None or self.damage
+
 
 def _nan(values: Sequence[float | None]) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
@@ -184,6 +190,32 @@ def figures(runs: list[Judged], rule: str) -> dict:
     }
 
 
+def figures_amended(runs: list[Judged], rule: str) -> dict:
+    """A rule's figures under the amended event: a hit is a fire at or before the visible event,
+    or at any step on a run only damaged; the lead is taken where there is a visible event."""
+    measured = [r for r in runs if rule in r.fires]
+    bad = [r for r in measured if r.bad_amended]
+    clean = [r for r in measured if not r.bad_amended]
+    fired = {id(r): r.fires[rule] for r in measured}
+    hits = [r for r in bad if fired[id(r)] is not None and (r.event is None or fired[id(r)] <= r.event)]
+    leads = [r.event - fired[id(r)] for r in hits if r.event is not None]
+    return {
+        "bad": len(bad), "hits": len(hits), "damaged_only": sum(1 for r in bad if r.event is None),
+        "lead": statistics.median(leads) if leads else None, "lead_min": min(leads, default=None),
+        "lead_max": max(leads, default=None), "clean": len(clean),
+        "false": sum(1 for r in clean if fired[id(r)] is not None),
+        "clean_fine_tunes": sum(1 for r in clean if r.fine_tune),
+        "false_fine_tunes": sum(1 for r in clean if r.fine_tune and fired[id(r)] is not None),
+    }
+
+
+def ships_amended(f: dict) -> bool:
+    """The confirmation's rule: hits on 2 of 3 bad runs, false alarms on at most 1 in 10 clean
+    runs and on no clean fine-tune."""
+    return bool(f) and f["bad"] > 0 and 3 * f["hits"] >= 2 * f["bad"] and f["false"] * 10 <= f["clean"] \
+        and f["false_fine_tunes"] == 0
+
+
 def ships(rule: str, held: dict) -> bool:
     """The pre-registered rule: ``growth_jump`` at or before the event on 2 of 3 bad runs whose
     event comes in their first 10 steps; every other signal on 2 of 3 bad runs; each on at most 1
@@ -236,14 +268,58 @@ def markdown(fitted: list[Judged], held: list[Judged]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _amended_cell(f: dict) -> str:
+    lead = "" if f["lead"] is None else f", lead {f['lead']:g} ({f['lead_min']}-{f['lead_max']})"
+    return f"{f['hits']}/{f['bad']} ({f['damaged_only']} only damaged){lead}; false {f['false']}/{f['clean']}"
+
+
+def confirm_markdown(held: list[Judged], confirm: list[Judged]) -> str:
+    """The confirmation's table: each rule under the amended event on the held-out part (where
+    the amendment was read) and on the confirmation part (where it is tested), by family."""
+    families = sorted({r.family for r in confirm}, key=lambda f: (f in stability_heldout.DEEP_FAMILIES, f))
+    bad = sum(r.bad_amended for r in confirm)
+    lines = [
+        f"Confirmation part: {len(confirm)} runs, {bad} bad under the amended event "
+        f"({sum(r.bad for r in confirm)} with the visible event). Cells: hits/bad runs (of them only "
+        "damaged), median lead to the visible event (range); false alarms/clean runs.",
+        "",
+        "| signal | held-out part (amendment read here) | confirmation part | its clean fine-tunes fired on "
+        "| ships |",
+        "|---|---|---|---:|---|",
+    ]
+    for rule in RULES[:4]:
+        held_f, conf_f = figures_amended(held, rule), figures_amended(confirm, rule)
+        verdict = "yes" if rule == "growth_over_start > 35" and ships_amended(conf_f) else (
+            "no" if rule == "growth_over_start > 35" else "not a candidate")
+        lines.append(f"| {rule} | {_amended_cell(held_f)} | {_amended_cell(conf_f)} | "
+                     f"{conf_f['false_fine_tunes']}/{conf_f['clean_fine_tunes']} | {verdict} |")
+    lines += ["", "| family | growth_over_start > 35 on the confirmation part | ladder at step 0 (median) |",
+              "|---|---|---:|"]
+    for family in families:
+        mine = [r for r in confirm if r.family == family]
+        lines.append(f"| {family} | {_amended_cell(figures_amended(mine, 'growth_over_start > 35'))} | "
+                     f"{statistics.median(r.start for r in mine):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _between(text: str, markers: tuple[str, str], table: str) -> str:
+    head, rest = text.split(markers[0], 1)
+    _, tail = rest.split(markers[1], 1)
+    return f"{head}{markers[0]}\n{table}{markers[1]}{tail}"
+
+
 def write(doc: Path = Path("docs/findings.md"), held_out: Path = stability_heldout.DEFAULT_OUT,
-          fitted: Path = FITTED) -> str:
+          fitted: Path = FITTED, confirm: Path = stability_heldout.CONFIRM_OUT) -> str:
     """Regenerate the tables between the markers of ``doc``; returns them."""
-    table = markdown(judge_fitted(load_records(fitted)), judge_heldout(stability_heldout.load(held_out)))
-    text = doc.read_text()
-    head, rest = text.split(MARKERS[0], 1)
-    _, tail = rest.split(MARKERS[1], 1)
-    doc.write_text(f"{head}{MARKERS[0]}\n{table}{MARKERS[1]}{tail}")
+    held = judge_heldout(stability_heldout.load(held_out))
+    table = markdown(judge_fitted(load_records(fitted)), held)
+    text = _between(doc.read_text(), MARKERS, table)
+    confirmed = judge_heldout(stability_heldout.load(confirm, stability_heldout.CONFIRM_RUNS))
+    if confirmed and CONFIRM_MARKERS[0] in text:
+        extra = confirm_markdown(held, confirmed)
+        text = _between(text, CONFIRM_MARKERS, extra)
+        table += "\n" + extra
+    doc.write_text(text)
     return table
 
 
