@@ -197,12 +197,6 @@ def test_growth_jump_is_the_growth_over_its_least_value_in_the_ten_steps_before(
     assert growth_jump(read, 10, 3.0) == 3.0 / 1.5  # steps 0..9, not step 10 itself
     assert math.isnan(growth_jump(read, 30, 60.0)) and math.isnan(growth_jump([], 3, 2.0))
     assert math.isnan(growth_jump(read, 14, math.inf))
-    # the reader reads it from what it read before, every step and measured steps alike
-    reader = FindingsReader(warn=lambda _: None)
-    reader.start = (0, 2.0)
-    for step, growth in [(1, 2.0), (2, 2.5), (3, 80.0)]:
-        reader.read_growth(step, growth)
-    assert reader._recent == [(1, 2.0), (2, 2.5), (3, 80.0)]
 
 
 def _Figures(result, **changed):

@@ -125,6 +125,7 @@ def test_the_loop_door_says_the_growth_at_the_step_it_crosses_not_at_the_next_me
     assert seen[0].value > 20 and len(_health(caught)) == 1
     message = str(_health(caught)[0].message)
     assert "at step 7" in message and message.endswith("More: docs/findings.md#stream_growth.")
+    assert _health(caught)[0].filename == __file__  # the user's line, not lnmonitor's
     assert len(message) < 300  # one sentence seen, one to try, the place in the docs
     logged = {r["step"]: r.get("lnmonitor/health/stream_growth") for r in monitor.history}
     assert logged[7] == 1.0 and logged[10] == 1.0 and logged[0] is None
@@ -158,6 +159,7 @@ def test_lightning_says_the_growth_at_the_step_it_crosses():
         warnings.simplefilter("always")
         trainer.fit(Module(), data)
     assert [(f.kind, f.step) for f in seen] == [("stream_growth", 7)] and len(_health(caught)) == 1
+    assert _health(caught)[0].filename == __file__  # trainer.fit's line, not Lightning's or ours
     assert {r["step"]: r.get("lnmonitor/health/stream_growth") for r in monitor.history}[7] == 1.0
     assert not monitor.meter.model.model.lnf._forward_pre_hooks  # the watch's hooks leave with the fit
 

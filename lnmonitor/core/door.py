@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import traceback
 import warnings
@@ -62,8 +63,34 @@ def _print_info(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+# the code between a user's line and a warning of lnmonitor's: lnmonitor itself, the frameworks
+# that call its doors, and contextlib (a ``with monitor.step(...)`` block ends there)
+_FRAMEWORKS = ("lnmonitor", "lightning", "pytorch_lightning", "lightning_fabric", "transformers",
+               "accelerate", "torch", "contextlib")
+
+
+def _not_the_user() -> tuple[str, ...]:
+    """The folders (a package's) and files (a module's) of :data:`_FRAMEWORKS` imported now."""
+    places = []
+    for name in _FRAMEWORKS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            places.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
+    return tuple(places)
+
+
+def warn_at_user(text: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the user's line: the first frame, going out, that is not
+    lnmonitor's or a framework's (the ``trainer.fit(...)`` or loop line of the user's script)."""
+    skip = _not_the_user()
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, category, stacklevel=level if frame is not None else 2)
+
+
 def _warn(text: str) -> None:
-    warnings.warn(text, stacklevel=4)
+    warn_at_user(text)
 
 
 class Voice:

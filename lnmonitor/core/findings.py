@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lnmonitor.core.arguments import ArgumentError, function
+from lnmonitor.core.door import warn_at_user
 from lnmonitor.core.metric_names import health_metric
 from lnmonitor.core.signals import (
     CANDIDATES,
-    JUMP_WINDOW,
     crosses,
-    growth_jump,
     growth_over_start,
     step_signals,
 )
@@ -49,7 +47,7 @@ __all__ = [
 ]
 
 # the signals read from the ladder's growth, which the every-step watch feeds
-GROWTH_SIGNALS = frozenset({"growth", "growth_over_start", "growth_jump"})
+GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
 
 # What each kind did in the stability testbed at its default threshold (docs/findings.md):
 # the figures of lnmonitor.experiments.stability_table.signal_figures over the records in
@@ -93,6 +91,7 @@ class FindingKind:
     seen: str
     advice: str
     meant: str
+    on: bool = True  # raised by default; off: only with findings={name: threshold}
 
     @property
     def anchor(self) -> str:
@@ -157,7 +156,7 @@ class Reading:
 def _thresholds(value, name: str) -> dict[str, float]:
     """``None`` (the defaults) or a mapping from kind names to finite thresholds > 0; a kind
     mapped to ``None`` is off."""
-    defaults = {k: kind.threshold for k, kind in KINDS.items()}
+    defaults = {k: kind.threshold if kind.on else None for k, kind in KINDS.items()}
     if value is None:
         return defaults
     if not isinstance(value, Mapping):
@@ -198,12 +197,11 @@ class FindingsReader:
         self.thresholds = _thresholds(thresholds, "thresholds")
         self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
         self.owner = owner
-        self._warn = warn or (lambda message: warnings.warn(message, HealthWarning, stacklevel=2))
+        self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
         self._say = say or (lambda message: None)
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
-        self._recent: list[tuple[int, float]] = []  # (step, growth) read in the last JUMP_WINDOW steps
 
     def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
         """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
@@ -229,13 +227,9 @@ class FindingsReader:
     def _judge(self, step: int, signals: dict[str, float]) -> Reading:
         """Raise, hold and end the kinds whose signal ``signals`` has."""
         reading = Reading()
-        growth = signals.get("growth", math.nan)
-        signals = dict(signals)
         if self.start is not None:
-            signals["growth_over_start"] = growth_over_start(growth, self.start[1])
-        if "growth" in signals:
-            signals["growth_jump"] = growth_jump(self._recent, step, growth)
-            self._recent = [(s, g) for s, g in self._recent if s >= step - JUMP_WINDOW] + [(step, growth)]
+            signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
+                                                                         self.start[1])}
         for name, kind in KINDS.items():
             threshold = self.thresholds[name]
             value = signals.get(kind.signal, math.nan)
@@ -275,7 +269,7 @@ class FindingsReader:
 
     def reset(self) -> None:
         """A new fit: every kind may be raised again, against the new fit's first measured step."""
-        self.raised, self.holding, self.start, self._recent = {}, set(), None, []
+        self.raised, self.holding, self.start = {}, set(), None
 
     def state_dict(self) -> dict:
         """What a resumed fit needs so a kind is not raised twice, and its growth is judged
@@ -327,7 +321,7 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
 
     def warn(message: str) -> None:
         if speaks():
-            warnings.warn(message, HealthWarning, stacklevel=2)
+            warn_at_user(message, HealthWarning)
 
     return FindingsReader(thresholds=_thresholds(findings, "findings"), on_finding=on_finding, owner=owner,
                           warn=warn, say=say)
