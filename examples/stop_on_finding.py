@@ -1,8 +1,9 @@
 """Stop a run when lnmonitor finds trouble, under Lightning, ``transformers.Trainer`` and a
 plain loop.  Each trains at lr 0.1 without warm-up (the stability testbed's worst case,
-docs/findings.md): the residual stream grows past 20x within tens of steps, the
-``stream_growth`` finding is raised (a ``lnmonitor.HealthWarning``), and ``on_finding``
-returns True, which stops the run long before ``--steps``.
+docs/findings.md): the residual stream grows past 35x its start within a few steps, the
+``stream_growth`` finding is raised (a ``lnmonitor.HealthWarning``; asked for explicitly,
+``findings={"stream_growth": 35}``, so the example does the same whatever the defaults), and
+``on_finding`` returns True, which stops the run long before ``--steps``.
 
     python examples/stop_on_finding.py --door lightning      # or: trainer, loop
 """
@@ -17,6 +18,8 @@ import torch
 from text_windows import VOCAB, loaders
 
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+FINDINGS = {"stream_growth": 35.0}  # the threshold docs/findings.md tested (growth over the fit's start)
 
 LR = 0.1  # without warm-up: the testbed's lr1e-1-nowarmup
 
@@ -44,7 +47,8 @@ def lightning(steps: int, out: Path) -> int:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    monitor = LayerNormMonitor(every_n_steps=5, images=False, summary=True, on_finding=on_finding)
+    monitor = LayerNormMonitor(every_n_steps=5, images=False, summary=True, findings=FINDINGS,
+                               on_finding=on_finding)
     trainer = L.Trainer(max_steps=steps, callbacks=[monitor], default_root_dir=str(out), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Module(), loaders(context=64, batch_size=16)[0])
@@ -67,7 +71,7 @@ def trainer(steps: int, out: Path) -> int:
     records = [{"input_ids": x, "labels": x} for x, _ in loaders(context=64, batch_size=16)[0].dataset]
     hf = transformers.Trainer(model=model, args=args, train_dataset=records)
     hf.add_callback(LNMonitorCallback(hf, every_n_steps=5, invariance_every_n_steps=None,
-                                      on_finding=on_finding))
+                                      findings=FINDINGS, on_finding=on_finding))
     return hf.train().global_step
 
 
@@ -76,7 +80,7 @@ def loop(steps: int, out: Path) -> int:
 
     model = TinyGPT(GPTConfig(vocab_size=VOCAB))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    monitor = LoopMonitor(model, every_n_steps=5, max_steps=steps, on_finding=on_finding)
+    monitor = LoopMonitor(model, every_n_steps=5, max_steps=steps, findings=FINDINGS, on_finding=on_finding)
     batches = iter(loaders(context=64, batch_size=16)[0])
     for step in range(steps):
         with monitor.step(step):

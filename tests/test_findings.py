@@ -616,24 +616,40 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "result
 
 
 def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_tested_ones():
+    """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, and
+    on by default exactly when that part passed the rule to ship; eps_dominates: the fitted testbed's."""
     from lnmonitor.core.findings import TESTBED
     from lnmonitor.core.signals import CANDIDATES
+    from lnmonitor.experiments import stability_heldout as H
+    from lnmonitor.experiments import stability_heldout_table as T
     from lnmonitor.experiments.stability_table import PEERS, analyse, load_records, signal_figures
 
+    confirmed = T.judge_heldout(H.load(RESULTS.parent / "stability-confirm", H.CONFIRM_RUNS))
+    assert len(confirmed) == len(H.CONFIRM_RUNS)
+    stream = KINDS["stream_growth"]
+    rule = f"growth_over_start > {stream.threshold:g}"
+    assert rule in T.RULES and stream.signal == "growth_over_start"
+    figures = T.figures_amended(confirmed, rule)
+    assert TESTBED["stream_growth"] == figures
+    assert stream.on is T.ships_amended(figures)
     runs = analyse(load_records(RESULTS))
-    for name, kind in KINDS.items():
-        assert CANDIDATES[kind.signal] == (kind.direction, kind.threshold)
-        peers = max(signal_figures(runs, p)["hits"] for p in PEERS)
-        assert TESTBED[name] == {**signal_figures(runs, kind.signal), "peer_hits": peers}, name
+    eps = KINDS["eps_dominates"]
+    assert CANDIDATES[eps.signal] == (eps.direction, eps.threshold) and eps.on
+    peers = max(signal_figures(runs, p)["hits"] for p in PEERS)
+    assert TESTBED["eps_dominates"] == {**signal_figures(runs, eps.signal), "peer_hits": peers}
 
 
 def test_the_default_recipe_raises_no_finding_in_the_testbed():
     """Evidence from the testbed's runs of the default recipe (lr 3e-3, one-cycle warm-up) at
-    reduced steps and batch (300 steps, batch 16): no kind that ships fires in any seed."""
+    reduced steps and batch (300 steps, batch 16): no kind fires in any seed at its threshold."""
+    from lnmonitor.experiments import stability_heldout_table as T
     from lnmonitor.experiments.stability_table import analyse, load_records
 
-    runs = [r for r in analyse(load_records(RESULTS)) if r.name == "lr3e-3"]
-    assert runs and all(r.fires[kind.signal] is None for r in runs for kind in KINDS.values())
+    records = load_records(RESULTS)
+    runs = [r for r in analyse(records) if r.name == "lr3e-3"]
+    assert runs and all(r.fires["first_eps_over_var"] is None for r in runs)
+    judged = [r for r in T.judge_fitted(records) if r.name == "lr3e-3"]
+    assert judged and all(r.fires["growth_over_start > 35"] is None for r in judged)
 
 
 def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it(tmp_path):

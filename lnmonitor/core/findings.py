@@ -49,13 +49,14 @@ __all__ = [
 # the signals read from the ladder's growth, which the every-step watch feeds
 GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
 
-# What each kind did in the stability testbed at its default threshold (docs/findings.md):
-# the figures of lnmonitor.experiments.stability_table.signal_figures over the records in
-# results/stability, which tests/test_findings.py holds these to; peer_hits: the bad runs the
-# better of the two peers' loss rules flagged in time.
+# What each kind did where it was tested (docs/findings.md), which tests/test_findings.py holds
+# these to: stream_growth on the confirmation part (results/stability-confirm, models and seeds
+# its threshold was not fitted on: figures_amended of lnmonitor.experiments.stability_heldout_table);
+# eps_dominates in the fitted testbed (results/stability: stability_table.signal_figures;
+# peer_hits: the bad runs the better of the two peers' loss rules flagged in time).
 TESTBED: dict[str, dict] = {
-    "stream_growth": dict(bad=18, clean=14, hits=9, lead=76, lead_min=15, lead_max=138, late=8, late_max=17,
-                          false=1, peer_hits=0),
+    "stream_growth": dict(bad=64, hits=54, damaged_only=15, lead=68.5, lead_min=2, lead_max=130, clean=38,
+                          false=2, clean_fine_tunes=6, false_fine_tunes=0),
     "eps_dominates": dict(bad=18, clean=14, hits=2, lead=3.5, lead_min=3, lead_max=4, late=0, late_max=None,
                           false=0, peer_hits=0),
 }
@@ -105,14 +106,17 @@ TALL_AT_START = 20.0
 
 KINDS: dict[str, FindingKind] = {k.name: k for k in (
     FindingKind(
-        "stream_growth", "growth_over_start", ">", 20.0,
+        "stream_growth", "growth_over_start", ">", 35.0,
         "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
         "first's, went from {start:,.1f}x at its first measured step to {growth:,.0f}x at step {step})",
         "lower the learning rate or add a warm-up",
-        "growth over the fit's start above 20x came before the loss went wrong in {hits} of the {bad} "
-        "runs that went wrong, by a median of {lead:g} steps ({lead_min} to {lead_max}); it fired on "
-        "{false} of the {clean} runs that trained well; the final norm divides its gradient by this "
-        "scale, so the layers before it learn at a rate you did not choose",
+        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's "
+        "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
+        "behind the same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps "
+        "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
+        "{clean} runs that trained well; the final norm divides its gradient by this scale, so the "
+        "layers before it learn at a rate you did not choose",
+        on=True,  # it passed the confirmation's rule to ship (docs/findings.md)
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
