@@ -230,7 +230,7 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     assert reader.read(30, None).metrics == {}
     reader.reset()  # a new fit, judged against its own first measured step
     assert reader.read(35, big).raised == [] and reader.start == (35, 50.0)
-    assert [f.kind for f in reader.read(40, _Figures(result, growth=50.0 * 21)).raised] == ["stream_growth"]
+    assert [f.kind for f in reader.read(40, _Figures(result, growth=50.0 * 36)).raised] == ["stream_growth"]
 
 
 def test_a_record_of_the_health_tags_restores_the_kinds_raised_and_whether_they_hold():
