@@ -339,3 +339,37 @@ def test_without_a_finding_that_reads_the_growth_nothing_is_watched():
             model(x, x)[1].backward()
         assert bool(model.lnf._forward_pre_hooks) is watched, findings
         monitor.close()
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-1])
+def test_a_model_built_outside_the_project_is_quiet_healthy_and_said_at_its_blow_up(lr):
+    """The held-out part's torch.nn pre-LN transformer (a ladder ~40x at initialisation),
+    trained for real on the standard library's source at the defaults but every_n_steps=10:
+    lr 1e-3 trains well and raises nothing; lr 0.1 blows up within a few steps and is said at
+    the step the every-step growth crosses, before the first measured step after 0."""
+    from lnmonitor.experiments import stability_heldout as H
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    torch.manual_seed(0)
+    model = H.TorchPreLN()
+    data = H.corpus("source")[:50_000]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    seen = []
+    monitor = LoopMonitor(model, every_n_steps=10, images=False, summary=False, max_steps=30,
+                          invariance_every_n_steps=None, on_finding=seen.append)
+    feed = H.batches(data, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(30):
+            x, y = next(feed)
+            with monitor.step(step):
+                torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert monitor.findings.start[1] > 20  # tall at its first measured step: information only
+    if lr == 1e-3:
+        assert not seen and not _health(caught)
+    else:
+        assert [f.kind for f in seen] == ["stream_growth"] and len(_health(caught)) == 1
+        assert 0 < seen[0].step < 10 and seen[0].value > 35  # said between the measured steps 0 and 10
