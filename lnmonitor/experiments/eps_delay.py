@@ -21,6 +21,7 @@ the table; ``--folder`` reads other record sets.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,12 +99,17 @@ def smooth(curve: Curve, points: int = SMOOTH) -> list[tuple[int, float]]:
 
 
 def _curves(folder: Path, eps: str, name: str) -> dict[int, list[tuple[int, float]]]:
+    return dict(_read(Path(folder), eps, name))
+
+
+@functools.lru_cache(maxsize=64)
+def _read(folder: Path, eps: str, name: str) -> tuple[tuple[int, list[tuple[int, float]]], ...]:
     out = {}
     for path in sorted(folder.glob(f"eps={eps}/seed=*/result.json")):
         record = read_json(path, "eps-compare record")
         if record.get("finished", True) and name in record["curves"]:
             out[int(record["seed"])] = [(int(s), float(v)) for s, v in record["curves"][name]]
-    return out
+    return tuple(out.items())
 
 
 def delays(folder: Path, budgets: Sequence[int] = BUDGETS, curve: str = "val/loss",
@@ -112,10 +118,10 @@ def delays(folder: Path, budgets: Sequence[int] = BUDGETS, curve: str = "val/los
     ``folder`` (eps 1e-5 and 0.1), on ``curve`` smoothed over ``points`` logged values, for the
     budgets that both runs of every pair reached."""
     small, large = _curves(folder, "1e-05", curve), _curves(folder, "0.1", curve)
-    seeds = sorted(small.keys() & large.keys())
     if points > 1:
-        small = {s: smooth(small[s], points) for s in seeds}
-        large = {s: smooth(large[s], points) for s in seeds}
+        small = {s: smooth(c, points) for s, c in small.items()}
+        large = {s: smooth(c, points) for s, c in large.items()}
+    seeds = sorted(s for s in small.keys() & large.keys() if small[s] and large[s])
     out = {}
     for budget in budgets:
         if seeds and all(min(small[s][-1][0], large[s][-1][0]) >= budget for s in seeds):
