@@ -130,8 +130,13 @@ def delays(folder: Path, budgets: Sequence[int] = BUDGETS, curve: str = "val/los
     return out
 
 
+def _fmt(value: float, fmt: str) -> str:
+    text = f"{value:{fmt}}"
+    return text[1:] if text.startswith("-") and not text.strip("-+0.") else text  # no "-0"
+
+
 def _spread(values: list[float], fmt: str, centre=statistics.median) -> str:
-    return f"{centre(values):{fmt}} ({min(values):{fmt}} to {max(values):{fmt}})"
+    return f"{_fmt(centre(values), fmt)} ({_fmt(min(values), fmt)} to {_fmt(max(values), fmt)})"
 
 
 def rows(sets: dict[str, Path] = RECORD_SETS, budgets: Sequence[int] = BUDGETS) -> list[dict]:
