@@ -125,3 +125,10 @@ def test_the_table_has_a_row_per_set_and_budget():
     table = eps_delay.markdown({"help": ROOT / "results/eps-compare-gpt2-init"})
     assert table.count("\n| help |") == 3
     assert "| help | 8 | 1,000 | 335 (278 to 416) | 0.34 (0.28 to 0.42) |" in table
+
+
+def test_the_control_is_printed_without_a_minus_zero():
+    _records("results/eps-compare")
+    table = eps_delay.markdown({"control": ROOT / "results/eps-compare"})
+    assert "| control | 8 | 2,000 | 0 (-306 to 118) | 0.00 (-0.15 to 0.06) |" in table
+    assert "| -0 " not in table and "| -0.00 " not in table
