@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import warnings
 from pathlib import Path
 
@@ -319,6 +320,29 @@ def test_the_eps_finding_cites_the_cost_measured_on_each_corpus():
     for where, cost in EPS_COSTS.items():  # ... and in the long form the summary gives
         assert f"+{cost:.4f} nats/char with {where}" in long_form("eps_dominates")
     assert "the corpus's" in long_form("eps_dominates")
+
+
+# the records EPS_DELAYS reads, each over its own schedule (docs/eps.md, "The cost as steps lost")
+EPS_DELAY_RECORDS = {
+    "LayerNorm on the Python help text": "eps-compare-gpt2-init",
+    "LayerNorm on the Python help text, 1,000 steps": "eps-delay-1000",
+    "LayerNorm on the standard library's source": "eps-law-oos/python-source-4x128",
+    "LayerNorm on the standard library's source, 1,000 steps": "eps-delay-source-1000",
+}
+
+
+def test_the_eps_finding_cites_the_steps_each_configuration_lost():
+    from lnmonitor.core.findings import EPS_DELAYS
+    from lnmonitor.experiments.eps_delay import delays
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    assert set(EPS_DELAY_RECORDS) == set(EPS_DELAYS)
+    for where, folder in EPS_DELAY_RECORDS.items():
+        budget, median, low, high = EPS_DELAYS[where]
+        steps = [d for d, _ in delays(results / folder, budgets=(budget - 1,))[budget - 1].values()]
+        assert (round(statistics.median(steps)), round(min(steps)), round(max(steps))) == (median, low, high)
+        said = f"{median:,} of {budget:,} steps ({low:,} to {high:,}) with {where}"
+        assert said in long_form("eps_dominates")
 
 
 @pytest.mark.parametrize("bad", [{"nope": 1.0}, {"stream_growth": -1.0}, {"stream_growth": math.inf},

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from lnmonitor.core.scales import Scales
 
 __all__ = [
-    "EPS_COSTS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind", "FindingsReader",
-    "Reading", "door_reader", "every_step", "health", "long_form", "reads_growth", "state_from_health",
-    "tall_start_message",
+    "EPS_COSTS", "EPS_DELAYS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind",
+    "FindingsReader", "Reading", "door_reader", "every_step", "health", "long_form", "reads_growth",
+    "state_from_health", "tall_start_message",
 ]
 
 # the signals read from the ladder's growth, which the every-step watch feeds
@@ -72,6 +72,18 @@ EPS_COSTS: dict[str, float] = {
     "LayerNorm on the Python help text": 0.0275,
     "RMSNorm on the Python help text": 0.0245,
     "LayerNorm on the standard library's source": 0.1434,
+}
+
+
+# What it cost in steps (docs/eps.md, "The cost as steps lost"): the budget minus the step at
+# which the eps 1e-5 run's validation loss first reached the eps 0.1 run's final one, over each
+# run's own schedule: (budget, median, lowest, highest) over paired seeds; tests/test_findings.py
+# holds each to its records.
+EPS_DELAYS: dict[str, tuple[int, int, int, int]] = {
+    "LayerNorm on the Python help text": (3000, 797, 558, 1044),
+    "LayerNorm on the Python help text, 1,000 steps": (1000, 575, 575, 575),
+    "LayerNorm on the standard library's source": (3000, 1137, 1032, 1281),
+    "LayerNorm on the standard library's source, 1,000 steps": (1000, 609, 594, 624),
 }
 
 
@@ -126,7 +138,9 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "(e.g. N(0, 1) embeddings instead of N(0, 0.02))",
         "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 "
         "steps in every configuration measured (docs/eps.md): {eps_costs}; the size is the "
-        "corpus's, so read it as a direction, not a figure for this run; in the stability testbed it "
+        "corpus's, so read it as a direction, not a figure for this run; in steps of training lost (the "
+        "eps 1e-5 run reached the eps 0.1 run's final loss that much earlier): {eps_delays}, so neither "
+        "figure carries to another corpus or budget; in the stability testbed it "
         "fired in {hits} of the {bad} runs that went wrong, {lead:g} steps before the loss fell behind, "
         "and on {false} of the {clean} runs that trained well",
     ),
@@ -376,4 +390,6 @@ def tall_start_message(owner: str, step: int, growth: float) -> str:
 def long_form(kind: str) -> str:
     """What a kind meant in the testbed, for the end-of-fit summary and docs."""
     costs = "; ".join(f"+{cost:.4f} nats/char with {where}" for where, cost in EPS_COSTS.items())
-    return KINDS[kind].meant.format(eps_costs=costs, **TESTBED[kind])
+    delays = "; ".join(f"{median:,} of {budget:,} steps ({low:,} to {high:,}) with {where}"
+                       for where, (budget, median, low, high) in EPS_DELAYS.items())
+    return KINDS[kind].meant.format(eps_costs=costs, eps_delays=delays, **TESTBED[kind])
