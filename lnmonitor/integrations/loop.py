@@ -13,7 +13,6 @@ Lightning is imported.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
@@ -28,11 +27,10 @@ from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT, per_norm, run_metric
+from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.writers import metric_writer
-from lnmonitor.views.pictures import over_training_picture, step_picture
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LoopMonitor"]
 
@@ -149,7 +147,7 @@ class LoopMonitor:
         probed = probe_batch is not None and self.invariance_every_n_steps is not None
         layout = {**LADDER_LAYOUT, **INVARIANCE_LAYOUT} if probed else LADDER_LAYOUT
         self._write: Callable | None = metric_writer(writer, layout)
-        self._pictures = writer if self.images and hasattr(writer, "add_image") else None
+        self._write_image = _image_writer(writer) if self.images else None
         self.owner = "LoopMonitor"
         self.voice = Voice(speaks=_rank_zero())
         self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
@@ -167,11 +165,11 @@ class LoopMonitor:
             owner=self.owner, say=self.voice.say, warn=self.voice.warn,
             watch_growth=reads_growth(self.findings),
         )
-        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
+        self._views = RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
+                               image_every_n_steps=self.image_every_n_steps, summary=self.summary)
         self._measuring: int | None = None
         self._started: int | None = None  # the last step given to start()
         self._logged = False
-        self._last_picture = -math.inf
         self._ended = False
         self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if self.invariance_every_n_steps is not None:
@@ -270,9 +268,7 @@ class LoopMonitor:
             return metrics
         self._emit(step, metrics)
         last = self.max_steps is not None and step == self.max_steps - 1
-        if self._pictures is not None and (step - self._last_picture >= self.image_every_n_steps or last):
-            self._last_picture = step
-            self._picture(run_metric("ladder"), step, lambda: step_picture(result.figures, step))
+        self._views.step(self._write_image, result, step, last)
         return metrics
 
     def _stop_run(self) -> None:
@@ -285,21 +281,14 @@ class LoopMonitor:
             return
         self._ended = True
         self._probe_point(step, sweep=True)
-        if not _rank_zero() or not self._trail:
-            return
-        curves = self._trail.curves()
-        if self._pictures is not None:
-            heatmap = over_training_picture(curves)
-            if heatmap is not None:
-                self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
-        if self.summary:
-            self.voice.say(summary_text(curves, f"{type(self.meter.model).__name__}, end of training"))
+        if _rank_zero():
+            self._views.end(self._write_image, f"{type(self.meter.model).__name__}, end of training")
 
     # -- writing -----------------------------------------------------------------------
 
     def _emit(self, step: int, metrics: dict[str, float]) -> None:
         """Keep and write ``metrics`` of ``step`` (rank zero)."""
-        self._trail.add(step, metrics)
+        self._views.add(step, metrics)
         self._kept.add(step, metrics)
         if self._write is not None:
             try:
@@ -308,13 +297,6 @@ class LoopMonitor:
                 self._write = None
                 self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
                                           "written (training goes on)")
-
-    def _picture(self, tag: str, step: int, draw: Callable) -> None:
-        try:
-            self._pictures.add_image(tag, draw(), step, dataformats="HWC")
-        except Exception as err:  # noqa: BLE001 - a picture must never stop training
-            self._pictures = None
-            self.voice.warn("images", f"LoopMonitor: no more pictures ({err!r}); the metrics go on")
 
     # -- the invariance probe ----------------------------------------------------------
 
@@ -361,3 +343,10 @@ def _from_rank_zero(rows):
     box = [map_tensors(rows, lambda t: t.detach().cpu()) if _rank_zero() else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _image_writer(writer):
+    """``write(tag, image, step)`` into ``writer``'s ``add_image`` (a ``SummaryWriter``), or None."""
+    if not hasattr(writer, "add_image"):
+        return None
+    return lambda tag, image, step: writer.add_image(tag, image, step, dataformats="HWC")

@@ -39,12 +39,9 @@ from lnmonitor.core.metric_names import (
     TRAINER_SPLIT,
     health_metric,
     parse,
-    per_norm,
-    run_metric,
 )
 from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
-from lnmonitor.views.pictures import over_training_picture, step_picture
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
 
@@ -173,9 +170,7 @@ class LNMonitorCallback(TrainerCallback):
         self._main = True
         self._logged = -1
         self._layout_written = False
-        self._trail = Trail(series=(per_norm("inv_sigma", ""),))  # the main process's curves, for the end
-        self._last_picture = -math.inf
-        self._ended = False
+        self._views = self._new_views()
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -204,9 +199,7 @@ class LNMonitorCallback(TrainerCallback):
             self.findings.load_state_dict(state_from_health(_health_points(state.log_history)))
         self._logged = -1
         self._layout_written = False
-        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
-        self._last_picture = -math.inf
-        self._ended = False
+        self._views = self._new_views()
         trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
         self._first_step = bool(args.logging_first_step)
@@ -272,7 +265,8 @@ class LNMonitorCallback(TrainerCallback):
                     self._report(metrics, args, state, control)
                 if not self._silent:
                     self._logged = state.global_step
-                    self._step_picture(result, state)
+                    self._views.step(self._image_writer(), result, state.global_step,
+                                     state.global_step >= state.max_steps)
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
@@ -283,7 +277,9 @@ class LNMonitorCallback(TrainerCallback):
         if control.should_training_stop or state.global_step >= state.max_steps:
             if self.invariance_every_n_steps is not None:
                 self._run_probe(args, state, control, sweep=True)
-            self._end()
+            if self._main:
+                model = self.meter.model if self.meter is not None else None
+                self._views.end(self._image_writer(), f"{type(model).__name__}, end of training")
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
@@ -351,7 +347,7 @@ class LNMonitorCallback(TrainerCallback):
         if not self._main or not metrics:
             return
         self._kept.add(state.global_step, metrics)
-        self._trail.add(state.global_step, metrics)
+        self._views.add(state.global_step, metrics)
         if not self._layout_written:
             self._layout_written = True
             self._write_layout()
@@ -364,39 +360,18 @@ class LNMonitorCallback(TrainerCallback):
                            f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
                            "goes to it (training goes on).")
 
-    def _writer(self):
-        """The Trainer's TensorBoard ``SummaryWriter`` (None: no TensorBoard, or it is closed)."""
-        return next((w for cb in self._reporters if (w := getattr(cb, "tb_writer", None)) is not None), None)
+    def _new_views(self) -> RunViews:
+        return RunViews(self.owner, self._say, self._warn, images=self.images,
+                        image_every_n_steps=self.image_every_n_steps, summary=self.summary)
 
-    def _picture(self, tag: str, step: int, draw: Callable) -> None:
-        writer = self._writer() if self.images and self._main else None
-        if writer is None:
-            return
-        try:
-            writer.add_image(f"{TRAINER_SPLIT}/{tag}", draw(), step, dataformats="HWC")
-        except Exception as err:  # noqa: BLE001 - a picture must never stop training
-            self.images = False
-            self._warn("images", f"LNMonitorCallback: no more pictures ({err!r}); the metrics go on")
-
-    def _step_picture(self, result: LadderResult, state) -> None:
-        step = state.global_step
-        if step - self._last_picture >= self.image_every_n_steps or step >= state.max_steps:
-            self._last_picture = step
-            self._picture(run_metric("ladder"), step, lambda: step_picture(result.figures, step))
-
-    def _end(self) -> None:
-        """The ladder over training (a picture) and the summary, once, at the last epoch's end
-        (before the integrations close their writers)."""
-        if self._ended or not self._main or not self._trail:
-            return
-        self._ended = True
-        curves = self._trail.curves()
-        heatmap = over_training_picture(curves) if self.images and self._writer() is not None else None
-        if heatmap is not None:
-            self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
-        if self.summary:
-            model = self.meter.model if self.meter is not None else None
-            self._say(summary_text(curves, f"{type(model).__name__}, end of training"))
+    def _image_writer(self):
+        """``write(tag, image, step)`` into the Trainer's TensorBoard writer (its tags under
+        ``train/``), or None: not the main process, no TensorBoard, or it is closed."""
+        writers = [w for cb in self._reporters if (w := getattr(cb, "tb_writer", None)) is not None]
+        if not writers or not self._main:
+            return None
+        return lambda tag, image, step: writers[0].add_image(f"{TRAINER_SPLIT}/{tag}", image, step,
+                                                             dataformats="HWC")
 
     def _write_layout(self) -> None:
         """The Custom Scalars layout, for the tags as the Trainer's TensorBoard writes them."""

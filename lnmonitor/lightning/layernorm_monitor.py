@@ -20,15 +20,14 @@ from lnmonitor.core import arguments
 from lnmonitor.core.door import due, guarded
 from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
 from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric, per_norm, run_metric
+from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric
 from lnmonitor.core.norms import NormInfo
 from lnmonitor.core.roles import expected_final
 from lnmonitor.core.row_stats import RowStats
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
-from lnmonitor.views.pictures import over_training_picture, step_picture
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LayerNormMonitor"]
 
@@ -208,8 +207,7 @@ class LayerNormMonitor(MonitorCallback):
         self._measuring: int | None = None
         self._stepping: int | None = None  # the optimizer step whose batches are running
         self._last_step: int | None = None
-        self._trail = Trail()  # rank zero's logged curves, for the end-of-fit summary
-        self._last_picture: float = -math.inf  # the step of the last ladder picture
+        self._views = self._new_views()  # rank zero's pictures and end-of-fit summary
         self._positions = True  # the ladder positions go with the fit's first logged step
         self._columns: str | None = None  # the norm the HPARAMS columns name, until a step checks it
         self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
@@ -239,8 +237,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self._stop()
         self.meter, self.last_row_stats, self._order = None, [], []
-        self._trail = Trail(series=(per_norm("inv_sigma", ""),))
-        self._last_picture = -math.inf
+        self._views = self._new_views()
         self._positions = True  # once per fit, so a fit resumed into a new log has them too
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
@@ -282,15 +279,10 @@ class LayerNormMonitor(MonitorCallback):
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
-        if not trainer.is_global_zero or not self._trail:
+        if not trainer.is_global_zero:
             return
         try:
-            curves = self._trail.curves()
-            heatmap = over_training_picture(curves) if self.images else None
-            if heatmap is not None:
-                self._sink.log_image(trainer, run_metric("ladder_over_training"), *heatmap)
-            if self.summary:
-                self._say(summary_text(curves, f"{type(pl_module).__name__}, end of fit"))
+            self._views.end(self._image_writer(trainer), f"{type(pl_module).__name__}, end of fit")
         except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
             self._warn("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
 
@@ -351,16 +343,20 @@ class LayerNormMonitor(MonitorCallback):
         logged = self._log(trainer, step, metrics, extra)
         self._positions = self._positions and not logged
         if logged and trainer.is_global_zero:
-            spaced = step - self._last_picture >= self.image_every_n_steps or step == self._last_step
-            if self.images and spaced:
-                self._sink.log_image(trainer, run_metric("ladder"), step, step_picture(result.figures, step))
-                self._last_picture = step
+            self._views.step(self._image_writer(trainer), result, step, step == self._last_step)
+
+    def _new_views(self) -> RunViews:
+        return RunViews(self.owner, self._say, self._warn, images=self.images,
+                        image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+
+    def _image_writer(self, trainer: Trainer):
+        return lambda tag, image, step: self._sink.log_image(trainer, tag, step, image)
 
     def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], extra=None) -> bool:
         """Log ``metrics`` at ``step`` and keep them for the end-of-fit summary (rank zero)."""
         logged = self._sink.log(trainer, step, metrics, extra)
         if logged and trainer.is_global_zero:
-            self._trail.add(step, metrics)
+            self._views.add(step, metrics)
         return logged
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:

@@ -1,0 +1,79 @@
+"""What every door shows of a run beside its metrics, written once: the ladder's picture on
+measured steps, and at the end the ladder over training and the one-screen summary.
+
+A door keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
+(:meth:`RunViews.add`), offers it each measured step's result (:meth:`RunViews.step`) and ends
+it (:meth:`RunViews.end`); it gives the views ``write(tag, image, step)`` -- its framework's way
+to log an image, or None where there is none -- and a title.  A picture that fails turns the
+pictures off with one warning; the metrics go on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from lnmonitor.core.metric_names import per_norm, run_metric
+from lnmonitor.views.summary import Trail, summary_text
+
+__all__ = ["RunViews", "WriteImage"]
+
+WriteImage = Callable[[str, object, int], None]  # (tag, HWC uint8 image, step)
+
+
+class RunViews:
+    """The pictures and summary of one run.
+
+    Args:
+        owner: the name warnings start with.
+        say, warn: the door's ``say(text)`` and ``warn(key, text)``.
+        images: log the pictures at all.
+        image_every_n_steps: the least number of steps between two ladder pictures (the last
+            step gets one regardless).
+        summary: say the summary at the end.
+    """
+
+    def __init__(self, owner: str, say: Callable[[str], None], warn: Callable[[str, str], None], *,
+                 images: bool, image_every_n_steps: int, summary: bool) -> None:
+        self.owner, self._say, self._warn = owner, say, warn
+        self.images, self.image_every_n_steps, self.summary = images, image_every_n_steps, summary
+        self.trail = Trail(series=(per_norm("inv_sigma", ""),))
+        self._last_picture = -math.inf
+        self._ended = False
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        """A dict the door logged at ``step``."""
+        self.trail.add(step, metrics)
+
+    def step(self, write: WriteImage | None, result, step: int, last: bool = False) -> None:
+        """A measured step's ladder picture, when ``image_every_n_steps`` have passed or it is
+        the ``last`` step."""
+        if write is None or not self.images:
+            return
+        if step - self._last_picture >= self.image_every_n_steps or last:
+            self._last_picture = step
+            from lnmonitor.views.pictures import step_picture
+
+            self._picture(write, run_metric("ladder"), lambda: step_picture(result.figures, step), step)
+
+    def end(self, write: WriteImage | None, title: str) -> None:
+        """Once per run: the ladder over training (a picture) and the summary titled ``title``."""
+        if self._ended or not self.trail:
+            return
+        self._ended = True
+        curves = self.trail.curves()
+        if write is not None and self.images:
+            from lnmonitor.views.pictures import over_training_picture
+
+            heatmap = over_training_picture(curves)
+            if heatmap is not None:
+                self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
+        if self.summary:
+            self._say(summary_text(curves, title))
+
+    def _picture(self, write: WriteImage, tag: str, draw: Callable, step: int) -> None:
+        try:
+            write(tag, draw(), step)
+        except Exception as err:  # noqa: BLE001 - a picture must never stop training
+            self.images = False
+            self._warn("images", f"{self.owner}: no more pictures ({err!r}); the metrics go on")
