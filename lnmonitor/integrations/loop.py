@@ -23,7 +23,7 @@ from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
-from lnmonitor.core.hooks import sharded
+from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance_points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
@@ -293,7 +293,7 @@ class LoopMonitor:
             if heatmap is not None:
                 self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
         if self.summary:
-            self.voice.say(summary_text(curves, f"{type(self.meter.model).__name__}, end of training"))
+            self.voice.say(summary_text(curves, f"{model_class(self.meter.model)}, end of training"))
 
     # -- writing -----------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, every_step, health, reads_growth, state_from_health
-from lnmonitor.core.hooks import sharded
+from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS
@@ -395,8 +395,8 @@ class LNMonitorCallback(TrainerCallback):
         if heatmap is not None:
             self._picture(run_metric("ladder_over_training"), heatmap[0], lambda: heatmap[1])
         if self.summary:
-            model = self.meter.model if self.meter is not None else None
-            self._say(summary_text(curves, f"{type(model).__name__}, end of training"))
+            name = model_class(self.meter.model) if self.meter is not None else "NoneType"
+            self._say(summary_text(curves, f"{name}, end of training"))
 
     def _write_layout(self) -> None:
         """The Custom Scalars layout, for the tags as the Trainer's TensorBoard writes them."""
