@@ -35,9 +35,8 @@ _log = logging.getLogger("lnmonitor")
 LOSS_FN_ADVICE = (
     "The probe called the model with the batch (model(*batch), model(**batch) for a dict) and read "
     "the loss or (logits, loss) it returned; if your model takes its inputs otherwise (LitGPT's "
-    "GPT(x, y) reads y as input_pos), pass loss_fn=lambda model, batch: ... returning the loss "
-    "(or (logits, loss)), e.g. loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]).flatten(0, 1), "
-    "batch[1].flatten())."
+    "GPT(x, y) reads y as input_pos), pass loss_fn=lambda model, batch: <the loss or (logits, loss)>, "
+    "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
 
 
