@@ -49,6 +49,19 @@ says why, when its estimated memory exceeds ``--sweep-memory`` or its time, esti
 the largest cell measured before it, exceeds ``--cell-budget`` even at the fewest steps
 (the steps are cut to the budget before that).
 
+The small rows (``--small``): the shapes a new user's first runs have, stepped in a plain loop
+with the plain-loop door (``LoopMonitor``), as nanoGPT's ``train.py`` steps: nanoGPT's smallest
+shape (a TinyGPT of 2 layers, width 64, 4 heads, batch 12, context 64: nanoGPT's own model
+differs in biases and dropout) and the tiny model (4 layers) at widths 64 and 128 (batch and
+context of the main table).  Per row, three loops of the same model (a copy of one
+initialisation) on the same batches, interleaved step by step in rotated order: ``plain``,
+``every`` (``LoopMonitor(every_n_steps=1)``, no probe, pictures or summary) and ``defaults``
+(``LoopMonitor()`` with its defaults, no probe batch: it measures step 0 and then every 50th).
+Reported: the measured step against a plain one (medians), the defaults amortised over 50
+steps (``(t_defaults_unmeasured + (t_every - t_plain) / 50) / t_plain``), the import time of
+the loop door after torch (median of 3 fresh interpreters) and the peak bytes of one
+measured step against one plain step (as below).
+
 Memory: one measured step of ``plain``, ``every`` and ``defaults`` (both monitors firing)
 is recorded with ``torch.profiler`` (``profile_memory=True``) and its allocation timeline
 replayed: the peak is the maximum over the step of the bytes allocated since it began and
@@ -57,15 +70,18 @@ not yet freed.  On CUDA, ``torch.cuda.max_memory_allocated`` over the step.
     python benchmarks/overhead.py --widths 128 512 1024 --steps 12 --rounds 3 --threads 2 \\
         --gpt2 --compile --peers --markdown overhead.md
     python benchmarks/overhead.py --widths --sweep --threads 2 --markdown cost_model.md
+    python benchmarks/overhead.py --widths --small --steps 60 --threads 1 --markdown small.md
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,6 +98,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.meter import LadderMeter
+from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
@@ -705,6 +722,145 @@ def tables(main: list[ModelResult], compiled: list[ModelResult], sweep: list[Cel
     return "\n".join(out) + "\n"
 
 
+# -- the small rows (--small) ------------------------------------------------------------------
+
+# (label, width, depth, batch, context)
+SMALL_SHAPES = (
+    ("nanoGPT's smallest (TinyGPT 2 x 64, batch 12)", 64, 2, 12, 64),
+    ("tiny, width 64 (4 x 64)", 64, 4, None, None),
+    ("tiny, width 128 (4 x 128)", 128, 4, None, None),
+)
+
+
+@dataclass
+class SmallRow:
+    label: str
+    width: int
+    depth: int
+    batch: int
+    context: int
+    steps: int
+    plain_ms: float = math.nan
+    every_ms: float = math.nan
+    defaults_idle_ms: float = math.nan
+    plain_peak_mb: float = math.nan
+    every_peak_mb: float = math.nan
+
+    @property
+    def every(self) -> float:
+        return self.every_ms / self.plain_ms
+
+    @property
+    def defaults(self) -> float:
+        return (self.defaults_idle_ms + (self.every_ms - self.plain_ms) / LN_CADENCE) / self.plain_ms
+
+
+def import_seconds(runs: int = 3) -> float:
+    """Median wall time of importing the loop door after torch, each in a fresh interpreter."""
+    code = ("import time, torch; t = time.perf_counter(); import lnmonitor.integrations.loop; "
+            "print(time.perf_counter() - t)")
+    times = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  check=True).stdout) for _ in range(runs)]
+    return statistics.median(times)
+
+
+def peak_bytes(step: Callable[[], None]) -> int:
+    """Peak bytes allocated during ``step()`` and not freed before (CPU: the profiler's timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    live = peak = 0
+    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
+def small_row(label: str, width: int, depth: int, batch: int, context: int, args) -> SmallRow:
+    """One row of the small table (see the module docstring): three loops stepped side by side."""
+    torch.manual_seed(0)
+    recipe = Recipe()
+    base = TinyGPT(GPTConfig(vocab_size=VOCAB, width=width, depth=depth, heads=4, context=context))
+    batches = torch.randint(VOCAB, (max(args.steps, 3), batch, context + 1))
+
+    def build(config: str, steps: int | None) -> tuple:
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+        monitor = None
+        if config == "every":
+            monitor = LoopMonitor(model, every_n_steps=1, max_steps=steps, invariance_every_n_steps=None,
+                                  images=False, summary=False, keep_history=False)
+        elif config == "defaults":
+            monitor = LoopMonitor(model, max_steps=steps)
+        return model, optimizer, monitor
+
+    loops = {config: build(config, args.steps) for config in ("plain", "every", "defaults")}
+
+    def step(config: str, i: int) -> None:
+        model, optimizer, monitor = loops[config]
+        if monitor is not None:
+            monitor.start(i)
+        _, loss = model(batches[i, :, :-1], batches[i, :, 1:])
+        loss.backward()
+        if monitor is not None:
+            monitor.stop()
+        if recipe.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    order = list(loops)
+    times: dict[str, list[tuple[int, float]]] = {c: [] for c in order}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the doors' notes (no writer, no probe batch)
+        for i in range(args.steps):
+            rotated = order[i % 3:] + order[:i % 3]
+            for config in rotated:
+                t0 = time.perf_counter()
+                step(config, i)
+                times[config].append((i, time.perf_counter() - t0))
+    for _, _, monitor in loops.values():
+        if monitor is not None:
+            monitor.close()
+
+    def median_ms(config: str, keep: Callable[[int], bool]) -> float:
+        kept = [t for i, t in times[config] if i >= args.warmup and keep(i)]
+        return 1000 * statistics.median(kept) if kept else math.nan
+
+    row = SmallRow(label, width, depth, batch, context, args.steps,
+                   plain_ms=median_ms("plain", lambda i: True), every_ms=median_ms("every", lambda i: True),
+                   defaults_idle_ms=median_ms("defaults", lambda i: i % LN_CADENCE and i != args.steps - 1))
+    if args.memory:  # fresh loops, two steps each before the one recorded
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for config in ("plain", "every"):
+                loops[config] = build(config, None)
+                step(config, 0)
+                step(config, 1)
+            row.plain_peak_mb = peak_bytes(lambda: step("plain", 2)) / 2**20
+            row.every_peak_mb = peak_bytes(lambda: step("every", 2)) / 2**20
+    return row
+
+
+def small_table(rows: list[SmallRow], import_s: float, args) -> list[str]:
+    out = [
+        f"### Small models, plain loop (LoopMonitor), {args.steps} steps, {args.warmup} untimed, "
+        f"{torch.get_num_threads()} threads",
+        "",
+        "| shape | plain step | measured step | every step | defaults (amortised) | import (loop door) "
+        "| peak, plain / measured |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(f"| {r.label} | {r.plain_ms:.1f} ms | {r.every_ms:.1f} ms | {r.every:.2f}x | "
+                   f"{r.defaults:.3f}x | {import_s:.2f} s "
+                   f"| {r.plain_peak_mb:.1f} / {r.every_peak_mb:.1f} MB |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", type=int, nargs="*", default=[128, 512, 1024],
@@ -722,6 +878,13 @@ def main(argv: list[str] | None = None) -> int:
                              "which is shared; 80%% of the GPU's)")
     parser.add_argument("--figure", type=Path, default=None,
                         help="the cost model's PNG (default: benchmarks/results/cost_model_<device>.png)")
+    parser.add_argument("--small", action="store_true",
+                        help="also the small rows: nanoGPT's smallest shape, the tiny model at widths "
+                             "64 and 128")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the small rows' peak memory (the profiler takes seconds)")
+    parser.add_argument("--import-runs", type=int, default=3,
+                        help="fresh interpreters timing the loop door's import (default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="also the compiled model, at width 128")
     parser.add_argument("--peers", action="store_true", help="also grad_norm and wandb.watch, width 128")
     parser.add_argument("--gpt2", action="store_true",
@@ -736,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
     parser.add_argument("--json", default=None, help="also write every per-round figure to this file")
     args = parser.parse_args(argv)
-    if args.steps < args.warmup + 5:
+    if (args.widths or args.gpt2 or args.compile or args.peers) and args.steps < args.warmup + 5:
         parser.error("--steps must be at least --warmup + 5 (the paired estimate needs them)")
     if args.sweep and args.sweep_steps < first_paired(args.warmup) + 2:
         parser.error(f"--sweep-steps must be at least {first_paired(args.warmup) + 2} at --warmup "
@@ -750,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_memory is None:
         args.sweep_memory = (0.8 * torch.cuda.get_device_properties(0).total_memory if args.device == "cuda"
                              else 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
-    text = load_corpus()
+    text = load_corpus() if args.widths or args.gpt2 or args.compile or args.peers else ""
     full = ("plain", "every", "alternate", "defaults")
     main_rows = [bench(w, 4, full, args, text, memory=True) for w in args.widths]
     if args.gpt2:
@@ -771,6 +934,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         peers = bench(128, 4, configs, args, text)
     text_out = tables(main_rows, compiled, sweep, peers, args)
+    small = []
+    if args.small:
+        small = [small_row(label, w, d, batch or args.batch_size, context or args.context, args)
+                 for label, w, d, batch, context in SMALL_SHAPES]
+        text_out += "\n\n" + "\n".join(small_table(small, import_seconds(args.import_runs), args)) + "\n"
     print("\n" + text_out)
     if sweep:
         figure = args.figure or RESULTS / f"cost_model_{args.device}.png"
@@ -784,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
             json.dump({"args": settings, "main": [asdict(r) for r in main_rows],
                        "compiled": [asdict(r) for r in compiled], "sweep": [asdict(r) for r in sweep],
-                       "peers": asdict(peers) if peers else None}, handle, indent=1)
+                       "peers": asdict(peers) if peers else None, "small": [asdict(r) for r in small]},
+                      handle, indent=1)
     return 0
 
 

@@ -1,11 +1,21 @@
-"""lnmonitor: Lightning callbacks that watch what LayerNorm does to a transformer while it trains."""
+"""lnmonitor: watch what LayerNorm and RMSNorm do to a transformer while it trains.
+
+Three doors to the same measurements (each imported only when first used, so
+``import lnmonitor`` loads neither Lightning nor transformers):
+
+* PyTorch Lightning callbacks: :class:`LayerNormMonitor` (every norm's 1/sigma ladder and
+  dead-plane share), :class:`FinalNormInvarianceMonitor`, :class:`StructureProbe`;
+* a plain PyTorch loop: :class:`LoopMonitor`;
+* a ``transformers.Trainer``: :class:`LNMonitorCallback` (needs the ``hf`` extra).
+"""
 
 from lnmonitor.errors import HealthWarning  # standard library only
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FinalNormInvarianceMonitor", "HealthWarning", "LayerNormMonitor", "StructureProbe", "register_norm",
+    "FinalNormInvarianceMonitor", "HealthWarning", "LNMonitorCallback", "LayerNormMonitor", "LoopMonitor",
+    "StructureProbe", "register_norm",
 ]
 
 
@@ -23,10 +33,13 @@ def _lazy_attributes(package: str, table: dict[str, str]):
     return __getattr__
 
 
-# Lazy, so that `import lnmonitor.core.geometry` (layer 1) does not import Lightning.
+# Lazy, so that `import lnmonitor.core.geometry` (layer 1) does not import Lightning, and a
+# plain loop's `from lnmonitor import LoopMonitor` imports neither Lightning nor transformers.
 __getattr__ = _lazy_attributes(__name__, {
     "LayerNormMonitor": "lnmonitor.lightning",
     "FinalNormInvarianceMonitor": "lnmonitor.lightning",
     "StructureProbe": "lnmonitor.lightning",
     "register_norm": "lnmonitor.core.registry",
+    "LoopMonitor": "lnmonitor.integrations.loop",
+    "LNMonitorCallback": "lnmonitor.integrations.transformers",
 })

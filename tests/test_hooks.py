@@ -115,3 +115,15 @@ def test_every_module_hook_goes_through_the_one_door():
                if path.name != "hooks.py"
                for n, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
     assert not outside, f"module hooks registered beside Hooks: {outside}"
+
+
+def test_model_class_is_the_users_class_inside_compile_and_the_outer_wrappers():
+    from lnmonitor.core.hooks import model_class
+
+    class TinyNet(nn.Sequential):
+        pass
+
+    model = TinyNet(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert model_class(model) == "TinyNet"
+    assert model_class(torch.compile(model, backend="eager")) == "TinyNet"
+    assert model_class(nn.DataParallel(torch.compile(model, backend="eager"))) == "TinyNet"

@@ -1,23 +1,27 @@
 """One rule for an invariance point, in every door: taken once (its sweep added when asked for
-and missing), a non-finite loss said once and the next point tried, a sweep without a slope said
-once with the reason, a probe that cannot run turned off with its cause and where it was raised."""
+and missing), a non-finite loss said once and the next point tried, a sweep without a slope noted
+once with the reason (on the logger, not as a warning), a probe that cannot run turned off with its
+cause and where it was raised, naming loss_fn= when the default call of the model failed."""
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 
 import torch
 from conftest import gpt, windows
 
 from lnmonitor.core.door import Voice
-from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.invariance_points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 
 
-def _points(loss_fn=None, scales=(1e-1, 1e-2, 1e-3)) -> tuple[InvariancePoints, list[str]]:
+def _points(loss_fn=None, scales=(1e-1, 1e-2, 1e-3), model=None,
+            advice="") -> tuple[InvariancePoints, list[str]]:
     said: list[str] = []
-    model = gpt().model
-    points = InvariancePoints("Door", Voice(warn=said.append))
+    model = model if model is not None else gpt().model
+    points = InvariancePoints("Door", Voice(warn=said.append), advice=advice)
     points.begin(InvarianceProbe(model, loss_fn, scales=scales), windows(4))
     return points, said
 
@@ -59,12 +63,39 @@ def test_a_probe_that_cannot_run_turns_off_with_its_cause_and_location_said_once
     assert len(said) == 1 and said[0].startswith("Door: the invariance probe is off for this run")
 
 
-def test_a_sweep_without_a_slope_says_why_once():
+def test_a_sweep_without_a_slope_is_noted_once_on_the_logger_not_warned(caplog):
     points, said = _points(scales=(1e-1,))  # one point: nothing to fit
-    points.take(0, sweep=True)
-    assert math.isnan(points.last.slope) and len(said) == 1 and "no scale-sweep slope" in said[0]
-    points.take(1, sweep=True)
-    assert len(said) == 1
+    with caplog.at_level(logging.INFO, logger="lnmonitor"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to act on: no UserWarning
+        points.take(0, sweep=True)
+        points.take(1, sweep=True)
+    notes = [r.getMessage() for r in caplog.records if "no scale-sweep slope" in r.getMessage()]
+    assert math.isnan(points.last.slope) and not said and len(notes) == 1
+    assert "fewer than 3" in notes[0] and "fewer than 3" in points.last.fit_note
+
+
+class InputPos(torch.nn.Module):
+    """LitGPT's ``GPT.forward(idx, input_pos=None)``: a second tensor is not a target."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, input_pos=None):
+        if input_pos is not None:
+            raise TypeError("You need to call `gpt.set_kv_cache()`")
+        return self.model(idx)
+
+
+def test_when_calling_the_model_with_the_batch_fails_the_message_names_loss_fn():
+    model = InputPos(gpt().model)
+    points, said = _points(model=model, advice=LOSS_FN_ADVICE)
+    assert points.take(0, sweep=False) is None
+    assert len(said) == 1 and "set_kv_cache" in said[0] and "pass loss_fn=lambda model, batch" in said[0]
+    # a loss_fn of the user's that fails: the cause alone, no advice to pass what was passed
+    points, said = _points(lambda m, b: m(*b), model=model, advice=LOSS_FN_ADVICE)
+    points.take(0, sweep=False)
+    assert len(said) == 1 and "set_kv_cache" in said[0] and "loss_fn" not in said[0]
 
 
 def test_a_door_whose_probe_is_the_door_turns_itself_off():

@@ -49,3 +49,24 @@ def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ok" in out.stdout
+
+
+# what a training step does not need: pictures, readers of event files, the other doors' frameworks
+HEAVY = ("matplotlib", "scipy", "transformers", "tensorboard", "tensorboardX", "lightning",
+         "pytorch_lightning")
+
+
+def test_the_package_names_its_three_doors_and_importing_the_loop_door_loads_nothing_heavy():
+    assert {"LayerNormMonitor", "LoopMonitor", "LNMonitorCallback"} <= set(lnmonitor.__all__)
+    assert "Trainer" in lnmonitor.__doc__ and "plain PyTorch loop" in lnmonitor.__doc__
+    script = textwrap.dedent(f"""
+        import sys
+        import lnmonitor
+        from lnmonitor import LoopMonitor
+        from lnmonitor.integrations.loop import LoopMonitor as Same
+        assert LoopMonitor is Same
+        print(sorted({{n.split(".")[0] for n in sys.modules}} & set({HEAVY!r})))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

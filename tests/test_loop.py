@@ -314,3 +314,12 @@ def test_the_loop_door_refuses_nonsense_and_survives_a_failing_writer():
             with monitor.step(step):
                 model(torch.randn(4, 8)).square().sum().backward()
     assert [h["step"] for h in monitor.history] == [0, 1]  # measuring went on
+
+
+def test_under_torch_compile_the_summary_names_the_users_model_class(capsys):
+    model = tiny()
+    compiled = torch.compile(model, backend="eager")  # an OptimizedModule, compiled without inductor
+    monitor = LoopMonitor(compiled, every_n_steps=1, max_steps=1, invariance_every_n_steps=None)
+    _train(monitor, compiled, 1)
+    out = capsys.readouterr().err
+    assert "lnmonitor summary: TinyGPT, end of training" in out and "OptimizedModule" not in out

@@ -1,20 +1,25 @@
 """Every name a short fit logs is in docs/design.md's list of metric names, and every name
-there that applies to the fit is logged: the list is the public interface."""
+there that applies to the fit is logged: the list is the public interface.  docs/metrics.md is
+what ``python -m lnmonitor.views.metric_table`` writes, and holds every name a fit logs."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
 from conftest import char_data, trainer
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.findings import KINDS
 from lnmonitor.core.metric_names import (
+    FAMILIES,
     INVARIANCE_CASES,
     Metric,
     baseline_metric,
+    family_of,
     health_metric,
+    hist_metric,
     invariance_metric,
     ladder_metric,
     parse,
@@ -22,6 +27,7 @@ from lnmonitor.core.metric_names import (
     run_metric,
     unsplit,
 )
+from lnmonitor.views.metric_table import DOC, render
 from lnmonitor.views.summary import Trail, summary_text
 
 DESIGN = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
@@ -39,11 +45,18 @@ def pattern(name: str) -> re.Pattern:
     return re.compile(text + "$")
 
 
-def test_a_fit_logs_exactly_the_names_the_design_lists():
+@pytest.fixture(scope="module")
+def fit():
+    """A three-step fit with the monitor and the invariance monitor measuring every step."""
     data, module = char_data(3)
     ln = LayerNormMonitor(every_n_steps=1, keep_history=True, images=False, summary=False)
     inv = FinalNormInvarianceMonitor(every_n_steps=1, keep_history=True, summary=False)
     trainer(3, [ln, inv], validate_every=3).fit(module, datamodule=data)
+    return ln, inv
+
+
+def test_a_fit_logs_exactly_the_names_the_design_lists(fit):
+    ln, inv = fit
     logged = {tag for h in ln.history + inv.history for tag in h if tag != "step"}
     patterns = {name: pattern(name) for name in listed_names()}
     unlisted = sorted(t for t in logged if not any(p.match(t) for p in patterns.values()))
@@ -84,3 +97,18 @@ def test_every_kind_of_name_is_built_and_parsed_by_the_codec():
     assert {tag: parse(tag) for tag in built} == built
     assert all(m.tag == tag for tag, m in built.items())
     assert [parse(t) for t in ("train/loss", "lnmonitorx/sigma/a", "val/lnmonitor")] == [None, None, None]
+
+
+def test_docs_metrics_is_generated_from_the_families_and_holds_every_name_a_fit_logs(fit):
+    assert DOC.read_text(encoding="utf-8") == render(), "run: python -m lnmonitor.views.metric_table"
+    ln, inv = fit
+    logged = {tag for h in ln.history + inv.history for tag in h if tag != "step"}
+    # and what this fit does not log: findings, the structure probe, histograms, pictures, settings
+    logged |= {health_metric(kind) for kind in KINDS} | {probe_metric("block_rank", "blocks.0"),
+                                                          probe_metric("gain_spread", "blocks.0.ln1")}
+    logged |= {hist_metric("share", "model.lnf"), run_metric("ladder"), run_metric("eps")}
+    assert not sorted(t for t in logged if family_of(t) is None), "logged, not in docs/metrics.md"
+    assert all(family_of(f"train/{t}") is family_of(t) for t in logged)  # a Trainer's split
+    # every family is in the page, and no family is a name nothing logs in this fit's kind
+    page = DOC.read_text(encoding="utf-8")
+    assert all(f"`{f.names[0]}`" in page for f in FAMILIES)

@@ -128,6 +128,20 @@ def test_share_pdf_k1_at_zero_is_finite():
     assert B.share_pdf(0.0, d, 2) == 0.0
 
 
+def test_the_meters_quantiles_equal_scipy_stats_bit_for_bit():
+    # the meter's figures use scipy.special (light to import) where scipy.stats.beta's ppf and
+    # isf call the same functions: nothing the monitors log may move by a bit
+    from scipy import stats
+
+    for k in (1, 2):
+        for d in (*range(3, 300), 384, 512, 768, 1024, 2048, 4096, 12288):
+            a, b = k / 2, (d - k) / 2
+            assert B.share_median(d, k) == math.sqrt(stats.beta.ppf(0.5, a, b))
+            for n in (1, 64, 1000, 200_000, 10**7):
+                tail = -math.expm1(math.log(0.5) / n)
+                assert B.max_share_median(d, k, n) == math.sqrt(stats.beta.isf(tail, a, b))
+
+
 def test_baseline_validation():
     for bad in ((2, 2), (1, 2), (128, 0), (128.5, 2), (True, 1)):
         with pytest.raises(ValueError):

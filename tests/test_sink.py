@@ -95,3 +95,14 @@ def test_per_logger_state_is_keyed_by_the_logger_itself_never_its_id(tmp_path):
     del gone
     gc.collect()
     assert len(sink._ready) == 0
+
+
+def test_a_callbacks_warning_points_at_the_users_fit_line_not_lnmonitors():
+    import warnings
+
+    data, module = char_data(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(1, [LayerNormMonitor(images=False, summary=False)]).fit(module, datamodule=data)
+    said = [w for w in caught if "the Trainer has no logger" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, (said[0].filename, said[0].lineno)

@@ -65,8 +65,8 @@ def _print_info(text: str) -> None:
 
 # the code between a user's line and a warning of lnmonitor's: lnmonitor itself, the frameworks
 # that call its doors, and contextlib (a ``with monitor.step(...)`` block ends there)
-_FRAMEWORKS = ("lnmonitor", "lightning", "pytorch_lightning", "lightning_fabric", "transformers",
-               "accelerate", "torch", "contextlib")
+_FRAMEWORKS = ("lnmonitor", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+               "transformers", "accelerate", "torch", "contextlib")
 
 
 def _not_the_user() -> tuple[str, ...]:

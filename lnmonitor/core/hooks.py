@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring",
-    "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
+    "model_class", "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
 ]
 
 # the attribute a wrapper whose forward is a plain call of the model keeps it in, by class name:
@@ -229,6 +229,18 @@ def unwrap(model: nn.Module) -> nn.Module:
                                                                              nn.Module):
         model = getattr(model, attr)
     return model
+
+
+def model_class(model: nn.Module) -> str:
+    """The class name of the user's model inside the wrappers of :func:`unwrap` and of
+    :data:`WRAPPER_NAMES` (``torch.compile``'s ``OptimizedModule`` -> ``TinyGPT``): what a
+    summary is titled with."""
+    model = unwrap(model)
+    inside = [m for name, m in model.named_children() if name in WRAPPER_NAMES]
+    while inside:
+        model = unwrap(inside[0])
+        inside = [m for name, m in model.named_children() if name in WRAPPER_NAMES]
+    return type(model).__name__
 
 
 def user_name(name: str) -> str:

@@ -4,8 +4,10 @@ Each door (the Lightning invariance monitor, the ``transformers.Trainer`` callba
 loop) decides *when* a point is due and *where* its numbers go; what happens at a point is
 the same everywhere and written here: a point already taken is not taken again unless its
 sweep is asked for and missing, a non-finite loss is said once and the next point is tried,
-a sweep without a slope is said once with the reason, and a probe that cannot run on this
-model turns the probe off with its cause and location (the rest of the door goes on).
+a sweep without a slope is noted once with the reason on the ``lnmonitor`` logger (nothing to
+act on: a short or healthy run often has too few points to fit), and a probe that cannot run
+on this model turns the probe off with its cause and location (the rest of the door goes on),
+naming ``loss_fn=`` when it was the door's default call of the model with the batch that failed.
 
 Example::
 
@@ -17,19 +19,33 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 
 from lnmonitor.core.door import Voice, where
 from lnmonitor.core.invariance_probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance_results import InvarianceResult
+from lnmonitor.core.loss_contract import default_loss
 
-__all__ = ["InvariancePoints"]
+__all__ = ["LOSS_FN_ADVICE", "InvariancePoints"]
+
+_log = logging.getLogger("lnmonitor")
+
+# what a door with a ``loss_fn=`` argument adds when its default call of the model failed
+LOSS_FN_ADVICE = (
+    "The probe called the model with the batch (model(*batch), model(**batch) for a dict) and read "
+    "the loss or (logits, loss) it returned; if your model takes its inputs otherwise (LitGPT's "
+    "GPT(x, y) reads y as input_pos), pass loss_fn=lambda model, batch: <the loss or (logits, loss)>, "
+    "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
+)
 
 
 class InvariancePoints:
     """The points of one run of ``prober`` on ``batch`` (:meth:`begin`), taken by :meth:`take`;
     ``owner`` starts the messages ``voice`` says, and ``on_off(reason)``, when given, is called
-    instead of the message when the probe turns off.
+    instead of the message when the probe turns off; ``advice`` ends that message when the probe
+    failed running the default loss (:func:`~lnmonitor.core.loss_contract.default_loss`): a door
+    with a ``loss_fn=`` argument passes :data:`LOSS_FN_ADVICE`.
 
     Attributes:
         off_reason: why the probe is off for this run (None while it is on).
@@ -38,9 +54,11 @@ class InvariancePoints:
         last: the last point's :class:`~lnmonitor.core.invariance.InvarianceResult`.
     """
 
-    def __init__(self, owner: str, voice: Voice, on_off=None) -> None:
+    def __init__(self, owner: str, voice: Voice, on_off=None, advice: str = "") -> None:
         self.owner = owner
         self.voice = voice
+        self.advice = advice
+        self._noted: set[str] = set()
         self._on_off = on_off  # a door whose probe is the door itself turns itself off (and says so)
         self.prober: InvarianceProbe | None = None
         self.batch = None
@@ -52,6 +70,7 @@ class InvariancePoints:
         """A new run: probe ``batch`` with ``prober`` (None: the probe does not run)."""
         self.prober, self.batch = prober, batch
         self.off_reason, self.last_step, self.last = None, -1, None
+        self._noted = set()
 
     def off(self, reason: str) -> None:
         """Turn the probe off for the rest of the run, saying why once (or ``on_off(reason)``)."""
@@ -82,10 +101,12 @@ class InvariancePoints:
                                         "once; the next point is probed again.")
             return None
         except Exception as err:  # noqa: BLE001 - the probe's failure stops the probe, not the training
-            self.off(f"{type(err).__name__}: {err} (raised at {where(err)})")
+            advice = f" {self.advice}" if self.advice and self.prober.loss_fn is default_loss else ""
+            self.off(f"{type(err).__name__}: {err} (raised at {where(err)}).{advice}")
             return None
         self.last = result
-        if sweep and result.sweep and not math.isfinite(result.slope):
-            self.voice.warn("no-fit", f"{self.owner}: no scale-sweep slope at step {step}: "
-                                      f"{result.fit_note}. Said once.")
+        if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
+            self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
+            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.owner, step,
+                      result.fit_note)
         return metrics, extend

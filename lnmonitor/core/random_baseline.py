@@ -7,7 +7,10 @@ compared with these: a median with :func:`share_median`, a maximum over n rows w
 :func:`max_share_median` of the *same* n.
 
 Functions take python numbers (or numpy arrays for ``s``/``q``) and return python floats (or
-numpy arrays).  This module imports only math, numpy and scipy: no torch.
+numpy arrays).  This module imports only math, numpy and scipy: no torch.  scipy loads on
+first use, and the meter's two figures (:func:`share_median`, :func:`max_share_median`) need
+only ``scipy.special`` (whose ``betaincinv``/``betainccinv`` are what ``scipy.stats.beta``'s
+``ppf``/``isf`` call, bit for bit), not ``scipy.stats``, which alone takes a second to import.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import math
 import numbers
 
 import numpy as np
-from scipy import special, stats
 
 __all__ = [
     "max_share_cdf",
@@ -73,6 +75,8 @@ def _out(result, like):
 def _log_cdf(s: np.ndarray, d: int, k: int) -> np.ndarray:
     """log P(share <= s), accurate both in the lower tail and near 1."""
     a, b = k / 2.0, (d - k) / 2.0
+    from scipy import stats
+
     s2 = np.clip(s, 0.0, 1.0) ** 2
     sf = stats.beta.sf(s2, a, b)
     with np.errstate(divide="ignore"):
@@ -87,6 +91,8 @@ def share_cdf(s, d: int, k: int = 2):
     ``share^2 ~ Beta(k/2, (d-k)/2)``.  ``s`` is a float or array (0 below 0, 1 above 1).
     """
     d, k = _check_dk(d, k)
+    from scipy import stats
+
     sa = np.asarray(s, dtype=float)
     res = stats.beta.cdf(np.clip(sa, 0.0, 1.0) ** 2, k / 2.0, (d - k) / 2.0)
     res = np.where(sa < 0.0, 0.0, res)
@@ -98,6 +104,8 @@ def share_pdf(s, d: int, k: int = 2):
 
     Evaluated in log space so k = 1 is finite at s = 0; 0 outside [0, 1].
     """
+    from scipy import special
+
     d, k = _check_dk(d, k)
     a, b = k / 2.0, (d - k) / 2.0
     sa = np.asarray(s, dtype=float)
@@ -115,10 +123,13 @@ def share_pdf(s, d: int, k: int = 2):
 
 
 def share_quantile(q, d: int, k: int = 2):
-    """Quantile of the random share: ``sqrt(beta.ppf(q, k/2, (d-k)/2))``, 0 < q < 1."""
+    """Quantile of the random share: ``sqrt(beta.ppf(q, k/2, (d-k)/2))``, 0 < q < 1 (as
+    ``special.betaincinv``, which ``beta.ppf`` calls)."""
+    from scipy import special
+
     d, k = _check_dk(d, k)
     qa = _check_q(q)
-    return _out(np.sqrt(stats.beta.ppf(qa, k / 2.0, (d - k) / 2.0)), q)
+    return _out(np.sqrt(special.betaincinv(k / 2.0, (d - k) / 2.0, qa)), q)
 
 
 def share_median(d: int, k: int = 2) -> float:
@@ -150,8 +161,10 @@ def max_share_quantile(q, d: int, k: int, n: int):
     d, k = _check_dk(d, k)
     n = _check_n(n)
     qa = _check_q(q)
+    from scipy import special
+
     tail = -np.expm1(np.log(qa) / n)
-    return _out(np.sqrt(stats.beta.isf(tail, k / 2.0, (d - k) / 2.0)), q)
+    return _out(np.sqrt(special.betainccinv(k / 2.0, (d - k) / 2.0, tail)), q)
 
 
 def max_share_median(d: int, k: int, n: int) -> float:

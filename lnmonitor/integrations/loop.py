@@ -22,8 +22,8 @@ from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
-from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance_points import InvariancePoints
+from lnmonitor.core.hooks import model_class, sharded
+from lnmonitor.core.invariance_points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter import LadderMeter, LadderResult
@@ -157,7 +157,7 @@ class LoopMonitor:
         self._kept = History(keep_history)
         self._kept.reset(receivers=writer is not None)
         self.last_result: LadderResult | None = None
-        self._points = InvariancePoints(self.owner, self.voice)
+        self._points = InvariancePoints(self.owner, self.voice, advice=LOSS_FN_ADVICE)
         self.meter = LadderMeter(
             model, include=arguments.patterns(include, "include"),
             exclude=arguments.patterns(exclude, "exclude"), final_norm=final_norm,
@@ -282,7 +282,7 @@ class LoopMonitor:
         self._ended = True
         self._probe_point(step, sweep=True)
         if _rank_zero():
-            self._views.end(self._write_image, f"{type(self.meter.model).__name__}, end of training")
+            self._views.end(self._write_image, f"{model_class(self.meter.model)}, end of training")
 
     # -- writing -----------------------------------------------------------------------
 

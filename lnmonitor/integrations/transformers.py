@@ -26,7 +26,7 @@ from lnmonitor.core import arguments
 from lnmonitor.core.discovery import NormSelectionError, choose_norms
 from lnmonitor.core.door import History, Voice, due, guarded
 from lnmonitor.core.findings import door_reader, every_step, health, reads_growth, state_from_health
-from lnmonitor.core.hooks import sharded
+from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance_points import InvariancePoints
 from lnmonitor.core.invariance_probe import InvarianceProbe
 from lnmonitor.core.invariance_results import PROBE_WINDOWS
@@ -278,8 +278,8 @@ class LNMonitorCallback(TrainerCallback):
             if self.invariance_every_n_steps is not None:
                 self._run_probe(args, state, control, sweep=True)
             if self._main:
-                model = self.meter.model if self.meter is not None else None
-                self._views.end(self._image_writer(), f"{type(model).__name__}, end of training")
+                name = model_class(self.meter.model) if self.meter is not None else "NoneType"
+                self._views.end(self._image_writer(), f"{name}, end of training")
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):

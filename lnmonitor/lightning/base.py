@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnmonitor.core.arguments import ArgumentError
 from lnmonitor.core.discovery import NormSelectionError
-from lnmonitor.core.door import Voice
+from lnmonitor.core.door import Voice, warn_at_user
 from lnmonitor.lightning.sink import MetricSink
 
 __all__ = ["MonitorCallback", "misconfiguration"]
@@ -44,7 +44,7 @@ class MonitorCallback(Callback):
 
     def __init__(self, keep_history: bool | None) -> None:
         self.owner = type(self).__name__
-        self.voice = Voice(say=rank_zero_info, warn=rank_zero_warn)
+        self.voice = Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.off_reason: str | None = None
         self._sink = MetricSink(self.owner, keep_history, self.voice)
 

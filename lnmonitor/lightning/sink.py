@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 
-from lnmonitor.core.door import History, Voice
+from lnmonitor.core.door import History, Voice, warn_at_user
 from lnmonitor.core.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
 from lnmonitor.core.writers import write_scalars
 
@@ -59,7 +59,7 @@ class MetricSink:
 
     def __init__(self, owner: str, keep_history: bool | None, voice: Voice | None = None) -> None:
         self.owner = owner
-        self.voice = voice or Voice(say=rank_zero_info, warn=rank_zero_warn)
+        self.voice = voice or Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.kept = History(keep_history)
         self.last_step = -1
         self._layout: dict[str, dict] = {}
