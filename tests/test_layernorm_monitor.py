@@ -444,7 +444,7 @@ def test_every_fit_logs_the_ladder_positions_and_layouts_a_fit_resumed_into_a_ne
 
     def positions(log_dir):
         acc = events(log_dir)
-        # sorted: two event files of one version written in the same second are read in either order
+        # sorted: the two event files of one version came back in either order (seen once, under load)
         return acc, {t: sorted(e.step for e in acc.Scalars(t)) for t in acc.Tags()["scalars"]
                      if t.startswith("lnmonitor/ladder_position/")}
 
