@@ -640,8 +640,8 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "result
 
 
 def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_tested_ones():
-    """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, and
-    on by default exactly when that part passed the rule to ship; eps_dominates: the fitted testbed's."""
+    """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, which
+    passed the rule to ship; eps_dominates: the fitted testbed's."""
     from lnmonitor.core.findings import TESTBED
     from lnmonitor.core.signals import CANDIDATES
     from lnmonitor.experiments import stability_heldout as H
@@ -655,10 +655,10 @@ def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_test
     assert rule in T.RULES and stream.signal == "growth_over_start"
     figures = T.figures_amended(confirmed, rule)
     assert TESTBED["stream_growth"] == figures
-    assert stream.on is T.ships_amended(figures)
+    assert T.ships_amended(figures)
     runs = analyse(load_records(RESULTS))
     eps = KINDS["eps_dominates"]
-    assert CANDIDATES[eps.signal] == (eps.direction, eps.threshold) and eps.on
+    assert CANDIDATES[eps.signal] == (eps.direction, eps.threshold)
     peers = max(signal_figures(runs, p)["hits"] for p in PEERS)
     assert TESTBED["eps_dominates"] == {**signal_figures(runs, eps.signal), "peer_hits": peers}
 

@@ -104,7 +104,6 @@ class FindingKind:
     seen: str
     advice: str
     meant: str
-    on: bool = True  # raised by default; off: only with findings={name: threshold}
 
     @property
     def anchor(self) -> str:
@@ -128,7 +127,6 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
         "{clean} runs that trained well; the final norm divides its gradient by this scale, so the "
         "layers before it learn at a rate you did not choose",
-        on=True,  # it passed the confirmation's rule to ship (docs/findings.md)
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
@@ -174,7 +172,7 @@ class Reading:
 def _thresholds(value, name: str) -> dict[str, float]:
     """``None`` (the defaults) or a mapping from kind names to finite thresholds > 0; a kind
     mapped to ``None`` is off."""
-    defaults = {k: kind.threshold if kind.on else None for k, kind in KINDS.items()}
+    defaults = {k: kind.threshold for k, kind in KINDS.items()}
     if value is None:
         return defaults
     if not isinstance(value, Mapping):
