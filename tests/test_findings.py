@@ -653,9 +653,9 @@ def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_test
     stream = KINDS["stream_growth"]
     rule = f"growth_over_start > {stream.threshold:g}"
     assert rule in T.RULES and stream.signal == "growth_over_start"
-    figures = T.figures_amended(confirmed, rule)
+    figures = T.figures(confirmed, rule, amended=True)
     assert TESTBED["stream_growth"] == figures
-    assert T.ships_amended(figures)
+    assert T.ships(rule, figures)
     runs = analyse(load_records(RESULTS))
     eps = KINDS["eps_dominates"]
     assert CANDIDATES[eps.signal] == (eps.direction, eps.threshold)

@@ -108,7 +108,7 @@ def growth_rate(previous: tuple[int, float] | None, step: int, growth: float) ->
 def step_signals(figures: LadderFigures | None, scales: Scales | None = None) -> dict[str, float]:
     """The signals of one measured step (nan where the step has no such figure, e.g. a model
     with one rung, or without ``cross_entropy``); ``growth_rate`` and ``growth_jump`` need
-    earlier steps and are the reader's, left out."""
+    earlier steps and are left out (the testbed's tables compute them)."""
     nan = math.nan
     out = dict.fromkeys(k for k in SIGNALS if k not in ("growth_rate", "growth_jump"))
     out.update({k: nan for k in out})

@@ -167,19 +167,25 @@ def judge_fitted(records: list[dict]) -> list[Judged]:
     return out
 
 
-def figures(runs: list[Judged], rule: str) -> dict:
-    """A rule's hits (fired at or before the event), leads, late fires, and false alarms on the
-    clean runs (references included) and on the clean fine-tunes; None where not measured."""
+def figures(runs: list[Judged], rule: str, amended: bool = False) -> dict:
+    """A rule's figures over the runs that measured it ({} where none did): on the bad runs,
+    hits (a fire at or before the visible event, or at any step on a run only damaged), leads to
+    the visible event, late fires; false alarms on the clean runs (references included) and on
+    the clean fine-tunes; the blow-ups (a visible event within the first ``VISIBLE_WINDOW`` steps)
+    said in time.  ``amended``: bad is the visible event or damage (the confirmation's event),
+    else the visible event alone."""
     measured = [r for r in runs if rule in r.fires]
     if not measured:
         return {}
-    bad = [r for r in measured if r.bad]
-    clean = [r for r in measured if not r.bad]
-    leads = [r.event - r.fires[rule] for r in bad if r.fires[rule] is not None and r.fires[rule] <= r.event]
-    blowups = [r for r in bad if r.event < VISIBLE_WINDOW]
+    bad = [r for r in measured if (r.bad_amended if amended else r.bad)]
+    clean = [r for r in measured if not (r.bad_amended if amended else r.bad)]
+    fired = [r for r in bad if r.fires[rule] is not None]
+    hits = [r for r in fired if r.event is None or r.fires[rule] <= r.event]
+    leads = [r.event - r.fires[rule] for r in hits if r.event is not None]
+    blowups = [r for r in bad if r.event is not None and r.event < VISIBLE_WINDOW]
     return {
-        "bad": len(bad), "hits": len(leads),
-        "late": sum(1 for r in bad if r.fires[rule] is not None) - len(leads),
+        "bad": len(bad), "hits": len(hits), "late": len(fired) - len(hits),
+        "damaged_only": sum(1 for r in bad if r.event is None),
         "lead": statistics.median(leads) if leads else None, "lead_min": min(leads, default=None),
         "lead_max": max(leads, default=None), "clean": len(clean),
         "false": sum(1 for r in clean if r.fires[rule] is not None),
@@ -190,36 +196,11 @@ def figures(runs: list[Judged], rule: str) -> dict:
     }
 
 
-def figures_amended(runs: list[Judged], rule: str) -> dict:
-    """A rule's figures under the amended event: a hit is a fire at or before the visible event,
-    or at any step on a run only damaged; the lead is taken where there is a visible event."""
-    measured = [r for r in runs if rule in r.fires]
-    bad = [r for r in measured if r.bad_amended]
-    clean = [r for r in measured if not r.bad_amended]
-    fired = {id(r): r.fires[rule] for r in measured}
-    hits = [r for r in bad if fired[id(r)] is not None and (r.event is None or fired[id(r)] <= r.event)]
-    leads = [r.event - fired[id(r)] for r in hits if r.event is not None]
-    return {
-        "bad": len(bad), "hits": len(hits), "damaged_only": sum(1 for r in bad if r.event is None),
-        "lead": statistics.median(leads) if leads else None, "lead_min": min(leads, default=None),
-        "lead_max": max(leads, default=None), "clean": len(clean),
-        "false": sum(1 for r in clean if fired[id(r)] is not None),
-        "clean_fine_tunes": sum(1 for r in clean if r.fine_tune),
-        "false_fine_tunes": sum(1 for r in clean if r.fine_tune and fired[id(r)] is not None),
-    }
-
-
-def ships_amended(f: dict) -> bool:
-    """The confirmation's rule: hits on 2 of 3 bad runs, false alarms on at most 1 in 10 clean
-    runs and on no clean fine-tune."""
-    return bool(f) and f["bad"] > 0 and 3 * f["hits"] >= 2 * f["bad"] and f["false"] * 10 <= f["clean"] \
-        and f["false_fine_tunes"] == 0
-
-
 def ships(rule: str, held: dict) -> bool:
-    """The pre-registered rule: ``growth_jump`` at or before the event on 2 of 3 bad runs whose
-    event comes in their first 10 steps; every other signal on 2 of 3 bad runs; each on at most 1
-    in 10 clean runs and on no clean fine-tune."""
+    """The pre-registered rule (the held-out part's and, on amended figures, the confirmation's):
+    ``growth_jump`` at or before the event on 2 of 3 bad runs whose event comes in their first 10
+    steps; every other signal on 2 of 3 bad runs; each on at most 1 in 10 clean runs and on no
+    clean fine-tune."""
     if not held or not held["bad"]:
         return False
     quiet = held["false"] * 10 <= held["clean"] and held["false_fine_tunes"] == 0
@@ -288,8 +269,8 @@ def confirm_markdown(held: list[Judged], confirm: list[Judged]) -> str:
         "|---|---|---|---:|---|",
     ]
     for rule in RULES[:4]:
-        held_f, conf_f = figures_amended(held, rule), figures_amended(confirm, rule)
-        verdict = "yes" if rule == "growth_over_start > 35" and ships_amended(conf_f) else (
+        held_f, conf_f = figures(held, rule, amended=True), figures(confirm, rule, amended=True)
+        verdict = "yes" if rule == "growth_over_start > 35" and ships(rule, conf_f) else (
             "no" if rule == "growth_over_start > 35" else "not a candidate")
         lines.append(f"| {rule} | {_amended_cell(held_f)} | {_amended_cell(conf_f)} | "
                      f"{conf_f['false_fine_tunes']}/{conf_f['clean_fine_tunes']} | {verdict} |")
@@ -297,7 +278,7 @@ def confirm_markdown(held: list[Judged], confirm: list[Judged]) -> str:
               "|---|---|---:|"]
     for family in families:
         mine = [r for r in confirm if r.family == family]
-        lines.append(f"| {family} | {_amended_cell(figures_amended(mine, 'growth_over_start > 35'))} | "
+        lines.append(f"| {family} | {_amended_cell(figures(mine, 'growth_over_start > 35', amended=True))} | "
                      f"{statistics.median(r.start for r in mine):.1f} |")
     return "\n".join(lines) + "\n"
 
