@@ -373,3 +373,29 @@ def test_a_model_built_outside_the_project_is_quiet_healthy_and_said_at_its_blow
     else:
         assert [f.kind for f in seen] == ["stream_growth"] and len(_health(caught)) == 1
         assert 0 < seen[0].step < 10 and seen[0].value > 35  # said between the measured steps 0 and 10
+
+
+def test_a_hook_that_cannot_read_the_stream_stops_the_watch_not_the_training(monkeypatch):
+    """An error inside the watch's hooks (here: the reduction itself fails) never reaches the
+    user's forward: the step trains, the watch lets go of its hooks, the meter says why once, and
+    the measured steps go on."""
+    said = []
+    model, x = _model(), torch.randint(0, 65, (4, 16))
+    meter = LadderMeter(model, say=lambda _: None, warn=lambda key, text: said.append((key, text)))
+    with meter.step():
+        model(x, x)[1].backward()
+    assert meter.result() is not None and model.lnf._forward_pre_hooks  # watching
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot reduce this stream")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.linalg, "vector_norm", broken)
+        loss = model(x, x)[1]  # the user's forward: no exception
+        loss.backward()
+    assert meter.take_growth(1) is None and not model.lnf._forward_pre_hooks
+    assert [key for key, _ in said].count("growth-watch") == 1 and "cannot reduce" in said[-1][1]
+    with meter.step():
+        model(x, x)[1].backward()
+    assert meter.result() is not None and meter.take_growth(2) is None
+    meter.close()

@@ -60,22 +60,33 @@ class GrowthWatch:
         self._max: Tensor | None = None  # the step's largest ratio of median row norms so far, on the device
         self._widths = 1.0  # sqrt(first width / last width): the norms' ratio times it is the rms ratio
         self._pending: list[tuple[int, Tensor, object, float]] = []  # accelerator copies on their way
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._hooks)
+        self.error: Exception | None = None  # why a hook could not read the stream: the watch stops
 
     def attach(self, first: nn.Module, last: nn.Module) -> None:
         """Watch the ladder from ``first`` to ``last`` (two different modules)."""
         self.detach()
-        self._hooks.forward_pre(first, self._on_first)
-        self._hooks.forward_pre(last, self._on_last)
+        self.error = None
+        self._hooks.forward_pre(first, self._guarded(self._on_first))
+        self._hooks.forward_pre(last, self._guarded(self._on_last))
 
     def detach(self) -> None:
         """Remove the hooks and forget every value not yet taken."""
         self._hooks.remove()
         self._first = self._max = None
         self._pending = []
+
+    def _guarded(self, fn):
+        """``fn`` that never raises into the user's forward: the first error is kept in
+        :attr:`error`, and the watch reads nothing more (:meth:`take` then removes the hooks)."""
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self.error is None:
+                try:
+                    fn(module, args)
+                except Exception as err:  # noqa: BLE001 - never stop the user's training
+                    self.error = err
+
+        return hook
 
     def _on_first(self, module: nn.Module, args: tuple) -> None:
         if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and measuring():
@@ -93,7 +104,10 @@ class GrowthWatch:
         """Close step ``step``: ``(step, growth)`` of the latest step whose value has reached the
         host (this one on the CPU, an earlier one on an accelerator), or None when there is none
         (no training forward ran through both rungs since the last take, or a copy is still on
-        its way)."""
+        its way; or after a hook's :attr:`error`, which removes the hooks)."""
+        if self.error is not None:
+            self.detach()
+            return None
         value, self._max, self._first = self._max, None, None
         if value is not None:
             if value.device.type == "cpu":

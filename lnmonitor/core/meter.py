@@ -248,7 +248,13 @@ class LadderMeter:
         if self.off_reason is not None:
             self._watch.detach()
             return None
-        return self._watch.take(step)
+        taken = self._watch.take(step)
+        error = self._watch.error
+        if error is not None:
+            self._warn("growth-watch", f"{self.owner}: the every-step growth stopped: its hook could not "
+                                       f"read the stream ({type(error).__name__}: {error}); the findings "
+                                       "read the growth on measured steps from here.")
+        return taken
 
     def _unhook(self) -> None:
         self._tap.detach()
