@@ -1,0 +1,204 @@
+"""Everything the three doors log, as float hex: the check that a change of the code's shape
+changed no number.
+
+Runs one tiny transformers GPT-2 (random weights, fixed seeds) through each door -- Lightning
+(:class:`~lnmonitor.LayerNormMonitor`, :class:`~lnmonitor.FinalNormInvarianceMonitor`),
+``transformers.Trainer`` (:class:`~lnmonitor.LNMonitorCallback`) and a plain loop
+(:class:`~lnmonitor.LoopMonitor`, on batches padded to different lengths) -- and writes every
+logged value of every step as ``float.hex`` to one JSON file, with everything the doors printed
+(their notes and end-of-fit summaries).  Two dumps, one taken before a change and one after,
+must be equal wherever no number was meant to change::
+
+    python tools/door_dump.py before.json        # on the old commit
+    python tools/door_dump.py after.json         # on the new one
+    python tools/door_dump.py --compare before.json after.json
+
+``--compare`` prints each tag whose values differ (bit for bit) and exits 1 if any does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an installed copy
+
+STEPS, EVERY, LR, ROWS, CONTEXT, PROBE = 6, 2, 0.05, 8, 16, 4
+
+
+def _gpt2():
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _tokens():
+    import torch
+
+    return torch.randint(0, 64, (ROWS, CONTEXT), generator=torch.Generator().manual_seed(1))
+
+
+def _labels(x):
+    y = x.clone()
+    y[:, 0] = -100
+    return y
+
+
+def _hex(history) -> dict[str, dict[str, str]]:
+    """``{step: {tag: float hex}}`` of a door's kept history."""
+    out: dict[str, dict[str, str]] = {}
+    for logged in history:
+        step = str(logged["step"])
+        for tag, value in logged.items():
+            if tag != "step":
+                out.setdefault(step, {})[tag] = float(value).hex()
+    return out
+
+
+def lightning_door(folder: Path) -> dict:
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+
+    class Wrapped(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.model(input_ids=x, labels=_labels(x)).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def loss_fn(module, batch):
+        out = module.model(input_ids=batch[0], labels=_labels(batch[0]))
+        return out.logits, out.loss
+
+    monitor = LayerNormMonitor(every_n_steps=EVERY, keep_history=True)
+    invariance = FinalNormInvarianceMonitor(every_n_steps=EVERY, probe_batch=(_tokens()[:PROBE],),
+                                            loss_fn=loss_fn, keep_history=True)
+    trainer = L.Trainer(max_steps=STEPS, logger=CSVLogger(str(folder)), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        callbacks=[monitor, invariance])
+    trainer.fit(Wrapped(_gpt2()), DataLoader(TensorDataset(_tokens()), batch_size=ROWS))
+    return {"ladder": _hex(monitor.history), "invariance": _hex(invariance.history)}
+
+
+def transformers_door(folder: Path) -> dict:
+    import transformers
+
+    from lnmonitor import LNMonitorCallback
+
+    data = [{"input_ids": x, "labels": y} for x, y in zip(_tokens(), _labels(_tokens()), strict=True)]
+    args = transformers.TrainingArguments(
+        output_dir=str(folder), per_device_train_batch_size=ROWS, max_steps=STEPS, learning_rate=LR,
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, use_cpu=True,
+        save_strategy="no", report_to=[], logging_steps=EVERY, disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, data_seed=0)
+    trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=data)
+    callback = LNMonitorCallback(trainer, every_n_steps=EVERY, keep_history=True, probe_size=PROBE)
+    trainer.add_callback(callback)
+    trainer.train()
+    return {"all": _hex(callback.history)}
+
+
+def loop_door(_folder: Path) -> dict:
+    import torch
+
+    from lnmonitor import LoopMonitor
+
+    model = _gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    x = _tokens()
+    mask = torch.ones_like(x)
+    mask[1::2, CONTEXT // 2:] = 0  # every second row padded after half its length
+    labels = _labels(x).masked_fill(mask == 0, -100)
+    probe = {"input_ids": x[:PROBE], "attention_mask": mask[:PROBE], "labels": labels[:PROBE]}
+    monitor = LoopMonitor(model, every_n_steps=EVERY, max_steps=STEPS, keep_history=True,
+                          probe_batch=probe, invariance_every_n_steps=EVERY)
+    for step in range(STEPS):
+        with monitor.step(step):
+            model(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    return {"all": _hex(monitor.history)}
+
+
+def dump() -> dict:
+    """Every door's logged values and printed summary."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, door in (("lightning", lightning_door), ("transformers", transformers_door),
+                           ("loop", loop_door)):
+            said = io.StringIO()
+            handler = logging.StreamHandler(said)
+            logging.getLogger("lnmonitor").addHandler(handler)
+            with warnings.catch_warnings(), contextlib.redirect_stderr(said):
+                warnings.simplefilter("ignore")
+                values = door(Path(tmp) / name)
+            logging.getLogger("lnmonitor").removeHandler(handler)
+            out[name] = {"values": values, "said": said.getvalue().splitlines()}
+    return out
+
+
+def compare(before: dict, after: dict) -> list[str]:
+    """What differs between two dumps: one line per tag and step, and per changed line said."""
+    differences = []
+
+    def walk(a, b, where):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if key not in a or key not in b:
+                    differences.append(f"{where}/{key}: only {'after' if key in b else 'before'}")
+                else:
+                    walk(a[key], b[key], f"{where}/{key}")
+        elif a != b:
+            differences.append(f"{where}: {a!r} -> {b!r}")
+
+    walk(before, after, "")
+    return differences
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", help="write the dump here")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two dumps")
+    args = parser.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(Path(p).read_text()) for p in args.compare)
+        differences = compare(before, after)
+        print("\n".join(differences) if differences else "identical, bit for bit")
+        return 1 if differences else 0
+    if not args.out:
+        parser.error("give a file to write the dump to, or --compare BEFORE AFTER")
+    result = dump()
+    Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True))
+    counts = {door: sum(len(s) for part in d["values"].values() for s in part.values())
+              for door, d in result.items()}
+    print(f"wrote {args.out}: values logged by door {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
