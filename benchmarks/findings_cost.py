@@ -3,8 +3,8 @@
 Two costs (docs/findings.md, "Cost"):
 
 * **every step**: the ladder's growth on every training step (the meter's
-  :class:`~lnmonitor.core.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
-  reduction each) and its reading (:func:`lnmonitor.core.findings.every_step`).  Timed two ways:
+  :class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
+  reduction each) and its reading (:func:`lnmonitor.core.findings.reader.every_step`).  Timed two ways:
   (a) whole training steps (forward, backward, AdamW, and the door's end-of-step call) of one model
   with the watch beside an identical copy without, interleaved block by block, as the median of
   the per-block ratios -- the honest whole, but on a shared machine its blocks scatter by
@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from lnmonitor.core.findings import FindingsReader, every_step
-from lnmonitor.core.growth_watch import GrowthWatch
-from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.findings.reader import FindingsReader, every_step
+from lnmonitor.core.meter.growth_watch import GrowthWatch
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 SHAPES = {

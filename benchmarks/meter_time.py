@@ -22,8 +22,8 @@ import time
 
 import torch
 
-import lnmonitor.core.taps as taps
-from lnmonitor.core.meter import LadderMeter
+import lnmonitor.core.meter.taps as taps
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 VOCAB = 96

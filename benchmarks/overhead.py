@@ -96,8 +96,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lnmonitor.core.invariance_probe import InvarianceProbe
-from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.invariance.probe import InvarianceProbe
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.tiny.corpus import load_corpus

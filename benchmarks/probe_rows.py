@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from lnmonitor.core.invariance import final_norm_invariance
-from lnmonitor.core.norms import find_norms
+from lnmonitor.core.invariance.measure import final_norm_invariance
+from lnmonitor.core.norms.find import find_norms
 from lnmonitor.tiny.checkpoint import load_checkpoint
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.data import CharDataModule

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lnmonitor.core.metric_names import parse, per_norm
+from lnmonitor.core.output.metric_names import parse, per_norm
 from lnmonitor.views.events import read_run
 from lnmonitor.views.names import short_names
 from lnmonitor.views.plotting import new_figure, save_png

@@ -33,13 +33,13 @@ def _lazy_attributes(package: str, table: dict[str, str]):
     return __getattr__
 
 
-# Lazy, so that `import lnmonitor.core.geometry` (layer 1) does not import Lightning, and a
+# Lazy, so that `import lnmonitor.core.maths.geometry` (layer 1) does not import Lightning, and a
 # plain loop's `from lnmonitor import LoopMonitor` imports neither Lightning nor transformers.
 __getattr__ = _lazy_attributes(__name__, {
     "LayerNormMonitor": "lnmonitor.lightning",
     "FinalNormInvarianceMonitor": "lnmonitor.lightning",
     "StructureProbe": "lnmonitor.lightning",
-    "register_norm": "lnmonitor.core.registry",
+    "register_norm": "lnmonitor.core.norms.registry",
     "LoopMonitor": "lnmonitor.integrations.loop",
     "LNMonitorCallback": "lnmonitor.integrations.transformers",
 })

@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnmonitor import LayerNormMonitor, StructureProbe
-from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
-from lnmonitor.core.norms import find_norms
-from lnmonitor.core.taps import NormTap
+from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
+from lnmonitor.core.meter.taps import NormTap
+from lnmonitor.core.norms.find import find_norms
 from lnmonitor.tiny import CharDataModule, TinyGPTModule, load_corpus
 from lnmonitor.tiny.checkpoint import load_checkpoint
 from lnmonitor.tiny.train import Recipe

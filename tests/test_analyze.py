@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lnmonitor.commands.cli import main
-from lnmonitor.core.norms import find_norms
+from lnmonitor.core.norms.find import find_norms
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import analyze, study_ladder
 from lnmonitor.experiments.analysis_report import headline_rows, to_markdown

@@ -1,4 +1,4 @@
-"""lnmonitor.core.arguments: every public constructor argument of the three callbacks, fuzzed
+"""lnmonitor.core.monitor.arguments: every public constructor argument of the three callbacks, fuzzed
 with nonsense, is refused at construction with a MisconfigurationException that names it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core.findings import KINDS
-from lnmonitor.core.invariance_results import CASES
+from lnmonitor.core.findings.reader import KINDS
+from lnmonitor.core.invariance.results import CASES
 
 
 def _int(v, low=None):

@@ -47,9 +47,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
-from lnmonitor.core.invariance_results import CASES
-from lnmonitor.core.reductions import ROUNDING_ROW
+from lnmonitor.core.invariance.results import CASES
+from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
+from lnmonitor.core.maths.reductions import ROUNDING_ROW
 
 transformers = pytest.importorskip("transformers")
 

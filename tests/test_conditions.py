@@ -16,9 +16,9 @@ from conftest import gpt
 from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.histograms import SIGMA_RESOLUTION
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.norms import find_norms
+from lnmonitor.core.maths.histograms import SIGMA_RESOLUTION
+from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.norms.find import find_norms
 
 transformers = pytest.importorskip("transformers")
 

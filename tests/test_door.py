@@ -18,7 +18,7 @@ from conftest import gpt, loader
 from lightning.pytorch.callbacks import Callback
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core.door import History, Voice, entry_points, guarded
+from lnmonitor.core.monitor.shared import History, Voice, entry_points, guarded
 from lnmonitor.integrations.loop import LoopMonitor
 
 STEPS = 4

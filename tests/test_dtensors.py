@@ -14,8 +14,8 @@ import torch.distributed as dist
 from conftest import free_port
 from torch import nn
 
-from lnmonitor.core import dtensors
-from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.meter import dtensors
+from lnmonitor.core.meter.meter import LadderMeter
 
 
 @pytest.fixture

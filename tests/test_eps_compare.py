@@ -13,7 +13,7 @@ import pytest
 
 from lnmonitor.commands.cli import main
 from lnmonitor.commands.recipe_arguments import parse_shard
-from lnmonitor.core import files
+from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments import report, store
 from lnmonitor.experiments.eps_compare import run_experiment

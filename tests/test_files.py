@@ -1,4 +1,4 @@
-"""lnmonitor.core.files: atomic writes keep the old file when a write fails; JSON is strict."""
+"""lnmonitor.core.output.files: atomic writes keep the old file when a write fails; JSON is strict."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lnmonitor.core import files
+from lnmonitor.core.output import files
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""Findings (lnmonitor.core.findings), the signals they read (core.signals), the scales no norm
-governs (core.scales), the testbed's events and the peers' rules (experiments.stability_events),
-the tiny recipe's stability options, and no finding where nothing is wrong."""
+"""Findings (lnmonitor.core.findings.reader), the signals they read (core.findings.signals), the
+scales no norm governs (core.findings.scales), the testbed's events and the peers' rules
+(experiments.stability_events), the tiny recipe's stability options, and no finding where nothing is wrong."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import lnmonitor
-from lnmonitor.core.arguments import ArgumentError
-from lnmonitor.core.findings import (
+from lnmonitor.core.findings.reader import (
     EPS_COSTS,
     EPS_KNEE,
     KINDS,
@@ -24,10 +23,11 @@ from lnmonitor.core.findings import (
     long_form,
     state_from_health,
 )
+from lnmonitor.core.findings.scales import ScaleTap, attention_logit_max, output_logit_scales
+from lnmonitor.core.findings.signals import crosses, growth_jump, growth_rate, step_signals
 from lnmonitor.core.hooks import unmeasured
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.scales import ScaleTap, attention_logit_max, output_logit_scales
-from lnmonitor.core.signals import crosses, growth_jump, growth_rate, step_signals
+from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.monitor.arguments import ArgumentError
 from lnmonitor.experiments import stability_events as ev
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import Recipe
@@ -332,7 +332,7 @@ EPS_DELAY_RECORDS = {
 
 
 def test_the_eps_finding_cites_the_steps_each_configuration_lost():
-    from lnmonitor.core.findings import EPS_DELAYS
+    from lnmonitor.core.findings.reader import EPS_DELAYS
     from lnmonitor.experiments.eps_delay import delays
 
     results = Path(__file__).resolve().parents[1] / "results"
@@ -642,8 +642,8 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "result
 def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_tested_ones():
     """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, which
     passed the rule to ship; eps_dominates: the fitted testbed's."""
-    from lnmonitor.core.findings import TESTBED
-    from lnmonitor.core.signals import CANDIDATES
+    from lnmonitor.core.findings.reader import TESTBED
+    from lnmonitor.core.findings.signals import CANDIDATES
     from lnmonitor.experiments import stability_heldout as H
     from lnmonitor.experiments import stability_heldout_table as T
     from lnmonitor.experiments.stability_table import PEERS, analyse, load_records, signal_figures

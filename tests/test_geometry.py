@@ -1,4 +1,4 @@
-"""Tests for lnmonitor.core.geometry: closed forms pinned against autograd, float64 references
+"""Tests for lnmonitor.core.maths.geometry: closed forms pinned against autograd, float64 references
 built independently (numpy/QR/SVD)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import qr_share
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lnmonitor.core import geometry as G
+from lnmonitor.core.maths import geometry as G
 
 KINDS = ("layer", "rms")
 EPSS = (0.0, 1e-5, 1e-1)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import lnmonitor
-from lnmonitor.core.growth_watch import GrowthWatch, row_rms
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.signals import step_signals
+from lnmonitor.core.findings.signals import step_signals
+from lnmonitor.core.meter.growth_watch import GrowthWatch, row_rms
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 
@@ -327,7 +327,7 @@ def test_under_torch_compile_the_growth_is_said_to_be_read_on_measured_steps_onl
 def test_without_a_finding_that_reads_the_growth_nothing_is_watched():
     """findings=False, or the growth's kinds turned off: the every-step watch is not attached
     (it would cost every step for nothing)."""
-    from lnmonitor.core.findings import GROWTH_SIGNALS, KINDS
+    from lnmonitor.core.findings.reader import GROWTH_SIGNALS, KINDS
     from lnmonitor.integrations.loop import LoopMonitor
 
     growth_kinds = {name: None for name, kind in KINDS.items() if kind.signal in GROWTH_SIGNALS}

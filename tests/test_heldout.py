@@ -1,4 +1,4 @@
-"""lnmonitor.core.heldout: the held-out tools measure through the meter -- one checkpoint gives
+"""lnmonitor.core.meter.heldout: the held-out tools measure through the meter -- one checkpoint gives
 the monitors' numbers, to the bit on the same rows; the model is left as it was."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from conftest import PROBE_WIDTH
 from torch import nn
 
-from lnmonitor.core.heldout import held_out_result
-from lnmonitor.core.histograms import SHARE_RESOLUTION
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.roles import FINAL, POST
+from lnmonitor.core.maths.histograms import SHARE_RESOLUTION
+from lnmonitor.core.meter.heldout import held_out_result
+from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.norms.roles import FINAL, POST
 from lnmonitor.experiments.analysis import analyze
 from lnmonitor.integrations.loop import LoopMonitor
 

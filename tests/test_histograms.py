@@ -1,4 +1,4 @@
-"""lnmonitor.core.histograms: fixed-bin quantiles within one bin over the whole float32 range,
+"""lnmonitor.core.maths.histograms: fixed-bin quantiles within one bin over the whole float32 range,
 the vectorised quantiles equal to the one-histogram reference."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lnmonitor.core import histograms as H
+from lnmonitor.core.maths import histograms as H
 
 
 @settings(max_examples=40, deadline=None)

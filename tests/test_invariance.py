@@ -1,4 +1,4 @@
-"""lnmonitor.core.invariance: the final-norm cases behave as the maths of docs/design.md says."""
+"""lnmonitor.core.invariance.measure: the final-norm cases behave as the maths of docs/design.md says."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor.core.final_norm import find_final_norm
-from lnmonitor.core.invariance import final_norm_invariance
-from lnmonitor.core.invariance_results import CASES, SWEEP_SCALES
-from lnmonitor.core.loss_contract import default_loss, split_output
-from lnmonitor.core.norms import find_norms
-from lnmonitor.core.taps import NormTap
+from lnmonitor.core.invariance.loss_contract import default_loss, split_output
+from lnmonitor.core.invariance.measure import final_norm_invariance
+from lnmonitor.core.invariance.results import CASES, SWEEP_SCALES
+from lnmonitor.core.meter.taps import NormTap
+from lnmonitor.core.norms.final_norm import find_final_norm
+from lnmonitor.core.norms.find import find_norms
 
 
 def tiny(norm="layer", eps=1e-5, seed=0):
@@ -130,7 +130,7 @@ def test_a_norm_declared_as_what_it_does_not_compute_is_refused_not_measured():
     """NotCentred declares itself a LayerNorm but does not centre: its declaration does not
     reproduce its output, so it is refused with the mismatch; declared as the RMSNorm it is,
     its shift case moves the loss (shifts are not an RMSNorm invariance)."""
-    from lnmonitor.core.norms import discover_norms
+    from lnmonitor.core.norms.find import discover_norms
 
     model = tiny()
     model.lnf = NotCentred(32)
@@ -217,13 +217,13 @@ def test_a_failure_entering_the_probe_context_undoes_what_it_entered(monkeypatch
 
 
 def _points(*pairs):
-    from lnmonitor.core.invariance_results import SweepPoint
+    from lnmonitor.core.invariance.results import SweepPoint
 
     return [SweepPoint(a, dl, ev, True, False) for a, dl, ev in pairs]
 
 
 def test_the_sweep_is_fitted_on_one_sign_and_at_least_three_points():
-    from lnmonitor.core.sweep import fit_sweep, fitted
+    from lnmonitor.core.invariance.sweep import fit_sweep, fitted
 
     law = _points(*[(a, 0.05 * ev, ev) for a, ev in ((0.1, 1e-4), (0.01, 1e-2), (0.003, 0.1), (0.001, 1.0))])
     slope, constant, note = fit_sweep(law)

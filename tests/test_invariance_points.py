@@ -12,9 +12,9 @@ import warnings
 import torch
 from conftest import gpt, windows
 
-from lnmonitor.core.door import Voice
-from lnmonitor.core.invariance_points import LOSS_FN_ADVICE, InvariancePoints
-from lnmonitor.core.invariance_probe import InvarianceProbe
+from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
+from lnmonitor.core.invariance.probe import InvarianceProbe
+from lnmonitor.core.monitor.shared import Voice
 
 
 def _points(loss_fn=None, scales=(1e-1, 1e-2, 1e-3), model=None,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lnmonitor.commands.cli import main
-from lnmonitor.core import files
+from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments import law, store
 from lnmonitor.experiments.statistics import paired_difference

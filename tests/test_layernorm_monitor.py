@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core import random_baseline
-from lnmonitor.core.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.maths import random_baseline
+from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 from lnmonitor.tiny import TinyGPTModule
 
 
@@ -361,7 +361,7 @@ def test_a_variance_far_below_1e_10_is_read_not_clamped():
 
 
 def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monkeypatch):
-    import lnmonitor.core.taps as taps
+    import lnmonitor.core.meter.taps as taps
 
     def broken(*args):
         raise RuntimeError("a model the taps do not understand")
@@ -379,7 +379,7 @@ def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monke
 @pytest.mark.parametrize("finish", ["finish_rows", "finish_layernorm_backward"])
 def test_an_error_finishing_the_rows_at_the_step_end_turns_the_monitor_off_and_training_goes_on(
         monkeypatch, finish):
-    import lnmonitor.core.step_rows as step_rows
+    import lnmonitor.core.meter.step_rows as step_rows
 
     def broken(*args):
         raise RuntimeError("rows the taps cannot finish")

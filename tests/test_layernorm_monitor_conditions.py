@@ -45,9 +45,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core import random_baseline
-from lnmonitor.core.norms import describe_norm, find_norms
-from lnmonitor.core.registry import register_norm, unregister_norm
+from lnmonitor.core.maths import random_baseline
+from lnmonitor.core.norms.find import describe_norm, find_norms
+from lnmonitor.core.norms.registry import register_norm, unregister_norm
 from lnmonitor.tiny import CharDataModule, TinyGPTModule
 
 pytestmark = pytest.mark.filterwarnings(
@@ -129,7 +129,7 @@ def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monk
 
     # 1. as on a torch without torch.compiler.set_stance: the hooks never fire
     with monkeypatch.context() as patch:
-        patch.setattr("lnmonitor.core.meter.eager", contextlib.nullcontext)
+        patch.setattr("lnmonitor.core.meter.meter.eager", contextlib.nullcontext)
         blind = monitor(every_n_steps=2)
         _, caught = fit(module, loader(12, 4), [blind], 2)
     assert sum("none of the 3 selected norms ran with gradient" in w for w in caught) == 1

@@ -34,9 +34,9 @@ def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
         for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
             sys.modules[name] = None  # any import of Lightning now fails
         import torch
-        from lnmonitor.core.meter import LadderMeter
+        from lnmonitor.core.meter.meter import LadderMeter
         from lnmonitor.integrations.loop import LoopMonitor
-        import lnmonitor.core.invariance_probe, lnmonitor.core.heldout, lnmonitor.core.writers
+        import lnmonitor.core.invariance.probe, lnmonitor.core.meter.heldout, lnmonitor.core.output.writers
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
                                     torch.nn.LayerNorm(8))
         meter = LadderMeter(model)

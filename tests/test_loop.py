@@ -11,7 +11,7 @@ from conftest import fit, gpt, loader
 from lightning.pytorch import Callback
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 

@@ -8,8 +8,8 @@ import math
 import torch
 from conftest import MemoryLogger
 
-from lnmonitor.core.invariance_results import PROBE_WINDOWS
-from lnmonitor.core.probe_rows import first_samples, probe_batch
+from lnmonitor.core.invariance.probe_rows import first_samples, probe_batch
+from lnmonitor.core.invariance.results import PROBE_WINDOWS
 from lnmonitor.experiments.measure import held_out_measurement, held_out_probe
 from lnmonitor.lightning import FinalNormInvarianceMonitor
 from lnmonitor.tiny.checkpoint import load_checkpoint

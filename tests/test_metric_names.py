@@ -11,8 +11,8 @@ import pytest
 from conftest import char_data, trainer
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.findings import KINDS
-from lnmonitor.core.metric_names import (
+from lnmonitor.core.findings.reader import KINDS
+from lnmonitor.core.output.metric_names import (
     FAMILIES,
     INVARIANCE_CASES,
     Metric,

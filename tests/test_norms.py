@@ -1,4 +1,4 @@
-"""lnmonitor.core.norms, .registry and .identify: which modules are norms, of which kind, eps and
+"""lnmonitor.core.norms.find, .registry and .identify: which modules are norms, of which kind, eps and
 gain (checked against their own output), and selection by glob."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from conftest import free_port
 from torch import nn
 
-from lnmonitor.core.geometry import normalise
-from lnmonitor.core.norms import discover_norms, find_norms, select_norms
-from lnmonitor.core.registry import register_norm, unregister_norm
-from lnmonitor.core.roles import assign_roles, expected_final
+from lnmonitor.core.maths.geometry import normalise
+from lnmonitor.core.norms.find import discover_norms, find_norms, select_norms
+from lnmonitor.core.norms.registry import register_norm, unregister_norm
+from lnmonitor.core.norms.roles import assign_roles, expected_final
 
 # ---------------------------------------------------------------------------
 # discovery
@@ -133,8 +133,8 @@ FSDP2_UNITS = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from lnmonitor.core.geometry import normalise
-    from lnmonitor.core.norms import discover_norms
+    from lnmonitor.core.maths.geometry import normalise
+    from lnmonitor.core.norms.find import discover_norms
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, 4))

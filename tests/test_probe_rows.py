@@ -1,4 +1,4 @@
-"""The probe rows (:mod:`lnmonitor.core.probe_rows`): batches padded to different lengths
+"""The probe rows (:mod:`lnmonitor.core.invariance.probe_rows`): batches padded to different lengths
 joined exactly as the collator pads all their rows at once, on either side; what cannot be
 joined said once by name; any mapping is keyword inputs; and the Lightning door measuring on
 padded validation batches of different lengths (it turned itself off, blaming loss_fn=).
@@ -18,8 +18,8 @@ from test_transformers_door import PAD, llama, records, tokenizer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor  # noqa: E402
-from lnmonitor.core.loss_contract import default_loss  # noqa: E402
-from lnmonitor.core.probe_rows import Padding, first_samples, pad_id_of  # noqa: E402
+from lnmonitor.core.invariance.loss_contract import default_loss  # noqa: E402
+from lnmonitor.core.invariance.probe_rows import Padding, first_samples, pad_id_of  # noqa: E402
 
 
 def _collated(tok, rows: list[dict], batch: int) -> DataLoader:

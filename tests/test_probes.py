@@ -1,4 +1,4 @@
-"""lnmonitor.core.probes on a freshly trained tiny GPT: each norm's Jacobian against autograd, block
+"""lnmonitor.core.probes.structure on a freshly trained tiny GPT: each norm's Jacobian against autograd, block
 versus branch rank, gain spread."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from conftest import (
 )
 from torch import nn
 
-from lnmonitor.core import random_baseline
-from lnmonitor.core.blocks import SequenceCapture, find_blocks, resolve_branch
-from lnmonitor.core.heldout import held_out_result
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.norms import find_norms
-from lnmonitor.core.probes import numerical_rank, probe_block_rank, probe_norm_jacobian
+from lnmonitor.core.maths import random_baseline
+from lnmonitor.core.meter.heldout import held_out_result
+from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.norms.find import find_norms
+from lnmonitor.core.probes.blocks import SequenceCapture, find_blocks, resolve_branch
+from lnmonitor.core.probes.structure import numerical_rank, probe_block_rank, probe_norm_jacobian
 from lnmonitor.tiny.module import TinyGPTModule
 
 

@@ -1,6 +1,6 @@
-"""Tests for lnmonitor.core.random_baseline: the closed forms of the random share, their
+"""Tests for lnmonitor.core.maths.random_baseline: the closed forms of the random share, their
 types and refusals, and seeded Monte Carlo of random directions (and of the shares
-:func:`lnmonitor.core.geometry.dead_plane_share` measures on random gradients)."""
+:func:`lnmonitor.core.maths.geometry.dead_plane_share` measures on random gradients)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy import integrate, special
 
-from lnmonitor.core import geometry as G
-from lnmonitor.core import random_baseline as B
+from lnmonitor.core.maths import geometry as G
+from lnmonitor.core.maths import random_baseline as B
 
 KINDS = ("layer", "rms")
 

@@ -1,4 +1,5 @@
-"""lnmonitor.core.reductions: the hot path's per-row numbers, by either path, equal each other and float64."""
+"""lnmonitor.core.maths.reductions: the hot path's per-row numbers, by either path, equal each other
+and float64."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import torch
 from torch import nn
 
 from lnmonitor.core import torch_internals
-from lnmonitor.core.norms import find_norms
-from lnmonitor.core.reductions import (
+from lnmonitor.core.maths.reductions import (
     drop_rounding_rows,
     finish_layernorm_backward,
     finish_rows,
@@ -18,7 +18,8 @@ from lnmonitor.core.reductions import (
     row_values,
     stack_raw,
 )
-from lnmonitor.core.taps import NormTap
+from lnmonitor.core.meter.taps import NormTap
+from lnmonitor.core.norms.find import find_norms
 
 
 def row_reductions(x, g, kind, weight=None):
@@ -102,7 +103,7 @@ def test_a_tapped_step_finishes_each_call_as_alone_padding_included():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_reduced_in_chunks_equal_rows_reduced_at_once(monkeypatch, dtype):
     # wide norms and long batches are reduced a chunk of rows at a time (bounded temporaries)
-    import lnmonitor.core.reductions as R
+    import lnmonitor.core.maths.reductions as R
 
     torch.manual_seed(8)
     x, g, gain = torch.randn(300, 48).to(dtype), torch.randn(300, 48).to(dtype), torch.rand(48) + 0.5

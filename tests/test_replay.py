@@ -1,4 +1,4 @@
-"""The invariance probe's replay of what runs before the final norm (lnmonitor.core.replay).
+"""The invariance probe's replay of what runs before the final norm (lnmonitor.core.invariance.replay).
 
 Every pass of the probe after the first replays the calls that finished before the final
 norm; the probe must give, to the bit, what it gives when every pass runs whole."""
@@ -12,9 +12,9 @@ import torch
 from test_compatibility import FAMILIES, data
 from torch import nn
 
-from lnmonitor.core.invariance import final_norm_invariance
-from lnmonitor.core.invariance_results import CASES
-from lnmonitor.core.replay import PrefixReplay
+from lnmonitor.core.invariance.measure import final_norm_invariance
+from lnmonitor.core.invariance.replay import PrefixReplay
+from lnmonitor.core.invariance.results import CASES
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 SCALES = (10.0, 1.0, 0.1, 1e-3)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import Net, run_tap
 
-from lnmonitor.core import histograms as H
-from lnmonitor.core import row_stats as R
-from lnmonitor.core.replicas import fingerprints
+from lnmonitor.core.maths import histograms as H
+from lnmonitor.core.maths.replicas import fingerprints
+from lnmonitor.core.meter import row_stats as R
 
 
 def _halves():

@@ -57,7 +57,7 @@ def test_the_report_tables_are_the_statistics_of_the_records(tmp_path):
     import numpy as np
     from scipy import stats
 
-    from lnmonitor.core import files
+    from lnmonitor.core.output import files
     from lnmonitor.experiments import store
 
     # seeds far apart, the eps effect small and steady within a seed: resolved only when paired by seed

@@ -1,4 +1,4 @@
-"""lnmonitor.core.row_stats: the rows histogrammed equal a per-norm reference, merge like one
+"""lnmonitor.core.meter.row_stats: the rows histogrammed equal a per-norm reference, merge like one
 batch, and an empty step reads as nan."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from conftest import (
     run_tap,
 )
 
-from lnmonitor.core import histograms as H
-from lnmonitor.core import row_stats as R
-from lnmonitor.core.step_rows import StepRows
+from lnmonitor.core.maths import histograms as H
+from lnmonitor.core.meter import row_stats as R
+from lnmonitor.core.meter.step_rows import StepRows
 
 
 def test_row_stats_merge_like_one_batch():
@@ -53,7 +53,7 @@ def test_histogram_rows_equals_a_per_norm_reference():
     """Histograms, sums and maxima of mixed widths and kinds, with rows that have no share (zero or
     nan gradient) or no statistic at all (nan, inf or zero var, padding) and a norm without rows,
     against a naive loop."""
-    from lnmonitor.core.step_rows import CallRecord
+    from lnmonitor.core.meter.step_rows import CallRecord
 
     g = torch.Generator().manual_seed(5)
     recs = [CallRecord(1, 50, 16, 1e-5, 2), CallRecord(0, 40, 8, 1e-5, 1), CallRecord(1, 30, 16, 1e-5, 2)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lnmonitor.core.files import read_json
+from lnmonitor.core.output.files import read_json
 from lnmonitor.experiments import store
 from lnmonitor.experiments.run import remeasured
 

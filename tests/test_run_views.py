@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lnmonitor.core.meter import LadderMeter
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.views.run_views import RunViews
 

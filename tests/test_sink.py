@@ -21,7 +21,7 @@ from conftest import (
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.invariance_results import CASES
+from lnmonitor.core.invariance.results import CASES
 from lnmonitor.lightning.sink import MetricSink
 
 

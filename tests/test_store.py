@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lnmonitor.core import files
+from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments import law, store
 from lnmonitor.experiments.over_training import ladder_ends

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lnmonitor import StructureProbe
-from lnmonitor.core.norms import find_norms
+from lnmonitor.core.norms.find import find_norms
 from lnmonitor.tiny.module import TinyGPTModule
 
 

@@ -1,10 +1,10 @@
-"""lnmonitor.core.sweep: every point of the scale sweep says why it is in the fit or not."""
+"""lnmonitor.core.invariance.sweep: every point of the scale sweep says why it is in the fit or not."""
 
 import pytest
 
-from lnmonitor.core import sweep
-from lnmonitor.core.invariance_results import SweepPoint
-from lnmonitor.core.sweep import fit_sweep, fitted
+from lnmonitor.core.invariance import sweep
+from lnmonitor.core.invariance.results import SweepPoint
+from lnmonitor.core.invariance.sweep import fit_sweep, fitted
 
 
 @pytest.mark.parametrize("eps_over_var, in_fit, rounding, fitted, reason", [

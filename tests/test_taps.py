@@ -1,4 +1,4 @@
-"""lnmonitor.core.taps: the hooks' per-row numbers against an independent float64 computation, hooks and
+"""lnmonitor.core.meter.taps: the hooks' per-row numbers against an independent float64 computation, hooks and
 references left behind, autocast and loss scaling, skipped rows."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from conftest import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lnmonitor.core import histograms as H
-from lnmonitor.core import row_stats as R
 from lnmonitor.core import torch_internals
-from lnmonitor.core.norms import find_norms
-from lnmonitor.core.reductions import row_values
-from lnmonitor.core.taps import NormTap
+from lnmonitor.core.maths import histograms as H
+from lnmonitor.core.maths.reductions import row_values
+from lnmonitor.core.meter import row_stats as R
+from lnmonitor.core.meter.taps import NormTap
+from lnmonitor.core.norms.find import find_norms
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

@@ -183,7 +183,7 @@ def test_outside_a_trainer_it_says_so_and_keeps_history(tmp_path):
 
 
 def test_a_wrong_trainer_argument_is_refused_by_name():
-    from lnmonitor.core.arguments import ArgumentError
+    from lnmonitor.core.monitor.arguments import ArgumentError
 
     with pytest.raises(ArgumentError, match=r"pass the other arguments by name"):
         LNMonitorCallback(50)

@@ -160,8 +160,8 @@ def test_the_pictures_name_rungs_as_the_summary_does(monkeypatch):
     and the step picture labels them without it, as the summary's table does (both dropped
     only ``model.`` before: the picture read ``transformer.h.0.ln_1`` where the text read
     ``h.0.ln_1``)."""
-    from lnmonitor.core.ladder import NormStats, ladder_figures
-    from lnmonitor.core.metric_names import per_norm
+    from lnmonitor.core.meter.ladder import NormStats, ladder_figures
+    from lnmonitor.core.output.metric_names import per_norm
     from lnmonitor.views import pictures
 
     names = ["model.transformer.h.0.ln_1", "model.transformer.h.0.ln_2", "model.transformer.ln_f"]

@@ -6,7 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
-from lnmonitor.core.metric_names import parse
+from lnmonitor.core.output.metric_names import parse
 from lnmonitor.errors import UsageError
 
 __all__ = ["register", "run"]

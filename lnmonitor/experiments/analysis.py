@@ -3,7 +3,7 @@
 :func:`analyze` runs the held-out measurement every experiment shares
 (:func:`lnmonitor.experiments.measure.held_out_measurement`: the loss, the meter's result -- the
 figures the monitors log, under their names -- and the invariance probe) and the
-structural probes of :mod:`lnmonitor.core.probes` at one position (each norm's Jacobian
+structural probes of :mod:`lnmonitor.core.probes.structure` at one position (each norm's Jacobian
 against autograd, block versus branch rank).  :mod:`lnmonitor.experiments.analysis_report`
 turns the result into tables, JSON and figures.
 
@@ -21,13 +21,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lnmonitor.core.blocks import SequenceCapture, find_blocks
 from lnmonitor.core.hooks import Hooks, eval_mode
-from lnmonitor.core.invariance_results import InvarianceResult
-from lnmonitor.core.ladder import NormFigures
-from lnmonitor.core.meter import LadderResult
-from lnmonitor.core.probes import BlockRankProbe, NormJacobianProbe, probe_block_rank, probe_norm_jacobian
-from lnmonitor.core.row_stats import RowStats
+from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.meter.ladder import NormFigures
+from lnmonitor.core.meter.meter import LadderResult
+from lnmonitor.core.meter.row_stats import RowStats
+from lnmonitor.core.probes.blocks import SequenceCapture, find_blocks
+from lnmonitor.core.probes.structure import (
+    BlockRankProbe,
+    NormJacobianProbe,
+    probe_block_rank,
+    probe_norm_jacobian,
+)
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.measure import held_out_measurement
 from lnmonitor.tiny.model import TinyGPT
@@ -73,7 +78,7 @@ class StudyRung:
     """One rung of the ladder as the study computed it, on the first :data:`STUDY_SEQUENCES`
     held-out sequences: ``rms`` the global rms over all their rows and features, ``std`` the
     median over rows of the per-row unbiased std (``h.std(-1).median()``, no eps).  Ours
-    (the meter's, :class:`~lnmonitor.core.ladder.NormFigures`) are medians over every measured
+    (the meter's, :class:`~lnmonitor.core.meter.ladder.NormFigures`) are medians over every measured
     row, with ``sigma = sqrt(v + eps)``: different statistics of the same stream, shown beside
     ours as the study's, never under a monitor's name."""
 
@@ -107,7 +112,7 @@ def study_ladder(module, x: torch.Tensor, norms) -> list[StudyRung]:
 @dataclass
 class Analysis:
     """Everything :func:`analyze` measured.  ``result`` is the meter's
-    (:class:`~lnmonitor.core.meter.LadderResult`, read with its histograms): the norms with
+    (:class:`~lnmonitor.core.meter.meter.LadderResult`, read with its histograms): the norms with
     their roles, their figures, the ladder over the rungs and the baselines, exactly as a
     monitor logs them (``result.metrics()``); ``labels`` name the residual-stream point each
     rung reads (the tiny GPT's, :func:`stream_labels`)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor.core import geometry, random_baseline
+from lnmonitor.core.maths import geometry, random_baseline
 from lnmonitor.experiments.analysis import Analysis
 from lnmonitor.experiments.plotting import scatter_sweep, sweep_legend
 from lnmonitor.views.plotting import new_figure, save_png

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor.core import geometry
-from lnmonitor.core.files import finite
+from lnmonitor.core.maths import geometry
+from lnmonitor.core.output.files import finite
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.analysis import REFERENCE, STUDY_NOTE, Analysis
 from lnmonitor.experiments.analysis_figures import write_figures

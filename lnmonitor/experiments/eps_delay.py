@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from lnmonitor.core.files import read_json
+from lnmonitor.core.output.files import read_json
 
 __all__ = ["BUDGETS", "RECORD_SETS", "at", "delay", "delays", "main", "markdown", "reach", "rows",
            "signed_delay", "smooth"]

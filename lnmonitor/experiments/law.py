@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor.core.files import atomic_write_json, atomic_write_text
-from lnmonitor.core.metric_names import per_norm
+from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
+from lnmonitor.core.output.metric_names import per_norm
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.store import eps_label, norm_value, record_rungs
 

@@ -7,12 +7,12 @@ tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
 
 * the loss over every held-out window (eval mode, nats per token);
 * every norm's statistics over the first ``norm_batches`` batches, measured by a
-  :class:`~lnmonitor.core.meter.LadderMeter` as one step (:mod:`lnmonitor.core.heldout`): the
+  :class:`~lnmonitor.core.meter.meter.LadderMeter` as one step (:mod:`lnmonitor.core.meter.heldout`): the
   same role assignment, ladder, baselines and logged names as the monitors';
-* the final norm's invariance cases and scale sweep (:mod:`lnmonitor.core.invariance`) on the
-  *probe rows*: the first :data:`~lnmonitor.core.invariance.PROBE_WINDOWS` held-out windows
+* the final norm's invariance cases and scale sweep (:mod:`lnmonitor.core.invariance.measure`) on the
+  *probe rows*: the first :data:`~lnmonitor.core.invariance.measure.PROBE_WINDOWS` held-out windows
   (spread over the held-out text), whatever ``norm_batches`` is -- the rows the
-  invariance monitor probes by default too (:func:`lnmonitor.core.probe_rows.first_samples`),
+  invariance monitor probes by default too (:func:`lnmonitor.core.invariance.probe_rows.first_samples`),
   so every tool measures one checkpoint on the same rows.  The final norm is the meter's
   (the last residual-stream norm to run).
 
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.heldout import held_out_result
 from lnmonitor.core.hooks import eval_mode
-from lnmonitor.core.invariance import final_norm_invariance
-from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
-from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.probe_rows import first_samples, probe_batch
+from lnmonitor.core.invariance.measure import final_norm_invariance
+from lnmonitor.core.invariance.probe_rows import first_samples, probe_batch
+from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
+from lnmonitor.core.meter.heldout import held_out_result
+from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.norms.find import NormInfo
 
 __all__ = ["Measurement", "held_out_loss", "held_out_measurement", "held_out_probe", "tiny_loss"]
 
@@ -87,7 +87,7 @@ def held_out_measurement(
     """Measure ``module`` on the held-out ``batches`` (see the module docstring).
 
     ``norm_batches``: how many batches the norm statistics use (all when None); ``counts``:
-    keep the row statistics' histograms (:func:`lnmonitor.core.heldout.held_out_result`).
+    keep the row statistics' histograms (:func:`lnmonitor.core.meter.heldout.held_out_result`).
     """
     val_loss = held_out_loss(module, batches)
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lnmonitor.core.metric_names import per_norm
+from lnmonitor.core.output.metric_names import per_norm
 from lnmonitor.experiments.statistics import interval
 from lnmonitor.experiments.store import eps_label, record_final, record_rungs
 

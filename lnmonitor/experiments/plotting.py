@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 
-from lnmonitor.core.sweep import REASONS, sweep_reason
+from lnmonitor.core.invariance.sweep import REASONS, sweep_reason
 
 __all__ = ["scatter_sweep", "sweep_legend"]
 
 
-# marker and fill of a sweep point, per reason (lnmonitor.core.sweep.REASONS)
+# marker and fill of a sweep point, per reason (lnmonitor.core.invariance.sweep.REASONS)
 _SWEEP_STYLE = {"fitted": ("o", True), "too_few": ("s", False), "sign": ("D", False),
                 "outside": ("o", False), "rounding": ("x", True)}
 
@@ -19,7 +19,7 @@ _SWEEP_STYLE = {"fitted": ("o", True), "too_few": ("s", False), "sign": ("D", Fa
 def scatter_sweep(ax, points, fitted: bool, color: str) -> set[str]:
     """One run's scale-sweep points ``(eps_over_var, dloss, in_fit, rounding)`` on ``ax``
     (log-log, abs(delta loss)), each drawn in the style of its reason
-    (:func:`lnmonitor.core.sweep.sweep_reason`); points whose loss did not move have no
+    (:func:`lnmonitor.core.invariance.sweep.sweep_reason`); points whose loss did not move have no
     logarithm and are left out.  Returns the reasons drawn, for :func:`sweep_legend`."""
     drawn: set[str] = set()
     for reason, (marker, filled) in _SWEEP_STYLE.items():

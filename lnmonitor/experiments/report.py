@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from lnmonitor.core.files import atomic_write_json, atomic_write_text
+from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.over_training import markdown as over_training
 from lnmonitor.experiments.report_figures import (

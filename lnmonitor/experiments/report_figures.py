@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnmonitor.core.metric_names import per_norm
+from lnmonitor.core.output.metric_names import per_norm
 from lnmonitor.experiments.over_training import curve_mean, ladder_ends, loss_gap
 from lnmonitor.experiments.plotting import scatter_sweep, sweep_legend
 from lnmonitor.experiments.statistics import interval
@@ -132,7 +132,7 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
 def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) -> bool:
     """Left: each run's scale sweep, abs(delta loss) against eps/var of the final norm's input,
     with its fitted line ``constant * (eps/var)^slope``; each point's marker says why it is in
-    the fit or not (:data:`lnmonitor.core.sweep.REASONS`). Right: one point per run, the
+    the fit or not (:data:`lnmonitor.core.invariance.sweep.REASONS`). Right: one point per run, the
     float64 output residual and abs(delta loss) of the scale-3 case against the run's own
     eps/var, so the eps values line up along one law."""
     colors = _colors(eps_values)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from lnmonitor.core.files import atomic_write_json
+from lnmonitor.core.output.files import atomic_write_json
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.grid import Experiment, experiment_config
 
@@ -19,7 +19,7 @@ __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
     "record_measurement", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
-from lnmonitor.core.metric_names import parse
+from lnmonitor.core.output.metric_names import parse
 from lnmonitor.experiments.store import (
     RECORD_FORMAT,
     RECORD_NAME,
@@ -64,10 +64,10 @@ def record_measurement(module, batches) -> dict:
     """Everything a run record holds about a trained model, on the held-out ``batches``:
     :func:`lnmonitor.experiments.measure.held_out_measurement` over the first :data:`NORM_WINDOWS`
     windows for the norm statistics.  ``metrics`` are the meter's figures under the names a
-    monitor logs them (:meth:`lnmonitor.core.meter.LadderResult.metrics`); ``norm_info``,
+    monitor logs them (:meth:`lnmonitor.core.meter.meter.LadderResult.metrics`); ``norm_info``,
     ``rungs`` and ``final_norm`` say which norm is which (record format /2,
     :mod:`lnmonitor.experiments.store`)."""
-    from lnmonitor.core import geometry
+    from lnmonitor.core.maths import geometry
     from lnmonitor.experiments.measure import held_out_measurement
 
     m = held_out_measurement(module, batches, norm_batches=max(NORM_WINDOWS // batches[0][0].shape[0], 1))

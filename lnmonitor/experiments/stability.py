@@ -9,8 +9,8 @@ step's loss is at hand) and records:
 
 * every step's training loss (cross-entropy, nats/char) and gradient norm before clipping;
 * on every ``measure_every``-th step, the candidate signals
-  (:func:`lnmonitor.core.signals.step_signals`: the meter's ladder and the
-  :class:`~lnmonitor.core.scales.ScaleTap`'s attention and output logits, per layer too);
+  (:func:`lnmonitor.core.findings.signals.step_signals`: the meter's ladder and the
+  :class:`~lnmonitor.core.findings.scales.ScaleTap`'s attention and output logits, per layer too);
 * the validation loss every ``val_every`` steps on the fixed held-out windows, and at the end.
 
 Records go to ``<out>/<config>/seed=<seed>/result.json`` (written atomically: its presence
@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lnmonitor.core.files import atomic_write_json, read_json
+from lnmonitor.core.output.files import atomic_write_json, read_json
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.grid import data_fingerprint
 from lnmonitor.tiny.recipe import Recipe
@@ -120,9 +120,9 @@ def run_config(config: Config, seed: int, text: str) -> dict:
     """Train ``config`` at ``seed`` and return its record (see the module docstring)."""
     import torch
 
-    from lnmonitor.core.meter import LadderMeter
-    from lnmonitor.core.scales import ScaleTap
-    from lnmonitor.core.signals import step_signals
+    from lnmonitor.core.findings.scales import ScaleTap
+    from lnmonitor.core.findings.signals import step_signals
+    from lnmonitor.core.meter.meter import LadderMeter
     from lnmonitor.tiny.data import CharDataModule, RandomWindows
     from lnmonitor.tiny.module import TinyGPTModule
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lnmonitor.core.files import atomic_write_json, read_json
-from lnmonitor.core.meter import LadderMeter
-from lnmonitor.core.signals import step_signals
+from lnmonitor.core.findings.signals import step_signals
+from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.output.files import atomic_write_json, read_json
 
 __all__ = ["DEFAULT_OUT", "FAMILIES", "MEASURE_EVERY", "RUNS", "STEPS", "HeldOutRun", "run", "run_all"]
 

@@ -7,7 +7,7 @@ Layout under ``<out>``::
     eps=<eps>/seed=<seed>/result.json    one record per finished run (its presence = finished)
     eps=<eps>/seed=<seed>/checkpoints/last.ckpt, events.out.tfevents.*
 
-Every file is written atomically (:mod:`lnmonitor.core.files`). Concurrent shards
+Every file is written atomically (:mod:`lnmonitor.core.output.files`). Concurrent shards
 write only their own run records; the merged ``results.json`` is rebuilt from whatever
 records are on disk.
 
@@ -27,8 +27,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from lnmonitor.core.files import read_json
-from lnmonitor.core.metric_names import baseline_metric, per_norm
+from lnmonitor.core.output.files import read_json
+from lnmonitor.core.output.metric_names import baseline_metric, per_norm
 from lnmonitor.errors import UsageError
 
 __all__ = [

@@ -1,10 +1,10 @@
 """The plain-PyTorch door: the meter and the invariance probe in a training loop of your own
 (nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), in a few added lines.
 
-:class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.LadderMeter` measures
+:class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.meter.LadderMeter` measures
 (every ``every_n_steps``-th and the last), merges them across ``torch.distributed``
 processes when a process group is up, runs the final-norm invariance probe
-(:class:`~lnmonitor.core.invariance.InvarianceProbe`) on held-out rows, and writes from rank
+(:class:`~lnmonitor.core.invariance.measure.InvarianceProbe`) on held-out rows, and writes from rank
 zero to a TensorBoard ``SummaryWriter`` (scalars, the custom-scalars layout and the ladder
 pictures) or a function of your own -- the metric names of the Lightning callbacks.  No
 Lightning is imported.
@@ -18,18 +18,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor.core import arguments
-from lnmonitor.core.discovery import NormSelectionError, choose_norms
-from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
+from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth
 from lnmonitor.core.hooks import model_class, sharded
-from lnmonitor.core.invariance_points import LOSS_FN_ADVICE, InvariancePoints
-from lnmonitor.core.invariance_probe import InvarianceProbe
-from lnmonitor.core.invariance_results import PROBE_WINDOWS, InvarianceResult
-from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
-from lnmonitor.core.probe_rows import map_tensors, probe_batch
-from lnmonitor.core.writers import metric_writer
+from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
+from lnmonitor.core.invariance.probe import InvarianceProbe
+from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
+from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
+from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.shared import History, Voice, due, guarded
+from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms
+from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
+from lnmonitor.core.output.writers import metric_writer
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LoopMonitor"]
@@ -83,8 +83,8 @@ class LoopMonitor:
             the loop to check.
 
     Raises:
-        lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
-        lnmonitor.core.discovery.NormSelectionError: the model has no norm it can measure as asked.
+        lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.
+        lnmonitor.core.norms.discovery.NormSelectionError: the model has no norm it can measure as asked.
         TypeError: ``writer`` is neither a SummaryWriter nor a function.
 
     Example::
@@ -99,11 +99,11 @@ class LoopMonitor:
         (0, True)
 
     Notes (the eps it measured, the rungs, the summary) are printed on rank zero, as
-    Lightning prints its callbacks' (:class:`~lnmonitor.core.door.Voice`: where logging shows
+    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Voice`: where logging shows
     the ``lnmonitor`` logger's INFO, they go there instead); what went wrong is a warning,
     said once.  A writer that raises is said once and dropped; a probe that fails is turned
     off with its reason (:attr:`invariance_off`).  :meth:`start`, :meth:`stop` and
-    :meth:`close` run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns
+    :meth:`close` run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns
     the monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
     """
 

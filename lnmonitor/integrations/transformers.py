@@ -22,17 +22,18 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
         "lnmonitor.integrations.transformers needs transformers: pip install 'lnmonitor[hf]'"
     ) from err
 
-from lnmonitor.core import arguments
-from lnmonitor.core.discovery import NormSelectionError, choose_norms
-from lnmonitor.core.door import History, Voice, due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health, reads_growth, state_from_health
+from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth, state_from_health
 from lnmonitor.core.hooks import model_class, sharded
-from lnmonitor.core.invariance_points import InvariancePoints
-from lnmonitor.core.invariance_probe import InvarianceProbe
-from lnmonitor.core.invariance_results import PROBE_WINDOWS
-from lnmonitor.core.loss_contract import default_loss
-from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import (
+from lnmonitor.core.invariance.loss_contract import default_loss
+from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.invariance.probe import InvarianceProbe
+from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
+from lnmonitor.core.invariance.results import PROBE_WINDOWS
+from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.shared import History, Voice, due, guarded
+from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms
+from lnmonitor.core.output.metric_names import (
     CATEGORY_ORDER,
     INVARIANCE_LAYOUT,
     LADDER_LAYOUT,
@@ -40,7 +41,6 @@ from lnmonitor.core.metric_names import (
     health_metric,
     parse,
 )
-from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
@@ -97,8 +97,8 @@ class LNMonitorCallback(TrainerCallback):
             (``control.should_training_stop``).
 
     Raises:
-        lnmonitor.core.arguments.ArgumentError: an argument of the wrong type or range.
-        lnmonitor.core.discovery.NormSelectionError: when training begins, if the model has no
+        lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.
+        lnmonitor.core.norms.discovery.NormSelectionError: when training begins, if the model has no
             norm it can measure as asked.
 
     Example::
@@ -107,7 +107,7 @@ class LNMonitorCallback(TrainerCallback):
         >>> # trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
         >>> #                                callbacks=[LNMonitorCallback(every_n_steps=50)])
 
-    Every event runs inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
+    Every event runs inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
     a failing integration is dropped with one warning.  Under FSDP the invariance probe is off
     (said once): the doors probe a sharded model only through Lightning.

@@ -1,5 +1,5 @@
 """What every lnmonitor Lightning callback shares: its metric sink, ``history``, the
-messages it says (rank zero), the guard its hooks run in (:func:`lnmonitor.core.door.guarded`)
+messages it says (rank zero), the guard its hooks run in (:func:`lnmonitor.core.monitor.shared.guarded`)
 and the last step it logged in its checkpoint state."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.core.arguments import ArgumentError
-from lnmonitor.core.discovery import NormSelectionError
-from lnmonitor.core.door import Voice, warn_at_user
+from lnmonitor.core.monitor.arguments import ArgumentError
+from lnmonitor.core.monitor.shared import Voice, warn_at_user
+from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.lightning.sink import MetricSink
 
 __all__ = ["MonitorCallback", "misconfiguration"]
@@ -34,7 +34,7 @@ def misconfiguration() -> Iterator[None]:
 class MonitorCallback(Callback):
     """A callback that logs through its own :class:`~lnmonitor.lightning.sink.MetricSink`.
 
-    Its hooks run inside :func:`~lnmonitor.core.door.guarded`: an exception there turns the
+    Its hooks run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off for the rest of the fit with one warning naming the cause (``off_reason``),
     :meth:`shut` removes what it had hooked, and the fit goes on.  A configuration Lightning
     cannot run (``MisconfigurationException``: bad arguments, a model with no norm to measure)

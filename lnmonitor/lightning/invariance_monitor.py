@@ -14,16 +14,21 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.core import arguments
-from lnmonitor.core.discovery import choose_norms, measured_eps_message
-from lnmonitor.core.door import due, guarded
 from lnmonitor.core.hooks import sharded
-from lnmonitor.core.invariance_points import InvariancePoints
-from lnmonitor.core.invariance_probe import InvarianceProbe
-from lnmonitor.core.invariance_results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
-from lnmonitor.core.metric_names import INVARIANCE_LAYOUT, finite_metrics, invariance_metric, run_metric
-from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
+from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.invariance.probe import InvarianceProbe
+from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
+from lnmonitor.core.invariance.results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
+from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.shared import due, guarded
+from lnmonitor.core.norms.discovery import choose_norms, measured_eps_message
+from lnmonitor.core.norms.find import NormInfo
+from lnmonitor.core.output.metric_names import (
+    INVARIANCE_LAYOUT,
+    finite_metrics,
+    invariance_metric,
+    run_metric,
+)
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.probe_loss import probe_loss
 from lnmonitor.views.summary import invariance_lines
@@ -34,14 +39,14 @@ __all__ = ["FinalNormInvarianceMonitor"]
 class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    The Lightning door of :class:`lnmonitor.core.invariance_probe.InvarianceProbe`: it decides when
+    The Lightning door of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
     the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
     batch, at step indices that are multiples of
     ``every_n_steps`` (before that step's update: taken as soon as the previous update is
     done, so that a checkpoint saved then records it; this includes the point after the
     last update) and, with ``on_validation=True``, after each validation (not the sanity
     check; a validation at a step already probed reuses that point), run
-    :func:`lnmonitor.core.invariance.final_norm_invariance`: the five cases of docs/design.md
+    :func:`lnmonitor.core.invariance.measure.final_norm_invariance`: the five cases of docs/design.md
     (one forward pass of the probe rows; the five more replay what ran before the final norm
     and run only the rest).  The scale sweep (8 scales, 7 more passes) runs at
     the end of the fit (the last point), after each validation with ``on_validation=True``,
@@ -57,7 +62,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     reaches the end of training.
 
     Before its first run it checks, with one gradient pass on the probe batch
-    (:func:`lnmonitor.core.final_norm.final_norm_bypass`), that the final norm's input reaches
+    (:func:`lnmonitor.core.norms.final_norm.final_norm_bypass`), that the final norm's input reaches
     the loss only through the norm.  When it does not -- a model without a final norm,
     whose last norm sits inside a block -- the cases would read zero although the loss
     is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs

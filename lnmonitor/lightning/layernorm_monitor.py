@@ -16,14 +16,14 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lnmonitor.core import arguments
-from lnmonitor.core.door import due, guarded
-from lnmonitor.core.findings import door_reader, every_step, health, reads_growth
-from lnmonitor.core.meter import LadderMeter, LadderResult
-from lnmonitor.core.metric_names import LADDER_LAYOUT, hist_metric
-from lnmonitor.core.norms import NormInfo
-from lnmonitor.core.roles import expected_final
-from lnmonitor.core.row_stats import RowStats
+from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth
+from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.meter.row_stats import RowStats
+from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.shared import due, guarded
+from lnmonitor.core.norms.find import NormInfo
+from lnmonitor.core.norms.roles import expected_final
+from lnmonitor.core.output.metric_names import LADDER_LAYOUT, hist_metric
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
@@ -35,7 +35,7 @@ __all__ = ["LayerNormMonitor"]
 class LayerNormMonitor(MonitorCallback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
-    The Lightning door of :class:`lnmonitor.core.meter.LadderMeter`: it decides which steps
+    The Lightning door of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
     the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
     steps (default: the Trainer's
     ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
@@ -46,7 +46,7 @@ class LayerNormMonitor(MonitorCallback):
     input variance ``v`` (mean square for RMSNorm), the stream's mean square, and the
     share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
     span{xhat} for RMSNorm); see docs/design.md.  The rows are counted in fixed-bin
-    histograms (:mod:`lnmonitor.core.histograms`: share resolved to 2.4e-4, sigma and rms to
+    histograms (:mod:`lnmonitor.core.maths.histograms`: share resolved to 2.4e-4, sigma and rms to
     0.39% relative, eps/var to 0.78%, over the whole float32 range), reduced across ranks
     with one ``all_gather`` per logging step, and read on the host once.
 
@@ -83,7 +83,7 @@ class LayerNormMonitor(MonitorCallback):
             for none.  Each kind is warned once per fit (``lnmonitor.HealthWarning``) and
             logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after); a fit resumed from
             a checkpoint continues the same training (the kinds raised are in the checkpoint).
-        on_finding: called with each :class:`~lnmonitor.core.findings.Finding` once per kind
+        on_finding: called with each :class:`~lnmonitor.core.findings.reader.Finding` once per kind
             per fit; returning True stops the fit (``trainer.should_stop``).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only
             when the Trainer has no logger.
@@ -161,7 +161,7 @@ class LayerNormMonitor(MonitorCallback):
       the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
       once when the fit starts) and the others run the compiled code;
     * activation checkpointing: every norm call is measured once (see
-      :mod:`lnmonitor.core.taps`);
+      :mod:`lnmonitor.core.meter.taps`);
     * a selected norm that gets no row in a measured step (never called, or hidden from
       the hooks) is named in a warning, once; nothing is made up for it.
     """

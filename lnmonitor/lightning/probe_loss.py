@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lnmonitor.core.hooks import restored
-from lnmonitor.core.loss_contract import default_loss, split_output
+from lnmonitor.core.invariance.loss_contract import default_loss, split_output
 
 __all__ = ["NoLoss", "probe_loss", "training_step_loss"]
 

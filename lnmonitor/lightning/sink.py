@@ -25,9 +25,9 @@ from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 
-from lnmonitor.core.door import History, Voice, warn_at_user
-from lnmonitor.core.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
-from lnmonitor.core.writers import write_scalars
+from lnmonitor.core.monitor.shared import History, Voice, warn_at_user
+from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
+from lnmonitor.core.output.writers import write_scalars
 
 __all__ = ["MetricSink", "write_histogram"]
 

@@ -16,12 +16,17 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lnmonitor.core import arguments
-from lnmonitor.core.blocks import SequenceCapture, find_blocks, resolve_branch
-from lnmonitor.core.door import guarded
-from lnmonitor.core.metric_names import probe_metric
-from lnmonitor.core.norms import NormInfo, find_norms
-from lnmonitor.core.probes import BlockRankProbe, NormJacobianProbe, probe_block_rank, probe_norm_jacobian
+from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.shared import guarded
+from lnmonitor.core.norms.find import NormInfo, find_norms
+from lnmonitor.core.output.metric_names import probe_metric
+from lnmonitor.core.probes.blocks import SequenceCapture, find_blocks, resolve_branch
+from lnmonitor.core.probes.structure import (
+    BlockRankProbe,
+    NormJacobianProbe,
+    probe_block_rank,
+    probe_norm_jacobian,
+)
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 
 __all__ = ["ProbeResult", "StructureProbe"]
@@ -56,8 +61,8 @@ class StructureProbe(MonitorCallback):
     On the first validation batch the callback keeps, through temporary forward hooks,
     one sequence of each residual block's input and each norm's input row at
     ``position``; at the end of validation it differentiates float64 CPU copies of the
-    blocks (:func:`lnmonitor.core.probes.probe_block_rank`) and of the norms
-    (:func:`lnmonitor.core.probes.probe_norm_jacobian`).  The model itself is not modified and
+    blocks (:func:`lnmonitor.core.probes.structure.probe_block_rank`) and of the norms
+    (:func:`lnmonitor.core.probes.structure.probe_norm_jacobian`).  The model itself is not modified and
     no hook stays registered outside that batch.  For the tiny GPT (width 128, 4 blocks)
     a run costs well under a second on a CPU; for bigger models raise
     ``every_n_validations``.  Sanity-check validation is skipped; only global rank zero

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from lnmonitor.core.metric_names import unsplit
+from lnmonitor.core.output.metric_names import unsplit
 
 __all__ = ["event_file_problem", "event_files", "find_runs", "read_csv_scalars", "read_run", "read_scalars"]
 
@@ -79,7 +79,7 @@ def read_run(folder: Path) -> Curves:
 
 
 def _unsplit(curves: Curves) -> Curves:
-    """``curves`` under :func:`~lnmonitor.core.metric_names.unsplit`'s names; a tag logged both
+    """``curves`` under :func:`~lnmonitor.core.output.metric_names.unsplit`'s names; a tag logged both
     ways keeps the points of the name without the split where both have the step."""
     out: dict[str, dict[int, float]] = {}
     for tag in sorted(curves, key=lambda t: unsplit(t) == t):  # split tags first, plain ones win

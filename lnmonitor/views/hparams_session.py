@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lnmonitor.core.metric_names import ladder_metric, per_norm, run_metric
+from lnmonitor.core.output.metric_names import ladder_metric, per_norm, run_metric
 
 __all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "columns_message", "monitor_columns", "session_protos"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from lnmonitor.core.files import atomic_write_bytes
+from lnmonitor.core.output.files import atomic_write_bytes
 
 __all__ = ["new_figure", "save_png"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from lnmonitor.core.metric_names import per_norm, run_metric
+from lnmonitor.core.output.metric_names import per_norm, run_metric
 from lnmonitor.views.summary import Trail, summary_text
 
 __all__ = ["RunViews", "WriteImage"]

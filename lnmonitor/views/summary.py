@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lnmonitor.core.findings import KINDS, TALL_AT_START, long_form
-from lnmonitor.core.metric_names import (
+from lnmonitor.core.findings.reader import KINDS, TALL_AT_START, long_form
+from lnmonitor.core.output.metric_names import (
     INVARIANCE_CASES,
     baseline_metric,
     health_metric,

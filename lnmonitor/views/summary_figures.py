@@ -16,8 +16,8 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from lnmonitor.core.files import atomic_write_bytes
-from lnmonitor.core.metric_names import baseline_metric, per_norm
+from lnmonitor.core.output.files import atomic_write_bytes
+from lnmonitor.core.output.metric_names import baseline_metric, per_norm
 from lnmonitor.views.names import short_names
 from lnmonitor.views.pictures import heatmap_picture
 from lnmonitor.views.plotting import new_figure, save_png

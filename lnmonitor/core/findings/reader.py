@@ -1,0 +1,389 @@
+"""Findings: what the numbers mean for this run, said once, before the damage.
+
+A :class:`Finding` is a statement about the run that a measured step's figures support: what
+was seen (one sentence with its number), what to try (one sentence) and where in
+docs/findings.md the testbed's figures are (:func:`long_form` gives them to the summary).
+:class:`FindingsReader` reads each measured step's :class:`~lnmonitor.core.meter.meter.LadderResult`
+(and the :class:`~lnmonitor.core.findings.scales.Scales` of that step, when the door took them) through
+:func:`~lnmonitor.core.findings.signals.step_signals` -- nothing is recomputed -- and every step's growth
+(:meth:`FindingsReader.read_growth`, from the meter's every-step watch), and returns a
+:class:`Reading`: the findings raised at this step, the kinds that ended, and the
+``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  The growth is
+judged against the fit's first measured step: a ladder that was tall when the fit began is a
+fact of the checkpoint, said as information, never a finding.  Each kind is raised
+once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
+``on_finding(finding)`` (a user can lower the lr there; returning True asks the door to stop the
+run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
+Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lnmonitor.core.findings.signals import CANDIDATES, crosses, growth_over_start, step_signals
+from lnmonitor.core.monitor.arguments import ArgumentError, function
+from lnmonitor.core.monitor.shared import warn_at_user
+from lnmonitor.core.output.metric_names import health_metric
+from lnmonitor.errors import HealthWarning
+
+if TYPE_CHECKING:
+    from lnmonitor.core.findings.scales import Scales
+    from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+
+__all__ = [
+    "EPS_COSTS", "EPS_DELAYS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind",
+    "FindingsReader", "Reading", "door_reader", "every_step", "health", "long_form", "reads_growth",
+    "state_from_health", "tall_start_message",
+]
+
+# the signals read from the ladder's growth, which the every-step watch feeds
+GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
+
+# What each kind did where it was tested (docs/findings.md), which tests/test_findings.py holds
+# these to: stream_growth on the confirmation part (results/stability-confirm, models and seeds
+# its threshold was not fitted on: lnmonitor.experiments.stability_heldout_table.figures, amended);
+# eps_dominates in the fitted testbed (results/stability: stability_table.signal_figures;
+# peer_hits: the bad runs the better of the two peers' loss rules flagged in time).
+TESTBED: dict[str, dict] = {
+    "stream_growth": dict(bad=64, hits=54, late=1, damaged_only=15, lead=68.5, lead_min=2, lead_max=130,
+                          clean=38, false=2, clean_fine_tunes=6, false_fine_tunes=0, blowups=12,
+                          blowup_hits=9),
+    "eps_dominates": dict(bad=18, clean=14, hits=2, lead=3.5, lead_min=3, lead_max=4, late=0, late_max=None,
+                          false=0, peer_hits=0),
+}
+
+# the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
+# cost validation loss in the grid on the Python help text
+EPS_KNEE = CANDIDATES["first_eps_over_var"][1]
+
+# What a larger eps cost where it was measured (docs/eps.md): eps 0.1 minus eps 1e-5 at GPT-2's
+# init (the first norm's eps/var about 130 at step 0), validation loss after 3,000 steps of the
+# tiny recipe, mean over paired seeds; tests/test_findings.py holds each to its records in results/.
+EPS_COSTS: dict[str, float] = {
+    "LayerNorm on the Python help text": 0.0275,
+    "RMSNorm on the Python help text": 0.0245,
+    "LayerNorm on the standard library's source": 0.1434,
+}
+
+
+# What it cost in steps (docs/eps.md, "The cost as steps lost"): the budget minus the step at
+# which the eps 1e-5 run's validation loss first reached the eps 0.1 run's final one, over each
+# run's own schedule: (budget, median, lowest, highest) over paired seeds; tests/test_findings.py
+# holds each to its records.
+EPS_DELAYS: dict[str, tuple[int, int, int, int]] = {
+    "LayerNorm on the Python help text": (3000, 797, 558, 1044),
+    "LayerNorm on the Python help text, 1,000 steps": (1000, 575, 575, 575),
+    "LayerNorm on the standard library's source": (3000, 1137, 1032, 1281),
+    "LayerNorm on the standard library's source, 1,000 steps": (1000, 609, 594, 624),
+}
+
+
+@dataclass(frozen=True)
+class FindingKind:
+    """One kind of finding: the ``signal`` it reads (a key of
+    :func:`~lnmonitor.core.findings.signals.step_signals`, or ``growth_over_start``), its ``direction``
+    (``">"``, ``"<"``) and default ``threshold``, and its English: ``seen`` (one sentence,
+    formatted with ``value``, ``threshold``, ``step``, ``start`` and ``growth``), ``advice`` (one
+    sentence), ``meant`` (the testbed's figures, formatted with :data:`TESTBED`'s and
+    ``eps_costs``: the long form, for the summary and docs) and ``anchor`` (its section of
+    docs/findings.md)."""
+
+    name: str
+    signal: str
+    direction: str
+    threshold: float
+    seen: str
+    advice: str
+    meant: str
+
+    @property
+    def anchor(self) -> str:
+        return f"docs/findings.md#{self.name}"
+
+
+# The growth a fit's first measured step may already have without a word beyond information:
+# healthy small models start near 1x and sit at 3-5x (docs/design.md); a pretrained checkpoint's
+# ladder is tens to hundreds of times (docs/findings.md): a fact of the model, not of this fit.
+TALL_AT_START = 20.0
+
+KINDS: dict[str, FindingKind] = {k.name: k for k in (
+    FindingKind(
+        "stream_growth", "growth_over_start", ">", 35.0,
+        "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
+        "first's, went from {start:,.1f}x at its first measured step to {growth:,.0f}x at step {step})",
+        "lower the learning rate or add a warm-up",
+        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's "
+        "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
+        "behind the same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps "
+        "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
+        "{clean} runs that trained well; the final norm divides its gradient by this scale, so the "
+        "layers before it learn at a rate you did not choose",
+    ),
+    FindingKind(
+        "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
+        "the first norm's eps is {value:,.0f}x the variance it reads (step {step}; the knee is "
+        "{threshold:g}): it passes eps/(var+eps) of its gradient along its input instead of normalising",
+        "lower eps, or start the stream the first norm reads at a variance well above eps "
+        "(e.g. N(0, 1) embeddings instead of N(0, 0.02))",
+        "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 "
+        "steps in every configuration measured (docs/eps.md): {eps_costs}; the size is the "
+        "corpus's, so read it as a direction, not a figure for this run; in steps of training lost (the "
+        "eps 1e-5 run reached the eps 0.1 run's final loss that much earlier): {eps_delays}, so neither "
+        "figure carries to another corpus or budget; in the stability testbed it "
+        "fired in {hits} of the {bad} runs that went wrong, {lead:g} steps before the loss fell behind, "
+        "and on {false} of the {clean} runs that trained well",
+    ),
+)}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A finding raised at ``step``: its ``kind``, the ``value`` seen against the ``threshold``,
+    and the ``message`` (what was seen, what it meant in the testbed, what to try)."""
+
+    kind: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+
+
+@dataclass
+class Reading:
+    """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
+    no longer do), ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far) and
+    ``stop`` (``on_finding`` returned True for one of them: the door stops the run)."""
+
+    raised: list[Finding] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop: bool = False
+
+
+def _thresholds(value, name: str) -> dict[str, float]:
+    """``None`` (the defaults) or a mapping from kind names to finite thresholds > 0; a kind
+    mapped to ``None`` is off."""
+    defaults = {k: kind.threshold for k, kind in KINDS.items()}
+    if value is None:
+        return defaults
+    if not isinstance(value, Mapping):
+        raise ArgumentError(
+            f"{name} must be None or a dict {{kind: threshold}} over {list(KINDS)}, got {value!r}")
+    unknown = [k for k in value if k not in KINDS]
+    if unknown:
+        raise ArgumentError(f"{name} has unknown kind(s) {unknown}: the kinds are {list(KINDS)}")
+    for kind, threshold in value.items():
+        ok = threshold is None or (isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
+                                   and math.isfinite(threshold) and threshold > 0)
+        if not ok:
+            raise ArgumentError(f"{name}[{kind!r}] must be a finite number > 0, or None to turn it off, "
+                                f"got {threshold!r}")
+    return {**defaults, **{k: (None if v is None else float(v)) for k, v in value.items()}}
+
+
+class FindingsReader:
+    """Reads measured steps into findings (see the module docstring).
+
+    Args:
+        thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
+            kind off); the testbed's figures in each message are for the default thresholds.
+        on_finding: called with each :class:`Finding` once per kind per fit; returning True
+            asks the door to stop the run; an exception from it is said once and it is not
+            called again (training goes on).
+        owner: the name messages start with.
+        warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
+
+    Raises:
+        ArgumentError: a threshold that is not a finite number > 0 or None, an unknown kind,
+            or an ``on_finding`` that is not callable.
+    """
+
+    def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
+                 on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
+                 warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> None:
+        self.thresholds = _thresholds(thresholds, "thresholds")
+        self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
+        self.owner = owner
+        self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
+        self._say = say or (lambda message: None)
+        self.raised: dict[str, Finding] = {}
+        self.holding: set[str] = set()
+        self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
+
+    def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
+        """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
+        The fit's first measured step with a ladder sets the growth every later step is judged
+        against; a ladder already taller than :data:`TALL_AT_START` there is said as information."""
+        if result is None:
+            return Reading()
+        signals = step_signals(result.figures, scales)
+        growth = signals["growth"]
+        if self.start is None and math.isfinite(growth) and growth > 0:
+            self.start = (step, growth)
+            if growth > TALL_AT_START:
+                self._say(tall_start_message(self.owner, step, growth))
+        return self._judge(step, signals)
+
+    def read_growth(self, step: int, growth: float) -> Reading:
+        """The every-step growth of step ``step`` (:meth:`LadderMeter.take_growth`): only
+        ``stream_growth`` is judged, against the fit's first measured step (nothing before it)."""
+        if self.start is None:
+            return Reading()
+        return self._judge(step, {"growth": growth})
+
+    def _judge(self, step: int, signals: dict[str, float]) -> Reading:
+        """Raise, hold and end the kinds whose signal ``signals`` has."""
+        reading = Reading()
+        if self.start is not None:
+            signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
+                                                                         self.start[1])}
+        for name, kind in KINDS.items():
+            threshold = self.thresholds[name]
+            value = signals.get(kind.signal, math.nan)
+            if threshold is None or not math.isfinite(value):
+                continue  # no figure this step: a held kind keeps its state
+            holds = crosses(value, kind.direction, threshold)
+            if holds and name not in self.raised:
+                message = self._message(kind, step, value, threshold, signals.get("growth", math.nan))
+                finding = Finding(name, step, value, threshold, message)
+                self.raised[name] = finding
+                reading.raised.append(finding)
+            if name in self.holding and not holds:
+                reading.ended.append(name)
+            self.holding = (self.holding | {name}) if holds else (self.holding - {name})
+        reading.metrics = {health_metric(k): float(k in self.holding) for k in self.raised}
+        for finding in reading.raised:
+            reading.stop = self._say_finding(finding) or reading.stop
+        return reading
+
+    def _message(self, kind: FindingKind, step: int, value: float, threshold: float, growth: float) -> str:
+        start = self.start[1] if self.start is not None else math.nan
+        seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start, growth=growth)
+        return f"{self.owner}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
+
+    def _say_finding(self, finding: Finding) -> bool:
+        """Warn, and call ``on_finding``; True when it asks to stop the run."""
+        self._warn(finding.message)
+        if self.on_finding is None:
+            return False
+        try:
+            return self.on_finding(finding) is True
+        except Exception as err:  # noqa: BLE001 - the user's callable must not stop training
+            self.on_finding = None
+            self._warn(f"{self.owner}: on_finding raised {type(err).__name__}: {err}; it is not called "
+                       "again in this fit (training goes on). To stop the run from it, return True.")
+            return False
+
+    def reset(self) -> None:
+        """A new fit: every kind may be raised again, against the new fit's first measured step."""
+        self.raised, self.holding, self.start = {}, set(), None
+
+    def state_dict(self) -> dict:
+        """What a resumed fit needs so a kind is not raised twice, and its growth is judged
+        against the same start."""
+        state = {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding)}
+        if self.start is not None:
+            state["start"] = list(self.start)
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.raised = {k: Finding(**f) for k, f in state.get("raised", {}).items()}
+        self.holding = set(state.get("holding", ())) & set(self.raised)
+        start = state.get("start")
+        self.start = (int(start[0]), float(start[1])) if start else None
+
+
+def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
+    """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
+    ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
+    order (a door that keeps no state of its own keeps each change of those values): a kind with a
+    value 1 is raised, at the step of its first (its value, threshold and message were not kept:
+    NaN and a note), and holds when its last value is 1.  Kinds this version does not know are
+    left out; no points: a fresh fit's state."""
+    raised: dict[str, dict] = {}
+    last: dict[str, float] = {}
+    for step, kind, value in points:
+        if kind not in KINDS:
+            continue
+        if value == 1.0 and kind not in raised:
+            note = f"{kind} was raised at step {step}, before the checkpoint this fit resumed from"
+            raised[kind] = vars(Finding(kind, int(step), math.nan, math.nan, note))
+        last[kind] = value
+    return {"raised": raised, "holding": sorted(k for k, v in last.items() if v == 1.0)}
+
+
+def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
+                say: Callable[[str], None] | None = None) -> FindingsReader | None:
+    """The reader a door builds from its ``findings`` argument (None: the default thresholds;
+    a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
+    the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
+    if findings is False:
+        function(on_finding, "on_finding", "on_finding(finding)")
+        return None
+    if findings is True:
+        findings = None
+    if findings is not None and not isinstance(findings, Mapping):
+        raise ArgumentError(f"findings must be None or True (the default thresholds), False (no findings) "
+                            f"or a dict {{kind: threshold}} over {list(KINDS)}, got {findings!r}")
+
+    def warn(message: str) -> None:
+        if speaks():
+            warn_at_user(message, HealthWarning)
+
+    return FindingsReader(thresholds=_thresholds(findings, "findings"), on_finding=on_finding, owner=owner,
+                          warn=warn, say=say)
+
+
+def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
+           stop: Callable[[], object]) -> dict[str, float]:
+    """What a door does with a measured step's findings, in one call: read them (warn, call
+    ``on_finding``), call ``stop()`` when ``on_finding`` asked to stop, and return the
+    ``lnmonitor/health/<kind>`` metrics to log with the step's (empty without a reader)."""
+    if reader is None:
+        return {}
+    reading = reader.read(step, result)
+    if reading.stop:
+        stop()
+    return reading.metrics
+
+
+def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: int,
+               stop: Callable[[], object]) -> Reading:
+    """What a door does at the end of every optimizer step ``step``: close it for the meter's
+    every-step growth and read that (a finding is said at the step the growth crosses, on an
+    accelerator the step after); ``stop()`` when ``on_finding`` asked to stop."""
+    if reader is None or meter is None:
+        return Reading()
+    taken = meter.take_growth(step)
+    if taken is None:
+        return Reading()
+    reading = reader.read_growth(*taken)
+    if reading.stop:
+        stop()
+    return reading
+
+
+def reads_growth(reader: FindingsReader | None) -> bool:
+    """Whether ``reader`` judges a kind read from the ladder's growth: a door's meter watches the
+    growth on every step only then."""
+    return reader is not None and any(
+        kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())
+
+
+def tall_start_message(owner: str, step: int, growth: float) -> str:
+    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first measured step ({step}): "
+            "a fact of the model this fit starts from (a pretrained checkpoint's stream grows tens to "
+            "hundreds of times over depth), not a finding; stream_growth judges the growth from here.")
+
+
+def long_form(kind: str) -> str:
+    """What a kind meant in the testbed, for the end-of-fit summary and docs."""
+    costs = "; ".join(f"+{cost:.4f} nats/char with {where}" for where, cost in EPS_COSTS.items())
+    delays = "; ".join(f"{median:,} of {budget:,} steps ({low:,} to {high:,}) with {where}"
+                       for where, (budget, median, low, high) in EPS_DELAYS.items())
+    return KINDS[kind].meant.format(eps_costs=costs, eps_delays=delays, **TESTBED[kind])

@@ -1,0 +1,5 @@
+"""The final-norm invariance probe: ``measure`` (the cases, in plain torch), ``results`` (its
+cases, scales and result types), ``probe`` (one model's probe with its state), ``points``
+(which steps a door probes at), ``loss_contract`` (what a forward returns and how a batch is
+passed), ``replay`` (the part of a forward before the final norm, replayed), ``sweep`` (the
+scale sweep's fit window) and ``probe_rows`` (the held-out rows it runs on)."""

@@ -1,0 +1,112 @@
+"""The invariance points a door takes: one rule for every door.
+
+Each door (the Lightning invariance monitor, the ``transformers.Trainer`` callback, the plain
+loop) decides *when* a point is due and *where* its numbers go; what happens at a point is
+the same everywhere and written here: a point already taken is not taken again unless its
+sweep is asked for and missing, a non-finite loss is said once and the next point is tried,
+a sweep without a slope is noted once with the reason on the ``lnmonitor`` logger (nothing to
+act on: a short or healthy run often has too few points to fit), and a probe that cannot run
+on this model turns the probe off with its cause and location (the rest of the door goes on),
+naming ``loss_fn=`` when it was the door's default call of the model with the batch that failed.
+
+Example::
+
+    >>> from lnmonitor.core.monitor.shared import Voice
+    >>> points = InvariancePoints("Door", Voice(warn=print))
+    >>> points.take(0, sweep=False) is None  # no probe yet: nothing to take
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from lnmonitor.core.invariance.loss_contract import default_loss
+from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
+from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.monitor.shared import Voice, where
+
+__all__ = ["LOSS_FN_ADVICE", "InvariancePoints"]
+
+_log = logging.getLogger("lnmonitor")
+
+# what a door with a ``loss_fn=`` argument adds when its default call of the model failed
+LOSS_FN_ADVICE = (
+    "The probe called the model with the batch (model(*batch), model(**batch) for a dict) and read "
+    "the loss or (logits, loss) it returned; if your model takes its inputs otherwise (LitGPT's "
+    "GPT(x, y) reads y as input_pos), pass loss_fn=lambda model, batch: <the loss or (logits, loss)>, "
+    "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
+)
+
+
+class InvariancePoints:
+    """The points of one run of ``prober`` on ``batch`` (:meth:`begin`), taken by :meth:`take`;
+    ``owner`` starts the messages ``voice`` says, and ``on_off(reason)``, when given, is called
+    instead of the message when the probe turns off; ``advice`` ends that message when the probe
+    failed running the default loss (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a door
+    with a ``loss_fn=`` argument passes :data:`LOSS_FN_ADVICE`.
+
+    Attributes:
+        off_reason: why the probe is off for this run (None while it is on).
+        last_step: the step of the last point taken (-1: none); a door that keeps its own
+            (a checkpoint's, on resume) sets it.
+        last: the last point's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
+    """
+
+    def __init__(self, owner: str, voice: Voice, on_off=None, advice: str = "") -> None:
+        self.owner = owner
+        self.voice = voice
+        self.advice = advice
+        self._noted: set[str] = set()
+        self._on_off = on_off  # a door whose probe is the door itself turns itself off (and says so)
+        self.prober: InvarianceProbe | None = None
+        self.batch = None
+        self.off_reason: str | None = None
+        self.last_step = -1
+        self.last: InvarianceResult | None = None
+
+    def begin(self, prober: InvarianceProbe | None, batch) -> None:
+        """A new run: probe ``batch`` with ``prober`` (None: the probe does not run)."""
+        self.prober, self.batch = prober, batch
+        self.off_reason, self.last_step, self.last = None, -1, None
+        self._noted = set()
+
+    def off(self, reason: str) -> None:
+        """Turn the probe off for the rest of the run, saying why once (or ``on_off(reason)``)."""
+        self.prober, self.off_reason = None, reason
+        if self._on_off is not None:
+            self._on_off(reason)
+            return
+        self.voice.warn("invariance-off", f"{self.owner}: the invariance probe is off for this run: {reason}")
+
+    def wanted(self, step: int, *, sweep: bool) -> bool:
+        """Whether :meth:`take` would probe ``step`` (its sweep too with ``sweep``)."""
+        if self.prober is None:
+            return False
+        return step > self.last_step or (sweep and self.prober.sweep_missing(step))
+
+    def take(self, step: int, *, sweep: bool) -> tuple[dict[str, float], bool] | None:
+        """The point of ``step`` (the sweep too with ``sweep``): its new finite metrics and
+        whether they extend the point taken last (its sweep added to it); None when nothing
+        was taken (taken already, no probe, a non-finite loss, the probe turned off)."""
+        if not self.wanted(step, sweep=sweep):
+            return None
+        extend = step == self.last_step
+        self.last_step = step
+        try:
+            result, metrics = self.prober.point(self.batch, step, sweep=sweep)
+        except NonFiniteLoss as err:  # this point only: a later one may be finite again
+            self.voice.warn("nan-loss", f"{self.owner}: no invariance point at step {step}: {err}. Said "
+                                        "once; the next point is probed again.")
+            return None
+        except Exception as err:  # noqa: BLE001 - the probe's failure stops the probe, not the training
+            advice = f" {self.advice}" if self.advice and self.prober.loss_fn is default_loss else ""
+            self.off(f"{type(err).__name__}: {err} (raised at {where(err)}).{advice}")
+            return None
+        self.last = result
+        if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
+            self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
+            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.owner, step,
+                      result.fit_note)
+        return metrics, extend

@@ -1,0 +1,444 @@
+"""The meter -- one measured step, from the hooks to the finished numbers.
+
+:class:`LadderMeter` owns everything between a model and the figures of a step, and knows
+nothing of who drives it (a Lightning callback, a ``transformers.Trainer`` callback or a
+plain loop all do)::
+
+    meter = LadderMeter(model)            # discovery, self-check: once
+    with meter.step():                    # hooks on for this step only
+        loss = model(**batch).loss
+        loss.backward()
+    result = meter.result()               # per-norm row statistics, roles, ladder, baselines, metrics
+
+Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
+every forward and backward with gradient is measured, so the micro-batches of a step
+with gradient accumulation are one measured step.  Padding rows are left out of every
+statistic (:class:`lnmonitor.core.meter.padding.RowMasks`).  A norm without gradient (frozen
+inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no share.
+``stop()`` leaves the step's histograms on the device (no host sync);
+:meth:`~LadderMeter.result` merges it across processes (``gather``), reads it on the host
+once, assigns the norms' roles on the first step, and computes every figure with
+:func:`lnmonitor.core.meter.ladder.ladder_figures`.
+
+The meter never raises into training: a hook that cannot measure the model turns it off
+(:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
+key), by default a :class:`~lnmonitor.core.monitor.shared.Voice`; its words are
+:mod:`lnmonitor.core.meter.messages`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
+from lnmonitor.core.maths.histograms import Layout, merge
+from lnmonitor.core.meter import messages as words
+from lnmonitor.core.meter.growth_watch import GrowthWatch
+from lnmonitor.core.meter.ladder import LadderFigures, NormStats, ladder_figures
+from lnmonitor.core.meter.messages import Roles
+from lnmonitor.core.meter.padding import RowMasks
+from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
+from lnmonitor.core.meter.taps import NormTap
+from lnmonitor.core.monitor.shared import Voice
+from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
+from lnmonitor.core.norms.find import NormInfo
+from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
+from lnmonitor.core.output.metric_names import finite_metrics
+
+__all__ = ["Gather", "LadderMeter", "LadderResult"]
+
+Gather = Callable[[Tensor], Tensor]
+"""``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
+``trainer.strategy.all_gather``); or pass the ``torch.distributed`` module itself."""
+
+
+@dataclass
+class LadderResult:
+    """One measured step: per-norm row statistics (merged over micro-batches and processes), the
+    norms with their roles, their figures and ladder (:class:`~lnmonitor.core.meter.ladder.LadderFigures`)."""
+
+    norms: list[NormInfo]
+    row_stats: list[RowStats]
+    figures: LadderFigures
+    unmeasured: list[str]
+
+    def metrics(self, positions: bool = False) -> dict[str, float]:
+        """The finite figures under their logged names; ``positions`` adds each norm's
+        ``ladder_position`` (logged once per run, at its first measured step)."""
+        m = self.figures.metrics()
+        if positions:
+            m.update(self.figures.positions())
+        return finite_metrics(m)
+
+
+class LadderMeter:
+    """Measure the norms of ``model`` on the steps you choose (see the module docstring).
+
+    Args:
+        model: the module whose norms are measured, or the wrapper the user calls (Fabric's,
+            DDP, ``torch.compile``, FSDP1): names are qualified from the user's model inside.
+        include, exclude: ``fnmatch`` glob(s) over qualified names selecting the norms.
+        final_norm: qualified name of the final norm; ``None`` finds it on the first step.
+        ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
+            input flows on past it reads the residual stream).
+        row_mask: ``row_mask(batch)`` -> a bool tensor, True on the rows (tokens) to measure,
+            or None; ``batch`` is what :meth:`use_batch` was given, or the model's keyword
+            inputs.  None (default): :func:`~lnmonitor.core.meter.padding.padding_mask` (an
+            encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
+            counts.
+        owner: the name messages start with (the callback's class name).
+        say: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Voice`'s: the
+            ``lnmonitor`` logger when logging is configured, else standard error).
+        warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
+        watch_growth: take the ladder's growth on every training step once the roles are known
+            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a door
+            turns it off when no finding reads it, so it costs nothing there.
+
+    Raises:
+        NormSelectionError: the model has no normalisation layer, the patterns select none,
+            ``final_norm`` is not a selected norm, or a norm is too narrow for its dead
+            subspace.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        final_norm: str | None = None,
+        ladder: str | Sequence[str] | None = None,
+        row_mask: Callable | bool | None = None,
+        owner: str = "LadderMeter",
+        say: Callable[[str], None] | None = None,
+        warn: Callable[[str, str], None] | None = None,
+        watch_growth: bool = True,
+    ) -> None:
+        self.owner = owner
+        self.final_norm = final_norm
+        self.ladder = ladder
+        voice = Voice()
+        self._say = say or voice.say
+        self._warn = warn or voice.warn
+        self.model = unwrap(model)  # names and inputs are the user's model's, whatever wraps it
+        self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
+        wrapper = unknown_wrapper(self.model)
+        if wrapper:
+            self._warn("wrapper", (
+                f"{owner}: {type(self.model).__name__} looks like a wrapper lnmonitor does not know "
+                f"({wrapper} holds the model): every norm's name starts with it. Pass the model inside it "
+                "to keep the "
+                "names the same whatever wraps the model. Said once."))
+        for info in self.norms:
+            if info.width is not None and info.width <= info.dead_dim:
+                raise NormSelectionError(words.narrow_message(owner, info.name, info.width, info.dead_dim,
+                                                              info.kind))
+        self._names = [info.name for info in self.norms]
+        self.layout = Layout(len(self.norms))
+        self.order: list[str] = []
+        self.roles_known = False
+        self.off_reason: str | None = None
+        self._tap = NormTap(self.norms)
+        self._stance = None
+        self._pending: Tensor | None = None
+        self._eps: dict[int, float] = {}
+        self._resolution: dict[int, float] = {}
+        self._forward_only: set[int] = set()
+        self._unmasked: set[int] = set()  # norms whose rows the step's padding mask did not fit
+        self._ran_forward = False
+        self._said_zero_grad = False  # rows without gradient by construction: said once
+        self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
+        # {norm: stack} (its residual stream), and the stack of the model's ladder: known with the roles
+        self.stack_of: dict[str, str] = {}
+        self.main_stack = ""
+        # an encoder-decoder's decoder norms: their padding is the batch's decoder_attention_mask
+        named = stack_of([n.name for n in self.norms])
+        decoder = {i for i, n in enumerate(self.norms) if named[n.name].rsplit(".", 1)[-1] == "decoder"}
+        self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
+        self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
+        self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
+        self._watch = GrowthWatch()  # the ladder's growth on every step, once the roles are known
+        self.watch_growth = watch_growth
+        said = measured_eps_message(owner, self.norms)
+        if said:
+            self._say(said)
+        if compiled(model):
+            self._say(words.compiled_message(owner))
+
+    # -- one measured step -------------------------------------------------------------
+
+    @property
+    def measuring(self) -> bool:
+        return self._stance is not None
+
+    def start(self) -> None:
+        """Hook the norms until :meth:`stop` (a no-op while measuring or when off)."""
+        if self.off_reason is not None or self.measuring:
+            return
+        # compiled code ignores hooks registered after it compiled (and hooks present while
+        # it compiles break its graph): the measured step runs eagerly
+        self._stance = eager()
+        self._stance.__enter__()
+        self._tap.row_mask = None
+        self._tap.attach(bypass=not self.roles_known)
+        if self._rows.row_mask is not False:
+            self._inputs_hooks.forward_pre(self.model, self._on_inputs, with_kwargs=True)
+
+    def use_batch(self, batch) -> None:
+        """The (micro-)batch about to run: its padding rows are left out (see ``row_mask``)."""
+        if self.measuring and self._rows.row_mask is not False:
+            self._tap.row_mask = self._rows(batch)
+
+    def _on_inputs(self, module, args, kwargs) -> None:
+        """The model's keyword inputs (``model(**batch)``): a padding mask there is used; a
+        probe's forward inside the step (without gradient, or :func:`unmeasured`) is not the
+        step's and leaves the mask alone."""
+        if not (kwargs and measuring() and torch.is_grad_enabled()):
+            return
+        keep = self._rows(kwargs)
+        if keep is not None:
+            self._tap.row_mask = keep
+
+    def stop(self) -> None:
+        """Unhook, and leave the step's histograms on the device for :meth:`result`."""
+        if not self.measuring:
+            return
+        self._unhook()
+        rows = self._tap.collect()
+        if self._tap.error is not None:  # a hook could not measure this model: say so, stop
+            self.off_reason = words.off_reason(self._tap.error)
+            self._warn("off", words.off_message(self.owner, self.off_reason))
+            self._pending = None
+            return
+        if rows.order:
+            self.order = [self.norms[i].name for i in rows.order]
+        self._eps, self._resolution, self._forward_only = rows.eps, rows.resolution, rows.forward_only
+        self._unmasked = rows.unmasked
+        self._ran_forward = bool(rows.order)
+        if rows.calls and not self.roles_known:
+            fewest = min(rows.calls.values())
+            self.reused = {self.norms[i].name for i, c in rows.calls.items() if c > fewest}
+        self._refuse(rows.refused)
+        self._pending = histogram_rows(rows, self.layout, _device(self.model), _several_processes())
+
+    def abort(self) -> None:
+        """End a measured step early (an exception, the end of training): no hook, no row left."""
+        if self.measuring:
+            self._unhook()
+        self._tap.collect()
+        self._pending = None
+
+    def close(self) -> None:
+        """The end of training: :meth:`abort`, and the every-step growth's hooks removed."""
+        self.abort()
+        self._watch.detach()
+
+    def take_growth(self, step: int) -> tuple[int, float] | None:
+        """Close optimizer step ``step`` for the every-step growth
+        (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`): ``(step, growth)`` of the latest
+        step whose value has reached the host, or None (no ladder watched yet, no training
+        forward since the last call, or a copy still on its way from an accelerator).  One of
+        several processes gets None: each sees its own batches, and a finding (and a stop) must be
+        the same on every rank, so there the growth is judged on the measured steps' merged rows."""
+        if self.off_reason is not None:
+            self._watch.detach()
+            return None
+        taken = self._watch.take(step)
+        error = self._watch.error
+        if error is not None:
+            self._warn("growth-watch", f"{self.owner}: the every-step growth stopped: its hook could not "
+                                       f"read the stream ({type(error).__name__}: {error}); the findings "
+                                       "read the growth on measured steps from here.")
+        return taken
+
+    def _unhook(self) -> None:
+        self._tap.detach()
+        self._tap.row_mask = None
+        self._inputs_hooks.remove()
+        stance, self._stance = self._stance, None
+        stance.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[LadderMeter]:
+        """Measure the forward and backward passes run inside the block."""
+        self.start()
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.stop()
+
+    # -- the numbers -------------------------------------------------------------------
+
+    def result(self, gather: Gather | None = None, *, counts: bool = False,
+               label: str = "the measured step") -> LadderResult | None:
+        """The last measured step's numbers, or None when there is none (off, or not measured).
+
+        ``gather``: merge across processes (every process must call this together);
+        ``counts``: keep the histograms in the row statistics; ``label`` names the step in
+        messages (e.g. ``"step 120"``).
+        """
+        flat, self._pending = self._pending, None
+        if flat is None:
+            return None
+        if gather is not None:
+            flat = _gather(flat, gather)
+        row_stats = read(merge(flat, self.layout), self.layout, counts=counts)
+        if not self.roles_known:
+            self._assign_roles(row_stats)
+            self._watch_ladder()
+        unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
+                      if s.rows == 0 and info.name not in self.refused]
+        if len(unmeasured) == len(self.norms) and self._ran_forward:
+            self._say(words.no_backward_message(self.owner, label))
+            return None
+        if unmeasured:
+            self._warn("unmeasured", words.unmeasured_message(self.owner, label, unmeasured, len(self.norms)))
+            if len(unmeasured) == len(self.norms):
+                return None
+        self._say_conditions(row_stats)
+        stats = [self._stats(i, s) for i, s in enumerate(row_stats)]
+        # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
+        stack_of_norm = {n.name: self.stack_of.get(n.name, self.main_stack) for n in self.norms}
+        finals = {stack_of_norm[n.name]: n.name for n in self.norms if n.role == FINAL}
+        ladders: dict[str, list[str]] = {}
+        for name in self.rungs():
+            ladders.setdefault(stack_of_norm[name], []).append(name)
+        rungs = ladders.pop(self.main_stack, [])
+        others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
+        figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
+        return LadderResult(self.norms, row_stats, figures, unmeasured)
+
+    def _refuse(self, refused: dict[int, str]) -> None:
+        """Say once which norms have a layout whose rows cannot be read (the others are measured)."""
+        named = {self.norms[i].name: why for i, why in refused.items()}
+        new = {name: why for name, why in named.items() if name not in self.refused}
+        if not new:
+            return
+        self.refused.update(new)
+        self._warn(f"layout:{','.join(sorted(new))}", words.layout_message(self.owner, new))
+
+    def _say_conditions(self, row_stats: list[RowStats]) -> None:
+        """Say once what this step's conditions did: padding left out, norms without gradient."""
+        if any(s.pad_rows for s in row_stats):
+            self._warn("padding", words.padding_message(self.owner, self._rows.source))
+        vanished = [(info.name, int(s.vanished_grad_rows), s.rows - s.pad_rows)
+                    for info, s in zip(self.norms, row_stats, strict=True) if s.vanished_grad_rows > 0]
+        zero = [(info.name, s.construction_rows) for info, s in zip(self.norms, row_stats, strict=True)
+                if s.construction_rows]
+        if zero and not self._said_zero_grad:
+            self._said_zero_grad = True
+            self._say(words.zero_grad_message(self.owner, zero))
+        if vanished:
+            self._warn("vanished", words.vanished_grad_message(self.owner, vanished))
+        if self._unmasked:
+            names = [self.norms[i].name for i in sorted(self._unmasked)]
+            self._warn("unmasked", words.unmasked_message(self.owner, self._rows.source, names))
+        if self._forward_only:
+            names = [self.norms[i].name for i in sorted(self._forward_only)]
+            self._warn("forward-only", words.forward_only_message(self.owner, names))
+
+    def eps(self, index: int) -> float:
+        """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
+        return self._eps.get(index, self.norms[index].eps())
+
+    def _stats(self, index: int, s: RowStats) -> NormStats:
+        info = self.norms[index]
+        return NormStats(
+            name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
+            var=s.var_median, ms=s.ms_median, share_median=s.share_median, share_p90=s.share_p90,
+            share_max=s.share_max, share_rows=s.share_rows, skipped_rows=s.skipped_rows,
+            zero_grad_rows=s.construction_rows,
+            vanished_grad_rows=s.vanished_grad_rows,
+        )
+
+    def rungs(self) -> list[str]:
+        """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
+        role = {info.name: info.role for info in self.norms}
+        return [name for name in self.forward_order()
+                if (role.get(name) in RUNGS or role.get(name) is None) and name not in self.reused
+                and name not in self.refused]
+
+    def forward_order(self) -> list[str]:
+        """The norms' names in the order they ran (:attr:`order`, a door may restore it), the rest after."""
+        return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
+
+    def _assign_roles(self, row_stats: list[RowStats]) -> None:
+        """Which norms are rungs, from what this step's gradient does at each norm's input."""
+        by_name = {n.name: n for n in self.norms}
+        ordered = [by_name[n] for n in self.forward_order()]
+        bypass = {info.name: s.bypass for info, s in zip(self.norms, row_stats, strict=True)}
+        # a low-precision gradient rounds: what goes around a norm is measured to about its
+        # resolution (bfloat16: 2^-7), so a branch norm's rounding is not read as a residual path
+        tolerance = {self.norms[i].name: max(RUNG_BYPASS_TOLERANCE, 8 * r)
+                     for i, r in self._resolution.items()}
+        found = assign_roles(ordered, bypass, self.ladder, self.final_norm, tolerance)
+        roles = {n.name: n.role for n in found}
+        self.norms = [info.with_role(roles[info.name]) for info in self.norms]
+        self.roles_known = True
+        if self.reused:
+            self._warn("reused", words.reused_message(self.owner, sorted(self.reused)))
+        self.stack_of = stack_of([n.name for n in ordered])
+        ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
+        self.main_stack = self.stack_of[self.final_norm if self.final_norm in self.stack_of else ran[-1]]
+        decided = self._roles(ordered, roles)
+        self._say(words.roles_message(self.owner, decided, bool(self.ladder)))
+        short = words.short_ladder_message(self.owner, decided)
+        if short:
+            self._warn("one-rung", short)
+
+    def _watch_ladder(self) -> None:
+        """Hook the first and last rung of the model's ladder for the every-step growth (not in
+        one of several processes: see :meth:`take_growth`)."""
+        rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
+        if self.watch_growth and len(rungs) >= 2 and not _several_processes():
+            modules = {info.name: info.module for info in self.norms}
+            self._watch.attach(modules[rungs[0]], modules[rungs[-1]])
+
+    def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
+        """The role decision by stack, stacks in forward order (the model's ladder is the one
+        of the norm before the logits)."""
+        order = dict.fromkeys(self.stack_of[n.name] for n in ordered)
+        ladders: dict[str, list[str]] = {stack: [] for stack in order}
+        post: dict[str, list[str]] = {stack: [] for stack in order}
+        finals: dict[str, str] = {}
+        others: list[tuple[str, str]] = []
+        for n in ordered:
+            stack, role = self.stack_of[n.name], roles[n.name]
+            if role in RUNGS and n.name not in self.reused and n.name not in self.refused:
+                ladders[stack].append(n.name)
+            if role not in RUNGS:
+                others.append((n.name, role))
+            if role == POST:
+                post[stack].append(n.name)
+            if role == FINAL:
+                finals[stack] = n.name
+        return Roles(ladders, finals, self.main_stack, others, post)
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several (``torch.distributed`` initialised, world > 1)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather(flat: Tensor, gather) -> Tensor:
+    """``flat`` of every process, stacked: ``gather`` is a function, or ``torch.distributed``."""
+    if hasattr(gather, "all_gather"):  # torch.distributed: all_gather works on every backend (gloo too)
+        if not (gather.is_available() and gather.is_initialized()) or gather.get_world_size() == 1:
+            return flat
+        parts = [torch.empty_like(flat) for _ in range(gather.get_world_size())]
+        gather.all_gather(parts, flat.contiguous())
+        return torch.stack(parts)
+    return gather(flat)

@@ -1,0 +1,355 @@
+"""Tap the selected norms for the duration of one measured step.
+
+:class:`NormTap` registers a forward hook on each selected norm only while a step is
+being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
+exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
+(autograd saves that tensor for the backward anyway, so nothing is copied) and hooks
+the backward; when it fires, a few passes over the call's rows leave five raw float32
+numbers per row on the device and the reference is dropped.
+
+For ``nn.LayerNorm`` (with a float32 or float64 gradient) the hook sits on its backward
+node and reads what that backward has anyway -- the mean and ``1/sqrt(var + eps)`` saved
+in the forward, ``dL/dy`` and the gradient it passes to its input -- so the input
+activation is not read again (:func:`~lnmonitor.core.maths.reductions.layernorm_backward_raw`);
+other norms, and a LayerNorm with a bf16/fp16 gradient (whose rounding that identity
+cannot stand), reduce the input (:func:`~lnmonitor.core.maths.reductions.row_raw`).  The rows
+are reduced a chunk at a time, the float32 temporaries in scratch buffers shared by every
+norm of the step and freed by :meth:`NormTap.collect`, which also finishes every call's
+raw rows together into :data:`lnmonitor.core.maths.reductions.FIELDS`
+(:func:`lnmonitor.core.meter.step_rows.finish_calls`: one chain of small operators per step, none
+per norm in the backward); no ``.item()``/``.cpu()`` is called.
+Forward passes without gradient (validation, probes) are ignored.  Nothing survives the
+step.
+
+Activation checkpointing (``torch.utils.checkpoint``) re-runs the forward of a
+checkpointed region during the backward; each norm call is still measured once.  With
+``use_reentrant=True`` the original forward runs without gradient and is skipped, the
+recomputation is measured; with ``use_reentrant=False`` the original forward is measured
+and the recomputation (a forward inside a backward, under saved-tensor hooks) is skipped.
+Under saved-tensor hooks (checkpointing, ``save_on_cpu``) the forward hook never reads a
+LayerNorm's saved mean/rstd -- that would unpack them and, for checkpointing, run the
+region again inside the forward -- but takes the input path.  The forward order of the
+norms is recorded whatever the grad mode, so a reentrant recomputation (which runs the
+blocks backwards) does not reorder the ladder.  Forward passes run inside
+:func:`lnmonitor.core.hooks.unmeasured` (the probes' own passes) are ignored.  The private
+torch APIs these decisions use are looked up once, with a plain fallback
+(:mod:`lnmonitor.core.torch_internals`).
+
+The gain (``weight``, ``1 + weight``, ...) is read in the forward hook, while the model
+itself has it at hand (a sharded model gathers it for its forward).  With
+``attach(bypass=True)`` a third hook, on the norm's *input*, compares the whole gradient
+there with the part that came through the norm (``J^T dL/dy``, :mod:`lnmonitor.core.meter.bypass`):
+what goes around it (``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says
+whether the norm reads the residual stream, whose input flows on past it, or a branch.  A hook never
+raises into the user's backward: an error stops the tap for the step and is kept in
+:attr:`NormTap.error`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lnmonitor.core import torch_internals
+from lnmonitor.core.hooks import Hooks, measuring
+from lnmonitor.core.maths.reductions import chunk_rows, forward_raw, layernorm_backward_raw, row_raw
+from lnmonitor.core.meter import dtensors
+from lnmonitor.core.meter.bypass import gradient_through, on_stream_gradient
+from lnmonitor.core.meter.step_rows import CallRecord, RawCall, StepRows, finish_calls
+from lnmonitor.core.norms.find import NormInfo
+
+__all__ = ["NormTap"]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """What the hooks of one norm call hold between its forward and its backward: the input,
+    a LayerNorm's saved mean and rstd, the gain, and on the role-finding step the gradient
+    that came through the norm while the input's gradient is awaited.  ``x is None`` once
+    the call is measured (or dropped)."""
+
+    x: Tensor | None
+    saved: tuple | None
+    gain: Tensor | None
+    keep: Tensor | None = None  # the rows that are not padding, when a row mask fits this call
+    awaits_input: bool = False
+    through: Tensor | None = None
+    like: Tensor | None = None  # a DTensor input: its gradient is laid out as it is, then made local
+
+    def clear(self) -> None:
+        self.x = self.saved = self.gain = self.keep = self.through = self.like = None
+
+
+class NormTap:
+    """Hooks on ``norms`` for the duration of one measured step.
+
+    ``attach()`` registers one forward hook per norm; ``detach()`` removes them (and
+    drops whatever a forward without backward left behind); ``collect()`` hands over
+    the rows measured since ``attach()`` and forgets them.
+    """
+
+    def __init__(self, norms: Sequence[NormInfo]) -> None:
+        self.norms = list(norms)
+        self.error: BaseException | None = None
+        # the rows of the current micro-batch that are not padding (flat bool on the device),
+        # set by the meter; applied to every call whose rows it fits; or one per norm index
+        self.row_mask: Tensor | dict[int, Tensor | None] | None = None
+        self._hooks = Hooks()
+        self._bypass_step = False
+        self._calls_kept: list[RawCall] = []
+        self._records: list[CallRecord] = []
+        self._order: list[int] = []
+        self._seen: set[int] = set()
+        self._eps: dict[int, float] = {}
+        self._bypass: dict[int, Tensor] = {}
+        self._resolution: dict[int, float] = {}
+        self._forward_only: set[int] = set()
+        self._unmasked: set[int] = set()
+        self._refused: dict[int, str] = {}
+        self._calls: dict[int, int] = {}
+        self._targets: dict[int, float] = {}  # rows per norm that may lack a gradient by construction
+        self._pending: list[_Pending] = []
+        self._workspace: list[Tensor] = []
+
+    def attach(self, bypass: bool = False) -> None:
+        if self._hooks:
+            return
+        self._bypass_step = bypass
+        for index in range(len(self.norms)):
+            self._hooks.forward(self.norms[index].module, self._forward_hook(index))
+
+    def detach(self) -> None:
+        self._hooks.remove()
+        for box in self._pending:
+            box.clear()
+        self._pending = []
+
+    def _guarded(self, fn):
+        """``fn`` that never raises into the user's forward or backward: the first error is
+        kept in :attr:`error` and the tap stops for the rest of the step."""
+
+        def hook(*args):
+            if self.error is not None:
+                return None
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001 - never stop the user's training
+                self.error = err
+            return None
+
+        return hook
+
+    def _forward_hook(self, index: int):
+        info = self.norms[index]
+
+        def hook(module: nn.Module, args, output) -> None:
+            if not measuring():
+                return  # a probe's forward, not the training step's
+            if index not in self._seen:  # forward order, whatever the grad mode (see above)
+                self._seen.add(index)
+                self._order.append(index)
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+                return
+            if not args or not isinstance(args[0], Tensor):
+                return
+            stream = args[0]  # a DTensor under tensor parallelism: its local rows are measured
+            refused = dtensors.unsupported(stream, output)
+            if refused:
+                self._refused.setdefault(index, refused)
+                return
+            x = dtensors.local(stream)
+            packing = torch_internals.saved_tensor_hooks_active()
+            if packing and torch_internals.backward_running():
+                # a forward inside a backward under saved-tensor hooks: non-reentrant
+                # checkpointing recomputing its region; the original call is measured (and
+                # counted) and this output never receives a gradient
+                return
+            self._calls[index] = self._calls.get(index, 0) + 1
+            if not output.requires_grad:  # frozen inputs and gain: no gradient will come
+                self._targets[index] = self._targets.get(index, 0.0) + x.numel() / max(x.shape[-1], 1)
+                self._forward_rows(index, info, x)
+                return
+            # one row per sequence may lack a gradient by construction (its last token has no
+            # target in a causal LM); rows of a flat (rows, d) input cannot be told apart
+            sequences = float(x.shape[:-2].numel()) if x.ndim >= 3 else math.nan
+            self._targets[index] = self._targets.get(index, 0.0) + sequences
+            saved = None
+            if not packing and info.kind == "layer" and x is stream and not dtensors.is_dtensor(output):
+                saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
+            # the only references we hold, cleared by the backward hooks or detach()
+            box = _Pending(x, saved, info.gain(), self._keep(x, index, info), like=stream)
+            self._pending.append(box)
+            if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
+                output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
+            else:
+                output.register_hook(self._guarded(self._grad_hook(index, info, box)))
+            if self._bypass_step and stream.requires_grad:
+                box.awaits_input = True
+                on_stream_gradient(stream, self._guarded(self._input_hook(index, box, x.dtype)))
+
+        return self._guarded(hook)
+
+    def _keep(self, x: Tensor, index: int, info: NormInfo) -> Tensor | None:
+        """The current row mask of norm ``index`` as one entry per row of this call: the mask
+        itself, or a ``(batch, tokens)`` mask spread over the heads of per-head rows
+        (``(batch, tokens, heads, d)``, as a QK-norm reads them, or ``(batch, heads, tokens,
+        d)``).  None without a mask, or when it lines up with no layout (noted in ``unmasked``)."""
+        mask = self.row_mask.get(index) if isinstance(self.row_mask, dict) else self.row_mask
+        if mask is None:
+            return None
+        d = x.shape[-1] if info.width is None else info.width
+        if mask.numel() * d == x.numel():
+            return mask.reshape(-1)
+        if mask.ndim == 2 and x.ndim == 4 and x.shape[-1] == d and x.shape[0] == mask.shape[0]:
+            batch, tokens = mask.shape
+            if x.shape[1] == tokens:
+                return mask[:, :, None].expand(batch, tokens, x.shape[2]).reshape(-1)
+            if x.shape[2] == tokens:
+                return mask[:, None, :].expand(batch, x.shape[1], tokens).reshape(-1)
+        self._unmasked.add(index)
+        return None
+
+    def _forward_rows(self, index: int, info: NormInfo, x: Tensor) -> None:
+        """The forward statistics of a call whose output needs no gradient (frozen)."""
+        d = x.shape[-1] if info.width is None else info.width
+        if x.numel() % d or d <= info.dead_dim:
+            return
+        self._forward_only.add(index)
+        eps = info.eps(x.dtype)
+        self._eps[index] = eps
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            raw = forward_raw(x.reshape(-1, d), info.kind)
+        self._keep_raw(raw, ("rows", info.kind, d), self._keep(x, index, info), index, d, eps, info)
+
+    def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
+        x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
+        box.x = box.saved = box.gain = box.keep = None
+        if not box.awaits_input:  # else the input hook, or detach(), lets it go
+            box.like = None  # the hook keeps the box until the graph goes: hold no tensor in it
+            self._drop(box)
+        return x, saved, gain, keep
+
+    def _drop(self, box: _Pending) -> None:
+        try:
+            self._pending.remove(box)
+        except ValueError:
+            pass
+
+    def _grad_hook(self, index: int, info: NormInfo, box: _Pending):
+        def hook(grad: Tensor) -> None:
+            if box.x is None:
+                return
+            grad = dtensors.local(grad, box.like)
+            x, _, gain, keep = self._take(box)
+            d = x.shape[-1] if info.width is None else info.width
+            if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
+                return  # not rows of this norm, or no room outside the dead subspace
+            eps = info.eps(x.dtype)
+            self._eps[index] = eps
+            rows, grads = x.reshape(-1, d), grad.reshape(-1, d)
+            args = (rows, grads, info.kind, gain, self._scratch(2, rows.shape[0], d, x.device))
+            self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
+            if self._bypass_step:
+                with torch.no_grad():
+                    box.through = gradient_through(rows, grads, info.kind, eps, gain)
+
+        return hook
+
+    def _node_hook(self, index: int, info: NormInfo, box: _Pending):
+        def hook(grad_inputs, grad_outputs) -> None:
+            if box.x is None:
+                return
+            x, (mean, rstd), gain, keep = self._take(box)
+            g = grad_outputs[0] if grad_outputs else None
+            if g is None:
+                return
+            d = x.shape[-1]
+            if d <= info.dead_dim or g.shape != x.shape:
+                return
+            eps = info.eps(x.dtype)
+            self._eps[index] = eps
+            dx = grad_inputs[0] if grad_inputs else None
+            # the input needs no gradient, or a low-precision one (bf16, fp16: the identity below
+            # subtracts nearly equal terms of |grad_input|^2, and its rounding swamps them): use x
+            if dx is None or dx.shape != x.shape or dx.dtype not in (torch.float32, torch.float64):
+                args = (x, g, info.kind, gain, self._scratch(2, x.numel() // d, d, x.device))
+                self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
+            else:
+                args = (g, dx, mean, rstd, gain, self._scratch(1, x.numel() // d, d, x.device))
+                self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
+            if self._bypass_step and dx is not None and dx.shape == x.shape:
+                box.through = dx.detach().reshape(-1, d)  # what came through the norm, as autograd has it
+
+        return hook
+
+    def _input_hook(self, index: int, box: _Pending, dtype: torch.dtype):
+        """The whole gradient at the norm's input (the stream it was cast from) against the
+        part through the norm; the resolution is the coarser of the two dtypes'."""
+
+        def hook(total: Tensor) -> None:
+            total = dtensors.local(total, box.like)
+            through = box.through
+            self._drop(box)
+            box.clear()
+            if through is None or total.numel() != through.numel():
+                return
+            with torch.no_grad():
+                g = total.detach().reshape(through.shape).float()
+                parts = torch.stack((g.square().sum(), (g - through.float()).square().sum()))
+            self._bypass[index] = parts if index not in self._bypass else self._bypass[index] + parts
+            resolution = max(torch.finfo(total.dtype).eps, torch.finfo(dtype).eps)
+            self._resolution[index] = max(resolution, self._resolution.get(index, 0.0))
+
+        return hook
+
+    def _run(self, fn, args, finish: tuple, keep: Tensor | None, index: int, d: int, eps: float,
+             info: NormInfo) -> None:
+        device = args[0].device.type
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device):
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                raw = fn(*args)
+        else:  # the usual backward: no graph, no autocast, no context to enter
+            raw = fn(*args)
+        self._keep_raw(raw, finish, keep, index, d, eps, info)
+
+    def _keep_raw(self, raw: tuple[Tensor, ...], finish: tuple, keep: Tensor | None, index: int, d: int,
+                  eps: float, info: NormInfo) -> None:
+        """Keep one call's raw rows until :meth:`collect` finishes them with the others."""
+        self._calls_kept.append(RawCall(raw, finish, keep))
+        self._records.append(CallRecord(index, raw[0].shape[0], d, eps, info.dead_dim))
+
+    def _scratch(self, count: int, rows: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
+        """``count`` flat float32 buffers for one chunk of rows (at most
+        :data:`~lnmonitor.core.maths.reductions.CHUNK_ELEMENTS` elements), reused by every norm of the
+        step and freed by collect."""
+        numel = min(rows, chunk_rows(d)) * d
+        ws = [b for b in self._workspace if b.device == device and b.numel() >= numel]
+        while len(ws) < count:
+            ws.append(torch.empty(numel, dtype=torch.float32, device=device))
+        self._workspace = ws
+        return tuple(ws[:count])
+
+    def collect(self) -> StepRows:
+        """The rows measured since :meth:`attach`, finished, and forgotten here.  An error while
+        finishing them is kept in :attr:`error` (no rows), as a hook's would be."""
+        data, records, pads = None, [], {}
+        if self.error is None:
+            try:
+                data, records, pads = finish_calls(self._calls_kept, self._records)
+            except Exception as err:  # noqa: BLE001 - never stop the user's training
+                self.error = err
+        rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
+                        pads, self._forward_only, self._calls,
+                        {i for i in self._unmasked if i not in pads}, self._refused, self._targets)
+        self._calls_kept, self._records, self._order = [], [], []
+        self._seen, self._eps, self._bypass = set(), {}, {}
+        self._resolution, self._forward_only, self._calls, self._targets = {}, set(), {}, {}
+        self._unmasked, self._refused = set(), {}
+        self._workspace = []
+        self._bypass_step = False
+        return rows
+
