@@ -673,7 +673,7 @@ def grid_cell(cell: Cell) -> str:
 
 
 def marks(grid: dict[str, list[str]], conditions, families) -> None:
-    """The compact table at the top of docs/compatibility.md: a mark per cell (pass, not applicable, fails or error)."""
+    """docs/compatibility.md's compact table: a mark per cell (pass, not applicable, fails, error)."""
     def mark(text: str) -> str:
         return "-" if text.startswith("n/a") else "x" if text.startswith(("FAILS", "error")) else "ok"
 
@@ -686,7 +686,7 @@ def marks(grid: dict[str, list[str]], conditions, families) -> None:
 def main(argv: list[str]) -> None:
     print(f"share resolution {SHARE_RESOLUTION:.1e}, sigma resolution {SIGMA_RESOLUTION:.1e}")
     keys = [a for a in argv if not a.startswith("-")]
-    # arguments: condition and family keys to print (default: all); --marks: docs/compatibility.md's compact table
+    # arguments: condition and family keys (default: all); --marks: docs/compatibility.md's compact table
     conditions = [c for c in CONDITIONS if c.key in keys or not {x.key for x in CONDITIONS} & set(keys)]
     families = [f for f in FAMILIES if f.key in keys or not {x.key for x in FAMILIES} & set(keys)]
     grid: dict[str, list[str]] = {}
