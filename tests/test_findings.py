@@ -1,5 +1,5 @@
 """Findings (lnmonitor.core.findings.reader), the signals they read (core.findings.signals), the
-scales no norm governs (core.findings.scales), the testbed's events and the peers' rules
+scales no norm governs (experiments.scales), the testbed's events and the peers' rules
 (experiments.stability_events), the tiny recipe's stability options, and no finding where nothing is wrong."""
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from lnmonitor.core.findings.reader import (
     long_form,
     state_from_health,
 )
-from lnmonitor.core.findings.scales import ScaleTap, attention_logit_max, output_logit_scales
-from lnmonitor.core.findings.signals import crosses, growth_jump, growth_rate, step_signals
+from lnmonitor.core.findings.signals import crosses, step_signals
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor.arguments import ArgumentError
 from lnmonitor.experiments import stability_events as ev
+from lnmonitor.experiments.candidate_signals import candidate_signals, growth_jump, growth_rate
+from lnmonitor.experiments.scales import ScaleTap, attention_logit_max, output_logit_scales
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import Recipe
 
@@ -177,7 +178,7 @@ def _measured(model, x):
 def test_step_signals_are_the_meters_figures():
     torch.manual_seed(0)
     result, scales = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
-    s = step_signals(result.figures, scales)
+    s = candidate_signals(result.figures, scales)
     f = result.figures
     by = f.by_name()
     assert s["growth"] == f.growth and s["attenuation"] == f.attenuation
@@ -185,7 +186,7 @@ def test_step_signals_are_the_meters_figures():
     assert s["first_eps_over_var"] == by[f.rungs[0]].eps_over_var
     assert s["final_share_max"] == by["lnf"].stats.share_max
     assert s["attention_max"] == max(scales.attention) and s["z_mean"] == scales.z_mean
-    assert math.isnan(step_signals(f)["attention_max"])
+    assert math.isnan(candidate_signals(f)["attention_max"]) and "attention_max" not in step_signals(f)
     assert growth_rate((10, 2.0), 20, 20.0) == pytest.approx(0.1)
     assert math.isnan(growth_rate(None, 20, 20.0)) and math.isnan(growth_rate((20, 2.0), 20, 3.0))
     assert crosses(-30.0, "abs>", 20.0) and not crosses(math.nan, ">", 0.0) and crosses(0.01, "<", 0.05)
@@ -430,7 +431,8 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
     tap.stop()
     meter.stop()
     said = []
-    reading = FindingsReader(warn=said.append).read(0, meter.result(), tap.result())
+    assert tap.result() is not None  # the testbed's scales (experiments.scales) are taken on every family
+    reading = FindingsReader(warn=said.append).read(0, meter.result())
     assert reading.raised == [] and said == [] and tap.error is None
 
 
@@ -643,9 +645,9 @@ def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_test
     """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, which
     passed the rule to ship; eps_dominates: the fitted testbed's."""
     from lnmonitor.core.findings.reader import TESTBED
-    from lnmonitor.core.findings.signals import CANDIDATES
     from lnmonitor.experiments import stability_heldout as H
     from lnmonitor.experiments import stability_heldout_table as T
+    from lnmonitor.experiments.candidate_signals import CANDIDATES
     from lnmonitor.experiments.stability_table import PEERS, analyse, load_records, signal_figures
 
     confirmed = T.judge_heldout(H.load(RESULTS.parent / "stability-confirm", H.CONFIRM_RUNS))

@@ -9,8 +9,8 @@ step's loss is at hand) and records:
 
 * every step's training loss (cross-entropy, nats/char) and gradient norm before clipping;
 * on every ``measure_every``-th step, the candidate signals
-  (:func:`lnmonitor.core.findings.signals.step_signals`: the meter's ladder and the
-  :class:`~lnmonitor.core.findings.scales.ScaleTap`'s attention and output logits, per layer too);
+  (:func:`lnmonitor.experiments.candidate_signals.candidate_signals`: the meter's ladder and the
+  :class:`~lnmonitor.experiments.scales.ScaleTap`'s attention and output logits, per layer too);
 * the validation loss every ``val_every`` steps on the fixed held-out windows, and at the end.
 
 Records go to ``<out>/<config>/seed=<seed>/result.json`` (written atomically: its presence
@@ -120,9 +120,9 @@ def run_config(config: Config, seed: int, text: str) -> dict:
     """Train ``config`` at ``seed`` and return its record (see the module docstring)."""
     import torch
 
-    from lnmonitor.core.findings.scales import ScaleTap
-    from lnmonitor.core.findings.signals import step_signals
     from lnmonitor.core.meter.meter import LadderMeter
+    from lnmonitor.experiments.candidate_signals import candidate_signals
+    from lnmonitor.experiments.scales import ScaleTap
     from lnmonitor.tiny.data import CharDataModule, RandomWindows
     from lnmonitor.tiny.module import TinyGPTModule
 
@@ -158,7 +158,7 @@ def run_config(config: Config, seed: int, text: str) -> dict:
         grad_norms.append(float(norm))
         if on:
             result, scales = meter.result(), tap.result()
-            signals = step_signals(result.figures if result else None, scales)
+            signals = candidate_signals(result.figures if result else None, scales)
             signals["step"] = step
             signals["attention_per_layer"] = scales.attention if scales else []
             signals["inv_sigma_rungs"] = [f.inv_sigma for f in result.figures.norms

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lnmonitor.core.findings.signals import step_signals
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.output.files import atomic_write_json, read_json
+from lnmonitor.experiments.candidate_signals import candidate_signals
 
 __all__ = ["DEFAULT_OUT", "FAMILIES", "MEASURE_EVERY", "RUNS", "STEPS", "HeldOutRun", "run", "run_all"]
 
@@ -238,7 +238,7 @@ def run(spec: HeldOutRun, start: dict[str, torch.Tensor] | None = None) -> dict:
         growth = taken[1] if taken is not None and taken[0] == step else math.nan
         if step % MEASURE_EVERY == 0:
             result = meter.result()
-            signals = step_signals(result.figures if result is not None else None)
+            signals = candidate_signals(result.figures if result is not None else None)
             if step == 0:
                 growth = signals["growth"]  # the watch starts once the first step has told the roles
             record["measured"].append({"step": step, **{k: (v if math.isfinite(v) else None)

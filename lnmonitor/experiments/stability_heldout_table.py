@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnmonitor.core.findings.signals import growth_jump
 from lnmonitor.experiments import stability_heldout
+from lnmonitor.experiments.candidate_signals import growth_jump
 from lnmonitor.experiments.stability_events import kill_loss_spike, olmo_stability_monitor
 from lnmonitor.experiments.stability_table import best_runs, load_records, run_group
 

@@ -1,7 +1,7 @@
 """The stability testbed's table, from its records alone (no torch).
 
 For every run: its events (:mod:`lnmonitor.experiments.stability_events`), and for every
-candidate signal (:data:`lnmonitor.core.findings.signals.CANDIDATES`) and both peers' rules, the first
+candidate signal (:data:`lnmonitor.experiments.candidate_signals.CANDIDATES`) and both peers' rules, the first
 step it fires.  A run with an event is *bad* (its event step is its earliest event); one
 without is *clean*.  Per signal and peer: the lead time before the event over the bad runs it
 flagged at or before their event (median and range, in steps), hits (bad runs flagged in time),
@@ -22,9 +22,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnmonitor.core.findings.signals import CANDIDATES, crosses, growth_jump, growth_rate
+from lnmonitor.core.findings.signals import crosses
 from lnmonitor.core.output.files import atomic_write_text, read_json
 from lnmonitor.errors import UsageError
+from lnmonitor.experiments.candidate_signals import CANDIDATES, growth_jump, growth_rate
 from lnmonitor.experiments.stability_events import (
     damage_onset,
     divergence,

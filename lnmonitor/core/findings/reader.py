@@ -4,9 +4,8 @@ A :class:`Finding` is a statement about the run that a measured step's figures s
 was seen (one sentence with its number), what to try (one sentence) and where in
 docs/findings.md the testbed's figures are (:func:`long_form` gives them to the summary).
 :class:`FindingsReader` reads each measured step's :class:`~lnmonitor.core.meter.meter.LadderResult`
-(and the :class:`~lnmonitor.core.findings.scales.Scales` of that step, when the door took them) through
-:func:`~lnmonitor.core.findings.signals.step_signals` -- nothing is recomputed -- and every step's growth
-(:meth:`FindingsReader.read_growth`, from the meter's every-step watch), and returns a
+through :func:`~lnmonitor.core.findings.signals.step_signals` -- nothing is recomputed -- and every
+step's growth (:meth:`FindingsReader.read_growth`, from the meter's every-step watch), and returns a
 :class:`Reading`: the findings raised at this step, the kinds that ended, and the
 ``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  The growth is
 judged against the fit's first measured step: a ladder that was tall when the fit began is a
@@ -25,14 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lnmonitor.core.findings.signals import CANDIDATES, crosses, growth_over_start, step_signals
+from lnmonitor.core.findings.signals import crosses, growth_over_start, step_signals
 from lnmonitor.core.monitor.arguments import ArgumentError, function
 from lnmonitor.core.monitor.shared import warn_at_user
 from lnmonitor.core.output.metric_names import health_metric
 from lnmonitor.errors import HealthWarning
 
 if TYPE_CHECKING:
-    from lnmonitor.core.findings.scales import Scales
     from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 
 __all__ = [
@@ -58,8 +56,9 @@ TESTBED: dict[str, dict] = {
 }
 
 # the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
-# cost validation loss in the grid on the Python help text
-EPS_KNEE = CANDIDATES["first_eps_over_var"][1]
+# cost validation loss in the grid on the Python help text (the testbed's candidate alarm for
+# first_eps_over_var, stated before it was measured: lnmonitor.experiments.candidate_signals)
+EPS_KNEE = 27.2
 
 # What a larger eps cost where it was measured (docs/eps.md): eps 0.1 minus eps 1e-5 at GPT-2's
 # init (the first norm's eps/var about 130 at step 0), validation loss after 3,000 steps of the
@@ -215,13 +214,13 @@ class FindingsReader:
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
 
-    def read(self, step: int, result: LadderResult | None, scales: Scales | None = None) -> Reading:
+    def read(self, step: int, result: LadderResult | None) -> Reading:
         """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
         The fit's first measured step with a ladder sets the growth every later step is judged
         against; a ladder already taller than :data:`TALL_AT_START` there is said as information."""
         if result is None:
             return Reading()
-        signals = step_signals(result.figures, scales)
+        signals = step_signals(result.figures)
         growth = signals["growth"]
         if self.start is None and math.isfinite(growth) and growth > 0:
             self.start = (step, growth)
