@@ -160,13 +160,16 @@ def test_the_pictures_name_rungs_as_the_summary_does(monkeypatch):
     and the step picture labels them without it, as the summary's table does (both dropped
     only ``model.`` before: the picture read ``transformer.h.0.ln_1`` where the text read
     ``h.0.ln_1``)."""
-    from lnmonitor.core.meter.ladder import NormStats, ladder_figures
+    from lnmonitor.core.meter.ladder import ladder_figures, norm_figures
+    from lnmonitor.core.meter.row_stats import RowStats
     from lnmonitor.core.output.metric_names import per_norm
     from lnmonitor.views import pictures
 
     names = ["model.transformer.h.0.ln_1", "model.transformer.h.0.ln_2", "model.transformer.ln_f"]
-    figures = ladder_figures([NormStats(n, "layer", 8, 1e-5, 1.0 + i, 1.0 + i) for i, n in enumerate(names)],
-                             names, names[-1])
+    stats = [RowStats(rows=1, share_rows=0, share_median=math.nan, share_p90=math.nan, var_median=1.0 + i,
+                      ms_median=1.0 + i, share_max=math.nan, layout=None) for i in range(3)]
+    norms = [norm_figures(n, "layer", 8, 1e-5, s) for n, s in zip(names, stats, strict=True)]
+    figures = ladder_figures(norms, names, names[-1])
     drawn = {}
     monkeypatch.setattr(pictures, "ladder_picture", lambda labels, inv, rms, final, title: drawn.update(
         labels=labels, final=final))

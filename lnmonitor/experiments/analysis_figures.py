@@ -48,7 +48,7 @@ def _fig_shares(a: Analysis, path: Path) -> None:
     for i, (f, s) in enumerate(measured):
         ax = fig.add_subplot(rows, cols, i + 1)
         edges = s.layout.share_edges()
-        width = f.stats.width
+        width = f.width
         base_max = a.result.figures.baseline(f.name)[1]
         top = min(1.0, max(0.5, f.stats.share_max) * 1.05)
         grid = np.linspace(0, top, 300)
@@ -57,7 +57,7 @@ def _fig_shares(a: Analysis, path: Path) -> None:
                   label="observed")
         ax.set_xlim(0, top)
         if width is not None:
-            ax.plot(grid, random_baseline.share_pdf(grid, width, geometry.dead_dim(f.stats.kind)), "k-", lw=1,
+            ax.plot(grid, random_baseline.share_pdf(grid, width, geometry.dead_dim(f.kind)), "k-", lw=1,
                     label="random direction")
         ax.axvline(base_max, color="k", ls=":", lw=1, label="random max, same rows")
         ax.axvline(f.stats.share_max, color="C3", lw=1, label="observed max")

@@ -77,7 +77,7 @@ def record_measurement(module, batches) -> dict:
         "headline": _headline(m),
         "metrics": m.result.metrics(positions=True),
         "norm_order": m.order,
-        "norm_info": {info.name: {"kind": info.kind, "width": info.width, "eps": f.stats.eps,
+        "norm_info": {info.name: {"kind": info.kind, "width": info.width, "eps": f.eps,
                                   "role": info.role, "dead_dim": geometry.dead_dim(info.kind)}
                       for info, f in zip(m.result.norms, figures.norms, strict=True)},
         "rungs": figures.rungs,

@@ -1,8 +1,9 @@
 """The one definition of every figure lnmonitor reports about a step's norms.
 
 The meter (:mod:`lnmonitor.core.meter.meter`), on a training step or on the held-out batches of
-``analyze`` and ``eps-compare`` (:mod:`lnmonitor.core.meter.heldout`), hands over one
-:class:`NormStats` per norm (medians over rows), and :func:`ladder_figures` turns them into
+``analyze`` and ``eps-compare`` (:mod:`lnmonitor.core.meter.heldout`), hands over each norm's
+:class:`~lnmonitor.core.meter.row_stats.RowStats` (quantiles over rows) with its name, kind,
+width and the eps it applied; :func:`norm_figures` and :func:`ladder_figures` turn them into
 the figures: sigma, 1/sigma, rms, eps/var, the transmission
 (:func:`lnmonitor.core.maths.geometry.transmission`), the dead-plane shares against the exact random
 baseline, and
@@ -17,62 +18,41 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.maths import geometry, random_baseline
 from lnmonitor.core.output.metric_names import baseline_metric, ladder_metric, per_norm
 
+if TYPE_CHECKING:
+    from lnmonitor.core.meter.row_stats import RowStats
+
 __all__ = [
-    "Ladder", "LadderFigures", "NormFigures", "NormStats", "baseline_max", "baseline_median",
-    "ladder_figures",
+    "Ladder", "LadderFigures", "NormFigures", "baseline_max", "baseline_median", "ladder_figures",
+    "norm_figures",
 ]
 
 
 @dataclass(frozen=True)
-class NormStats:
-    """What was measured of one norm's rows in one step (or on held-out batches).
-
-    ``var``: median over rows of the norm's input variance ``v`` (mean square for
-    RMSNorm); ``ms``: median of the stream's mean square ``mean(x^2)``; the shares: median,
-    90th percentile and maximum of the dead-plane share over ``share_rows`` rows;
-    ``skipped_rows``: rows without a share that are faults (non-finite, constant);
-    ``zero_grad_rows``: rows without gradient by construction (a causal LM's last token);
-    ``vanished_grad_rows``: rows without gradient beyond that (one per sequence), rows with a
-    target whose gradient vanished: a fault (nan where the rows' sequences are unknown).
-    nan where nothing was measured.
-    """
+class NormFigures:
+    """The figures of one norm in one step: ``sigma = sqrt(var + eps)`` (input units), ``inv_sigma
+    = 1 / sigma`` (the ladder), ``rms = sqrt(ms)``, ``eps_over_var = eps / var`` and the
+    ``transmission = eps / (var + eps)`` (dimensionless), where ``var`` is the median over rows of
+    the norm's input variance (mean square for RMSNorm) and ``ms`` the median of the stream's mean
+    square ``mean(x^2)``; ``eps`` is the one the norm applied; ``stats`` holds the rest of what
+    was measured (the dead-plane shares' quantiles and the rows counted, nan or 0 where nothing
+    was)."""
 
     name: str
     kind: NormKind
     width: int | None
     eps: float
-    var: float
-    ms: float
-    share_median: float = math.nan
-    share_p90: float = math.nan
-    share_max: float = math.nan
-    share_rows: int = 0
-    skipped_rows: int = 0
-    zero_grad_rows: int = 0
-    vanished_grad_rows: float = math.nan
-
-
-@dataclass(frozen=True)
-class NormFigures:
-    """The figures of one norm: ``sigma = sqrt(var + eps)`` (input units), ``inv_sigma = 1 /
-    sigma`` (the ladder), ``rms = sqrt(ms)``, ``eps_over_var = eps / var`` and the
-    ``transmission = eps / (var + eps)`` (dimensionless), and its :class:`NormStats`."""
-
-    stats: NormStats
+    stats: RowStats
     sigma: float
     inv_sigma: float
     rms: float
     eps_over_var: float
     transmission: float
-
-    @property
-    def name(self) -> str:
-        return self.stats.name
 
 
 @dataclass(frozen=True)
@@ -128,7 +108,7 @@ class LadderFigures:
         m: dict[str, float] = {}
         for f in self.norms:
             s, n = f.stats, f.name
-            positive = s.var > 0 and s.eps > 0
+            positive = s.var_median > 0 and f.eps > 0
             m[per_norm("sigma", n)] = f.sigma
             m[per_norm("inv_sigma", n)] = f.inv_sigma
             m[per_norm("rms", n)] = f.rms
@@ -159,34 +139,38 @@ class LadderFigures:
         return {per_norm("ladder_position", f.name): place.get(f.name, -1.0) for f in self.norms}
 
 
-def _figures(s: NormStats) -> NormFigures:
-    sigma = math.sqrt(s.var + s.eps) if s.var + s.eps >= 0 else math.nan
+def norm_figures(name: str, kind: NormKind, width: int | None, eps: float, stats: RowStats) -> NormFigures:
+    """The figures of norm ``name`` (of ``kind`` and ``width``, applying ``eps``) from its
+    statistics."""
+    var, ms = stats.var_median, stats.ms_median
+    sigma = math.sqrt(var + eps) if var + eps >= 0 else math.nan
     return NormFigures(
-        stats=s,
+        name=name, kind=kind, width=width, eps=eps, stats=stats,
         sigma=sigma,
         inv_sigma=1.0 / sigma if sigma > 0 else math.nan,
-        rms=math.sqrt(s.ms) if s.ms >= 0 else math.nan,
-        eps_over_var=s.eps / s.var if s.var > 0 else math.nan,
-        transmission=geometry.transmission(s.var, s.eps) if s.var + s.eps > 0 else math.nan,
+        rms=math.sqrt(ms) if ms >= 0 else math.nan,
+        eps_over_var=eps / var if var > 0 else math.nan,
+        transmission=geometry.transmission(var, eps) if var + eps > 0 else math.nan,
     )
 
 
 def ladder_figures(
-    stats: Sequence[NormStats], rungs: Sequence[str], final: str | None = None,
+    figures: Sequence[NormFigures], rungs: Sequence[str], final: str | None = None,
     other_ladders: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
 ) -> LadderFigures:
-    """The figures of ``stats``; ``rungs`` names the norms that read the residual stream in
-    forward order (``final``, when given, ends the ladder wherever it stands in ``rungs``).
-    ``other_ladders`` gives the other stacks' ladders the same way, ``{stack: (rungs, final)}`` in
-    forward order (an encoder-decoder's encoder; ``rungs`` and ``final`` are then the
-    decoder's).  A rung not measured this step has nan figures, and so have the attenuation
-    and growth then: they are never taken between other rungs than the ladder's ends."""
-    figures = [_figures(s) for s in stats]
+    """The ladder of the norms' ``figures`` (:func:`norm_figures`); ``rungs`` names the norms that
+    read the residual stream in forward order (``final``, when given, ends the ladder wherever it
+    stands in ``rungs``).  ``other_ladders`` gives the other stacks' ladders the same way,
+    ``{stack: (rungs, final)}`` in forward order (an encoder-decoder's encoder; ``rungs`` and
+    ``final`` are then the decoder's).  A rung not measured this step has nan figures, and so have
+    the attenuation and growth then: they are never taken between other rungs than the ladder's
+    ends."""
+    figures = list(figures)
     by_name = {f.name: f for f in figures}
     main = _ladder(by_name, "", rungs, final)
     others = tuple(_ladder(by_name, stack, r, f) for stack, (r, f) in (other_ladders or {}).items())
     return LadderFigures(figures, main.rungs, main.final, main.attenuation, main.growth,
-                         _baselines(stats), others)
+                         _baselines(figures), others)
 
 
 def _ladder(by_name: Mapping[str, NormFigures], stack: str, rungs: Sequence[str],
@@ -202,27 +186,27 @@ def _ladder(by_name: Mapping[str, NormFigures], stack: str, rungs: Sequence[str]
     return Ladder(stack, ladder, final if final in ladder else None, attenuation, growth)
 
 
-def _baselines(stats: Sequence[NormStats]) -> dict[str, float]:
+def _baselines(figures: Sequence[NormFigures]) -> dict[str, float]:
     """One pair of baselines when every norm has one width and dead-subspace dimension,
     else one pair per norm (``.../median/<norm>``, ``.../max/<norm>``)."""
-    shapes = {(s.width, geometry.dead_dim(s.kind)) for s in stats}
+    shapes = {(f.width, geometry.dead_dim(f.kind)) for f in figures}
     out: dict[str, float] = {}
     if len(shapes) == 1:
         d, k = next(iter(shapes))
         if d is None or d <= k:
             return out
         out[baseline_metric("median")] = baseline_median(d, k)
-        n = max(s.share_rows for s in stats)
+        n = max(f.stats.share_rows for f in figures)
         if n >= 1:
             out[baseline_metric("max")] = baseline_max(d, k, n)
         return out
-    for s in stats:
-        k = geometry.dead_dim(s.kind)
-        if s.width is None or s.width <= k:
+    for f in figures:
+        k = geometry.dead_dim(f.kind)
+        if f.width is None or f.width <= k:
             continue
-        out[baseline_metric("median", s.name)] = baseline_median(s.width, k)
-        if s.share_rows >= 1:
-            out[baseline_metric("max", s.name)] = baseline_max(s.width, k, s.share_rows)
+        out[baseline_metric("median", f.name)] = baseline_median(f.width, k)
+        if f.stats.share_rows >= 1:
+            out[baseline_metric("max", f.name)] = baseline_max(f.width, k, f.stats.share_rows)
     return out
 
 

@@ -20,6 +20,20 @@ inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no
 once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.meter.ladder.ladder_figures`.
 
+The path of one number, the dead-plane share median of one norm, in four forms (rows,
+statistics, figures, metrics)::
+
+    taps.NormTap          hooks of the measured step: each call's per-row reductions
+                          (maths.reductions), kept on the device
+      -> step_rows.StepRows           rows: every call's rows of the step, finished together
+    row_stats.histogram_rows          the rows of every norm as one flat vector of histograms
+      -> (gather, maths.histograms.merge: the one collective) -> row_stats.read
+      -> row_stats.RowStats           statistics: one per norm, the step's one host sync
+    ladder.norm_figures / ladder_figures
+      -> ladder.LadderFigures         figures: sigma, 1/sigma, shares, baselines, the ladder
+    LadderFigures.metrics -> LadderResult.metrics (output.metric_names: the tags)
+      -> dict[str, float]             metrics: what every door hands its logger
+
 The meter never raises into training: a hook that cannot measure the model turns it off
 (:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
 key), by default a :class:`~lnmonitor.core.monitor.shared.Voice`; its words are
@@ -39,7 +53,7 @@ from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrap
 from lnmonitor.core.maths.histograms import Layout, merge
 from lnmonitor.core.meter import messages as words
 from lnmonitor.core.meter.growth_watch import GrowthWatch
-from lnmonitor.core.meter.ladder import LadderFigures, NormStats, ladder_figures
+from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figures
 from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
 from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
@@ -65,7 +79,6 @@ class LadderResult:
     norms: list[NormInfo]
     row_stats: list[RowStats]
     figures: LadderFigures
-    unmeasured: list[str]
 
     def metrics(self, positions: bool = False) -> dict[str, float]:
         """The finite figures under their logged names; ``positions`` adds each norm's
@@ -303,7 +316,8 @@ class LadderMeter:
             if len(unmeasured) == len(self.norms):
                 return None
         self._say_conditions(row_stats)
-        stats = [self._stats(i, s) for i, s in enumerate(row_stats)]
+        norms = [norm_figures(info.name, info.kind, info.width, self.eps(i), s)
+                 for i, (info, s) in enumerate(zip(self.norms, row_stats, strict=True))]
         # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
         stack_of_norm = {n.name: self.stack_of.get(n.name, self.main_stack) for n in self.norms}
         finals = {stack_of_norm[n.name]: n.name for n in self.norms if n.role == FINAL}
@@ -312,8 +326,8 @@ class LadderMeter:
             ladders.setdefault(stack_of_norm[name], []).append(name)
         rungs = ladders.pop(self.main_stack, [])
         others = {stack: (names, finals.get(stack)) for stack, names in ladders.items()}
-        figures = ladder_figures(stats, rungs, finals.get(self.main_stack), others)
-        return LadderResult(self.norms, row_stats, figures, unmeasured)
+        figures = ladder_figures(norms, rungs, finals.get(self.main_stack), others)
+        return LadderResult(self.norms, row_stats, figures)
 
     def _refuse(self, refused: dict[int, str]) -> None:
         """Say once which norms have a layout whose rows cannot be read (the others are measured)."""
@@ -330,8 +344,8 @@ class LadderMeter:
             self._warn("padding", words.padding_message(self.owner, self._rows.source))
         vanished = [(info.name, int(s.vanished_grad_rows), s.rows - s.pad_rows)
                     for info, s in zip(self.norms, row_stats, strict=True) if s.vanished_grad_rows > 0]
-        zero = [(info.name, s.construction_rows) for info, s in zip(self.norms, row_stats, strict=True)
-                if s.construction_rows]
+        zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, row_stats, strict=True)
+                if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
             self._say(words.zero_grad_message(self.owner, zero))
@@ -347,16 +361,6 @@ class LadderMeter:
     def eps(self, index: int) -> float:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
         return self._eps.get(index, self.norms[index].eps())
-
-    def _stats(self, index: int, s: RowStats) -> NormStats:
-        info = self.norms[index]
-        return NormStats(
-            name=info.name, kind=info.kind, width=info.width, eps=self.eps(index),
-            var=s.var_median, ms=s.ms_median, share_median=s.share_median, share_p90=s.share_p90,
-            share_max=s.share_max, share_rows=s.share_rows, skipped_rows=s.skipped_rows,
-            zero_grad_rows=s.construction_rows,
-            vanished_grad_rows=s.vanished_grad_rows,
-        )
 
     def rungs(self) -> list[str]:
         """The rungs' names in forward order (all norms, in forward order, before roles are known)."""

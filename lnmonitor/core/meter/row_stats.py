@@ -135,19 +135,16 @@ class RowStats:
     """
 
     rows: int
-    measured_rows: int
     share_rows: int
     share_median: float
     share_p90: float
     var_median: float
     ms_median: float
     share_max: float
-    var_min: float  # lower edge of the lowest occupied var bin
-    var_max: float  # upper edge of the highest occupied var bin
     layout: Layout
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
-    zero_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
+    no_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
     without_target: float = math.nan  # of those, how many construction allows (one per sequence)
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
@@ -155,9 +152,9 @@ class RowStats:
     @property
     def skipped_rows(self) -> int:
         """Rows without a share that are faults or cannot be read: a non-finite gradient or
-        input, a constant row.  Padding (:attr:`pad_rows`) and rows without gradient by
-        construction (:attr:`zero_grad_rows`: a causal LM's last token, a frozen norm) apart."""
-        return self.rows - self.pad_rows - self.zero_grad_rows - self.share_rows
+        input, a constant row.  Padding (:attr:`pad_rows`) and rows without gradient
+        (:attr:`no_grad_rows`: a causal LM's last token, a frozen norm, a collapse) apart."""
+        return self.rows - self.pad_rows - self.no_grad_rows - self.share_rows
 
     @property
     def vanished_grad_rows(self) -> float:
@@ -166,14 +163,15 @@ class RowStats:
         the rows' sequences are unknown (a flat input)."""
         if not math.isfinite(self.without_target):
             return math.nan
-        return float(max(0.0, self.zero_grad_rows - round(self.without_target)))
+        return float(max(0.0, self.no_grad_rows - round(self.without_target)))
 
     @property
-    def construction_rows(self) -> int:
-        """Rows without gradient that construction allows: :attr:`zero_grad_rows` less
-        :attr:`vanished_grad_rows` (all of them where the sequences are unknown)."""
+    def zero_grad_rows(self) -> int:
+        """Rows without gradient that construction allows (``lnmonitor/zero_grad_rows/<norm>``):
+        :attr:`no_grad_rows` less :attr:`vanished_grad_rows` (all of them where the sequences are
+        unknown)."""
         vanished = self.vanished_grad_rows
-        return self.zero_grad_rows - (int(vanished) if math.isfinite(vanished) else 0)
+        return self.no_grad_rows - (int(vanished) if math.isfinite(vanished) else 0)
 
     def _need_counts(self) -> None:
         if self.share_counts is None:
@@ -228,26 +226,22 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
         q_var = hist_quantiles(var_c, value_edges[v0 : v1 + 1], (0.5,), var_lo, var_hi)
         q_ms = hist_quantiles(ms_c, value_edges[m0 : m1 + 1], (0.5,), ms_lo, ms_hi)
     share_rows = share_c.sum(1, dtype=np.float64)
-    var_rows = var_c.sum(1, dtype=np.float64)
     out = []
     for i in range(n):
         share_max = float(maxes[0, i])
         out.append(
             RowStats(
                 rows=int(round(sums[i, 0])),
-                measured_rows=int(round(var_rows[i])),
                 share_rows=int(round(share_rows[i])),
                 share_median=float(q_share[i, 0]),
                 share_p90=float(q_share[i, 1]),
                 var_median=float(q_var[i, 0]),
                 ms_median=float(q_ms[i, 0]),
                 share_max=share_max if math.isfinite(share_max) else math.nan,
-                var_min=float(var_lo[i]),
-                var_max=float(var_hi[i]),
                 layout=layout,
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
-                zero_grad_rows=int(round(sums[i, 4])),
+                no_grad_rows=int(round(sums[i, 4])),
                 without_target=float(sums[i, 5]),
                 share_counts=share_c[i] if counts else None,
                 var_counts=hist[i, sb : sb + lb] if counts else None,
