@@ -323,3 +323,31 @@ def test_under_torch_compile_the_summary_names_the_users_model_class(capsys):
     _train(monitor, compiled, 1)
     out = capsys.readouterr().err
     assert "lnmonitor summary: TinyGPT, end of training" in out and "OptimizedModule" not in out
+
+
+def test_the_probe_checks_the_meters_final_norm_among_the_meters_norms():
+    """One final-norm rule: the probe takes the norm the meter's roles call final, among the norms
+    the meter measures (``include``/``exclude`` apply to both); excluding the final norm leaves the
+    probe a last norm whose input flows on past it, which it refuses, saying why."""
+    model = tiny()
+    monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
+                          probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
+    _train(monitor, model, 2)
+    assert monitor.meter.final == "lnf" and monitor._points.prober.final_norm == "lnf"
+    names = [n.name for n in monitor._points.prober.norms]
+    assert names == [n.name for n in monitor.meter.norms] and monitor.invariance_off is None
+    model = tiny()
+    monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1, exclude="lnf",
+                          probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
+    with pytest.warns(UserWarning, match="is not a final norm"):
+        _train(monitor, model, 2)
+    assert monitor.meter.final is None and "blocks.1.ln2" in monitor.invariance_off
+    assert not any("lnmonitor/invariance/shift_5/dloss" in h for h in monitor.history)
+
+
+def test_beside_a_layernorm_monitor_the_invariance_monitor_probes_the_meters_final_norm():
+    monitor = LayerNormMonitor(every_n_steps=1, exclude="model.blocks.0.*")
+    invariance = FinalNormInvarianceMonitor(every_n_steps=1, probe_batch=(tokens(2, seed=9),) * 2)
+    fit(gpt(), loader(8, 4), [monitor, invariance], 2)
+    assert invariance._prober.meter is monitor.meter and invariance._prober.final_norm == monitor.meter.final
+    assert not any(n.name.startswith("model.blocks.0.") for n in invariance._prober.norms)

@@ -27,7 +27,7 @@ from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
-from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms
+from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
 from lnmonitor.views.run_views import RunViews
@@ -320,8 +320,7 @@ class LoopMonitor:
         if self._every_rank:
             rows = _from_rank_zero(rows)
         device = next(model.parameters()).device
-        norms = choose_norms(model, None, None, final_norm, self.owner, self.voice.warn)
-        self._points.begin(InvarianceProbe(model, loss_fn, final_norm=final_norm, norms=norms),
+        self._points.begin(InvarianceProbe(model, loss_fn, final_norm=final_norm, meter=self.meter),
                            map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:

@@ -32,7 +32,7 @@ from lnmonitor.core.invariance.results import PROBE_WINDOWS
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
-from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms
+from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (
     CATEGORY_ORDER,
     INVARIANCE_LAYOUT,
@@ -325,9 +325,8 @@ class LNMonitorCallback(TrainerCallback):
             return
         device = next(model.parameters()).device
         rows = map_tensors(probe_batch(batch, self.probe_size), lambda t: t.to(device))
-        norms = choose_norms(model, None, None, self.final_norm, "LNMonitorCallback", self._warn)
         autocast = trainer.autocast_smart_context_manager if trainer is not None else contextlib.nullcontext
-        self._points.begin(InvarianceProbe(model, default_loss, final_norm=self.final_norm, norms=norms,
+        self._points.begin(InvarianceProbe(model, default_loss, final_norm=self.final_norm, meter=self.meter,
                                            autocast=autocast), rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:

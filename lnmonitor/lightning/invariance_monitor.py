@@ -30,6 +30,7 @@ from lnmonitor.core.output.metric_names import (
     run_metric,
 )
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
+from lnmonitor.lightning.layernorm_monitor import LayerNormMonitor
 from lnmonitor.lightning.probe_loss import probe_loss
 from lnmonitor.views.summary import invariance_lines
 
@@ -328,10 +329,13 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:
         if self._prober is None:
+            # beside a LayerNormMonitor, its meter's norms and final norm: one rule for both
+            meter = next((cb.meter for cb in trainer.callbacks
+                          if isinstance(cb, LayerNormMonitor) and cb.meter is not None), None)
             self._prober = InvarianceProbe(
                 pl_module, self.loss_fn or probe_loss(pl_module, probe), final_norm=self.final_norm,
                 cases=self.cases, scales=self.scales, autocast=trainer.precision_plugin.forward_context,
-                norms=self._norms,
+                norms=None if meter is not None else self._norms, meter=meter,
             )
         return self._prober
 

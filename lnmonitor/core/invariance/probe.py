@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -27,6 +28,9 @@ from lnmonitor.core.norms.final_norm import (
 from lnmonitor.core.norms.find import NormInfo, find_norms
 from lnmonitor.core.output.metric_names import finite_metrics
 
+if TYPE_CHECKING:
+    from lnmonitor.core.meter.meter import LadderMeter
+
 __all__ = ["InvarianceProbe", "NonFiniteLoss"]
 
 
@@ -37,12 +41,16 @@ class NonFiniteLoss(ValueError):
 class InvarianceProbe:
     """The final-norm invariance probe of one model, run whenever its driver decides.
 
-    ``InvarianceProbe(model).run(batch)`` finds the final norm on the first run (the last
-    norm to run, unless ``final_norm`` names it), checks once with
+    ``InvarianceProbe(model).run(batch)`` takes the final norm on the first run by the meter's
+    rule (:func:`~lnmonitor.core.norms.roles.assign_roles`: the last norm to run whose input
+    reaches the loss through it alone): ``final_norm`` when named; else the meter's, when a door
+    hands its ``meter`` (:attr:`~lnmonitor.core.meter.meter.LadderMeter.final`, once a measured
+    step found it); else the last of ``norms`` to run on ``batch``.  It checks once with
     :func:`final_norm_bypass` that the loss reaches its input only through it (else raises
     :class:`NotAFinalNorm`, whose message says why and what to do), then runs
     :func:`final_norm_invariance`.  ``loss_fn``, ``cases``, ``scales``, ``autocast`` and
-    ``norms`` are passed on to it.
+    ``norms`` are passed on to it; ``norms`` defaults to the ``meter``'s (its ``include`` and
+    ``exclude`` apply), else every norm of the model.
     """
 
     def __init__(
@@ -55,13 +63,17 @@ class InvarianceProbe:
         scales: Sequence[float] = SWEEP_SCALES,
         autocast: Callable[[], object] | None = None,
         norms: Sequence[NormInfo] | None = None,
+        meter: LadderMeter | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn or default_loss
         self.named = final_norm is not None
         self.final_norm = final_norm
         self.cases, self.scales, self.autocast = tuple(cases), tuple(scales), autocast
-        self.norms = find_norms(model) if norms is None else list(norms)
+        self.meter = meter
+        if norms is None:
+            norms = meter.norms if meter is not None else find_norms(model)
+        self.norms = list(norms)
         self.checked = False
         self.last: InvarianceResult | None = None  # the last point (see point())
         self.last_step = -1
@@ -90,6 +102,8 @@ class InvarianceProbe:
         """One run on ``batch``: the cases and/or the scale sweep (``cases``/``sweep`` False
         leave them out: a run costs one forward pass, and per case and scale the part of a pass
         from the final norm on; see :func:`final_norm_invariance`)."""
+        if self.final_norm is None and self.meter is not None:
+            self.final_norm = self.meter.final
         if self.final_norm is None:
             self.final_norm = find_final_norm(self.model, batch, self.loss_fn, self.norms)
         if not self.checked:

@@ -362,6 +362,15 @@ class LadderMeter:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
         return self._eps.get(index, self.norms[index].eps())
 
+    @property
+    def final(self) -> str | None:
+        """The final norm of the model's ladder, as the roles found it (None before the first
+        measured step, or where the model has none): the one the invariance probe checks."""
+        if not self.roles_known:
+            return None
+        main = [n.name for n in self.norms if self.stack_of.get(n.name, self.main_stack) == self.main_stack]
+        return next((n.name for n in self.norms if n.role == FINAL and n.name in main), None)
+
     def rungs(self) -> list[str]:
         """The rungs' names in forward order (all norms, in forward order, before roles are known)."""
         role = {info.name: info.role for info in self.norms}

@@ -8,6 +8,10 @@ on through the residual: the loss is not invariant, yet the cases would read zer
 :func:`final_norm_bypass` measures the share of the loss gradient at the norm's input that
 goes around the norm (0 for a true final norm); the probe checks it once and refuses
 (:class:`NotAFinalNorm`) above :data:`FINAL_BYPASS_TOLERANCE`.
+
+This is the meter's rule (:func:`~lnmonitor.core.norms.roles.assign_roles`: the last norm to run,
+if no gradient goes around it) taken on the probe's own rows; the probe uses it only where no
+meter has decided (:class:`~lnmonitor.core.invariance.probe.InvarianceProbe`'s ``meter``).
 """
 
 from __future__ import annotations
