@@ -60,7 +60,7 @@ def test_a_probe_that_cannot_run_turns_off_with_its_cause_and_location_said_once
     assert points.take(0, sweep=False) is None and points.take(1, sweep=False) is None
     assert points.off_reason.startswith(("TypeError", "KeyError"))
     assert "test_invariance_points.py" in points.off_reason
-    assert len(said) == 1 and said[0].startswith("Door: the invariance probe is off for this run")
+    assert len(said) == 1 and said[0].startswith("Door: the invariance probe is off for the rest of this run")
 
 
 def test_a_sweep_without_a_slope_is_noted_once_on_the_logger_not_warned(caplog):

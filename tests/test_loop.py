@@ -207,7 +207,7 @@ def test_a_probe_that_fails_is_said_once_and_training_goes_on():
     model = tiny()
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=3, invariance_every_n_steps=1,
                           probe_batch=(tokens(2),), loss_fn=broken, keep_history=True, summary=False)
-    said = r"invariance probe is off for this run: KeyError: 'labels'"
+    said = r"invariance probe is off for the rest of this run: KeyError: 'labels'"
     with pytest.warns(UserWarning, match=said) as caught:
         _train(monitor, model, 3)
     assert sum("invariance probe is off" in str(w.message) for w in caught) == 1

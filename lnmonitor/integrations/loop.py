@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth
+from lnmonitor.core.findings.reader import door_reader, reads_growth
 from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
@@ -26,6 +26,7 @@ from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
@@ -156,7 +157,6 @@ class LoopMonitor:
         self.off_reason: str | None = None
         self._kept = History(keep_history)
         self._kept.reset(receivers=writer is not None)
-        self.last_result: LadderResult | None = None
         self._points = InvariancePoints(self.owner, self.voice, advice=LOSS_FN_ADVICE)
         self.meter = LadderMeter(
             model, include=arguments.patterns(include, "include"),
@@ -165,11 +165,12 @@ class LoopMonitor:
             owner=self.owner, say=self.voice.say, warn=self.voice.warn,
             watch_growth=reads_growth(self.findings),
         )
-        self._views = RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
-                               image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+        views = RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
+                         image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+        self._after = AfterStep(self.meter, self.findings, views, speaks=_rank_zero, warn=self.voice.warn,
+                                owner=self.owner)
         self._measuring: int | None = None
         self._started: int | None = None  # the last step given to start()
-        self._logged = False
         self._ended = False
         self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if self.invariance_every_n_steps is not None:
@@ -184,6 +185,11 @@ class LoopMonitor:
     def last_invariance(self) -> InvarianceResult | None:
         """The last invariance point's full result (its sweep points included)."""
         return self._points.last
+
+    @property
+    def last_result(self) -> LadderResult | None:
+        """The last measured step's result."""
+        return self._after.last_result
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -220,9 +226,7 @@ class LoopMonitor:
         the last step (``max_steps``) the run ends here (see :meth:`close`)."""
         step, self._measuring = self._measuring, None
         if self._started is not None:
-            reading = every_step(self.findings, self.meter, self._started, self._stop_run)
-            if step is None and (reading.raised or reading.ended) and _rank_zero():
-                self._emit(self._started, reading.metrics)  # said at the step the every-step growth crossed
+            self._after.every_step(self._started, self._emit, self._stop_run, measured=step is not None)
         metrics = None if step is None else self._finish(step)
         if self.max_steps and self._started == self.max_steps - 1:
             self._end(self._started)
@@ -256,20 +260,9 @@ class LoopMonitor:
             self._end(self._started + 1)
 
     def _finish(self, step: int) -> dict[str, float] | None:
-        self.meter.stop()
-        result = self.meter.result(dist, label=f"step {step}")
-        if result is None:
-            return None
-        self.last_result = result
-        metrics = result.metrics(positions=not self._logged)
-        metrics.update(health(self.findings, step, result, self._stop_run))
-        self._logged = True
-        if not _rank_zero():
-            return metrics
-        self._emit(step, metrics)
         last = self.max_steps is not None and step == self.max_steps - 1
-        self._views.step(self._write_image, result, step, last)
-        return metrics
+        return self._after.measured(step, self._emit, self._stop_run, gather=dist,
+                                    write_image=self._write_image, last=last)
 
     def _stop_run(self) -> None:
         """``on_finding`` asked to stop: the loop reads :attr:`should_stop`."""
@@ -281,14 +274,15 @@ class LoopMonitor:
             return
         self._ended = True
         self._probe_point(step, sweep=True)
-        if _rank_zero():
-            self._views.end(self._write_image, f"{model_class(self.meter.model)}, end of training")
+        self._after.end(self._write_image, f"{model_class(self.meter.model)}, end of training")
 
     # -- writing -----------------------------------------------------------------------
 
-    def _emit(self, step: int, metrics: dict[str, float]) -> None:
-        """Keep and write ``metrics`` of ``step`` (rank zero)."""
-        self._views.add(step, metrics)
+    def _emit(self, step: int, metrics: dict[str, float], result=None) -> bool:
+        """Keep and write ``metrics`` of ``step`` (rank zero; True on every rank: each has the
+        step's merged numbers)."""
+        if not _rank_zero():
+            return True
         self._kept.add(step, metrics)
         if self._write is not None:
             try:
@@ -297,6 +291,7 @@ class LoopMonitor:
                 self._write = None
                 self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
                                           "written (training goes on)")
+        return True
 
     # -- the invariance probe ----------------------------------------------------------
 
@@ -330,7 +325,7 @@ class LoopMonitor:
             return
         taken = self._points.take(step, sweep=sweep)
         if taken is not None and _rank_zero():
-            self._emit(step, taken[0])
+            self._after.log(step, taken[0], self._emit)
 
 
 def _rank_zero() -> bool:

@@ -22,7 +22,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
         "lnmonitor.integrations.transformers needs transformers: pip install 'lnmonitor[hf]'"
     ) from err
 
-from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth, state_from_health
+from lnmonitor.core.findings.reader import door_reader, reads_growth, state_from_health
 from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance.loss_contract import default_loss
 from lnmonitor.core.invariance.points import InvariancePoints
@@ -31,6 +31,7 @@ from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (
@@ -159,7 +160,6 @@ class LNMonitorCallback(TrainerCallback):
         self.voice = Voice()
         self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner, self._say)
         self.off_reason: str | None = None
-        self.last_result: LadderResult | None = None
         self.meter: LadderMeter | None = None
         self.every_n_steps: int | None = self._every_arg
         self._points = InvariancePoints(self.owner, self.voice)
@@ -170,7 +170,12 @@ class LNMonitorCallback(TrainerCallback):
         self._main = True
         self._logged = -1
         self._layout_written = False
-        self._views = self._new_views()
+        self._after: AfterStep | None = None  # the fit's post-step sequence, views and summary
+
+    @property
+    def last_result(self) -> LadderResult | None:
+        """The last measured step's result."""
+        return self._after.last_result if self._after is not None else None
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -199,7 +204,6 @@ class LNMonitorCallback(TrainerCallback):
             self.findings.load_state_dict(state_from_health(_health_points(state.log_history)))
         self._logged = -1
         self._layout_written = False
-        self._views = self._new_views()
         trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
         self._first_step = bool(args.logging_first_step)
@@ -208,6 +212,8 @@ class LNMonitorCallback(TrainerCallback):
             row_mask=self.row_mask, owner="LNMonitorCallback", say=self._say, warn=self._warn,
             watch_growth=reads_growth(self.findings),
         )
+        self._after = AfterStep(self.meter, self.findings, self._new_views(), speaks=lambda: self._main,
+                                warn=self._warn, owner=self.owner)
         callbacks = trainer.callback_handler.callbacks if trainer is not None else []
         self._reporters = [cb for cb in callbacks if type(cb) in INTEGRATION_TO_CALLBACK.values()]
         if trainer is None:
@@ -243,30 +249,21 @@ class LNMonitorCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
         held = set(self.findings.holding) if self.findings is not None else set()
-        reading = every_step(self.findings, self.meter, state.global_step, stop)
-        if self._measuring is None and (reading.raised or reading.ended):
-            self._keep_health(state, held)  # said at the step the every-step growth crossed
-            self._report(reading.metrics, args, state, control)
-            self._logged = state.global_step
+
+        def log(step: int, metrics: dict[str, float], result) -> bool:
+            self._keep_health(state, held)  # for a resumed fit, the health tags that changed
+            return self._report(metrics, args, state, control)
+
+        step = state.global_step
+        if self._after.every_step(step, log, stop, measured=self._measuring is not None):
+            self._logged = step  # said at the step the every-step growth crossed
         if self._measuring is not None:
             self._measuring = None
-            self.meter.stop()
-            result = self.meter.result(dist, label=f"step {state.global_step}")
-            if result is not None:
-                self.last_result = result
-                metrics = result.metrics(positions=self._logged < 0)
-                found = health(self.findings, state.global_step, result, stop)
-                self._keep_health(state, held)
-                if self._silent:  # measured for the findings alone: only what they raised is logged
-                    metrics = found if found else {}
-                else:
-                    metrics.update(found)
-                if metrics:
-                    self._report(metrics, args, state, control)
-                if not self._silent:
-                    self._logged = state.global_step
-                    self._views.step(self._image_writer(), result, state.global_step,
-                                     state.global_step >= state.max_steps)
+            silent = self._silent  # measured for the findings alone: only what they raised is logged
+            metrics = self._after.measured(step, log, stop, gather=dist, write_image=self._image_writer(),
+                                           last=step >= state.max_steps, health_only=silent)
+            if metrics is not None and not silent:
+                self._logged = step
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
@@ -277,9 +274,8 @@ class LNMonitorCallback(TrainerCallback):
         if control.should_training_stop or state.global_step >= state.max_steps:
             if self.invariance_every_n_steps is not None:
                 self._run_probe(args, state, control, sweep=True)
-            if self._main:
-                name = model_class(self.meter.model) if self.meter is not None else "NoneType"
-                self._views.end(self._image_writer(), f"{name}, end of training")
+            if self._after is not None:
+                self._after.end(self._image_writer(), f"{model_class(self.meter.model)}, end of training")
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
@@ -332,7 +328,8 @@ class LNMonitorCallback(TrainerCallback):
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
         taken = self._points.take(state.global_step, sweep=sweep)
         if taken is not None:
-            self._report(taken[0], args, state, control)
+            report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
+            self._after.log(state.global_step, taken[0], report)
 
     @property
     def invariance_off(self) -> str | None:
@@ -341,12 +338,12 @@ class LNMonitorCallback(TrainerCallback):
 
     # -- reporting ---------------------------------------------------------------------
 
-    def _report(self, metrics: dict[str, float], args, state, control) -> None:
-        """To every ``report_to`` integration of the Trainer, from the main process."""
+    def _report(self, metrics: dict[str, float], args, state, control) -> bool:
+        """To every ``report_to`` integration of the Trainer, from the main process; True when
+        reported."""
         if not self._main or not metrics:
-            return
+            return False
         self._kept.add(state.global_step, metrics)
-        self._views.add(state.global_step, metrics)
         if not self._layout_written:
             self._layout_written = True
             self._write_layout()
@@ -358,6 +355,7 @@ class LNMonitorCallback(TrainerCallback):
                 self._warn(f"report-{type(reporter).__name__}",
                            f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
                            "goes to it (training goes on).")
+        return True
 
     def _new_views(self) -> RunViews:
         return RunViews(self.owner, self._say, self._warn, images=self.images,

@@ -20,7 +20,7 @@ from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.core.invariance.results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.shared import due, guarded
+from lnmonitor.core.monitor.shared import due, guarded, off_message
 from lnmonitor.core.norms.discovery import choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.output.metric_names import (
@@ -260,7 +260,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def _disable(self, reason: str) -> None:
         self._enabled = False
         self.off_reason = reason
-        self._sink.warn_once("off", f"FinalNormInvarianceMonitor is off for the rest of this run: {reason}")
+        self._sink.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
 
     # -- when to run -----------------------------------------------------------------
 

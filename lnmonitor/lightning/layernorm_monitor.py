@@ -16,10 +16,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lnmonitor.core.findings.reader import door_reader, every_step, health, reads_growth
+from lnmonitor.core.findings.reader import door_reader, reads_growth
+from lnmonitor.core.hooks import model_class
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.meter.row_stats import RowStats
 from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import due, guarded
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final
@@ -207,8 +209,7 @@ class LayerNormMonitor(MonitorCallback):
         self._measuring: int | None = None
         self._stepping: int | None = None  # the optimizer step whose batches are running
         self._last_step: int | None = None
-        self._views = self._new_views()  # rank zero's pictures and end-of-fit summary
-        self._positions = True  # the ladder positions go with the fit's first logged step
+        self._after_step: AfterStep | None = None  # the fit's post-step sequence, views and summary
         self._columns: str | None = None  # the norm the HPARAMS columns name, until a step checks it
         self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
 
@@ -237,8 +238,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self._stop()
         self.meter, self.last_row_stats, self._order = None, [], []
-        self._views = self._new_views()
-        self._positions = True  # once per fit, so a fit resumed into a new log has them too
+        self._after_step = None  # once per fit, so a fit resumed into a new log has the positions too
         self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
         if self.findings is not None:
@@ -279,12 +279,8 @@ class LayerNormMonitor(MonitorCallback):
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
-        if not trainer.is_global_zero:
-            return
-        try:
-            self._views.end(self._image_writer(trainer), f"{type(pl_module).__name__}, end of fit")
-        except Exception as err:  # noqa: BLE001 - the end-of-fit views must never fail a fit
-            self._warn("end", f"LayerNormMonitor: no end-of-fit summary/picture: {err!r}")
+        if self._after_step is not None:
+            self._after_step.end(self._image_writer(trainer), f"{model_class(pl_module)}, end of fit")
 
     def shut(self) -> None:
         self._stop()
@@ -323,27 +319,21 @@ class LayerNormMonitor(MonitorCallback):
             return  # still accumulating gradients for this step
         step, self._stepping = self._stepping, None
         stop = lambda: setattr(trainer, "should_stop", True)  # noqa: E731
-        reading = every_step(self.findings, self.meter, step, stop)
+        log = lambda s, metrics, result: self._log(trainer, s, metrics, result)  # noqa: E731
+        after = self._after(trainer)
+        after.every_step(step, log, stop, measured=self._measuring is not None)
         if self._measuring is None:
-            if reading.raised or reading.ended:  # said at the step the every-step growth crossed
-                self._log(trainer, step, reading.metrics)
             return
         self._measuring = None
-        self.meter.stop()
+        first = after.positions  # the fit's first logged measured step: the roles are known
         gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
-        result = self.meter.result(gather, counts=self.histograms, label=f"the measured step {step}")
-        if result is None:
-            return
-        self.last_row_stats = result.row_stats
-        if self._positions:  # the fit's first measured step: the roles are known
-            self._check_columns(result.figures.final)
-        metrics = result.metrics(positions=self._positions)
-        metrics.update(health(self.findings, step, result, stop))
-        extra = (lambda writer, s: self._histograms(writer, s, result)) if self.histograms else None
-        logged = self._log(trainer, step, metrics, extra)
-        self._positions = self._positions and not logged
-        if logged and trainer.is_global_zero:
-            self._views.step(self._image_writer(trainer), result, step, step == self._last_step)
+        metrics = after.measured(step, log, stop, gather=gather, counts=self.histograms,
+                                 label=f"the measured step {step}", write_image=self._image_writer(trainer),
+                                 last=step == self._last_step)
+        if metrics is not None:
+            self.last_row_stats = after.last_result.row_stats
+            if first:
+                self._check_columns(after.last_result.figures.final)
 
     def _new_views(self) -> RunViews:
         return RunViews(self.owner, self._say, self._warn, images=self.images,
@@ -352,12 +342,21 @@ class LayerNormMonitor(MonitorCallback):
     def _image_writer(self, trainer: Trainer):
         return lambda tag, image, step: self._sink.log_image(trainer, tag, step, image)
 
-    def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], extra=None) -> bool:
-        """Log ``metrics`` at ``step`` and keep them for the end-of-fit summary (rank zero)."""
-        logged = self._sink.log(trainer, step, metrics, extra)
-        if logged and trainer.is_global_zero:
-            self._views.add(step, metrics)
-        return logged
+    def _after(self, trainer: Trainer) -> AfterStep:
+        """This fit's post-step sequence (one per fit, made at its first step)."""
+        if self._after_step is None:
+            self._after_step = AfterStep(self.meter, self.findings, self._new_views(), owner=self.owner,
+                                         speaks=lambda: trainer.is_global_zero, warn=self._warn)
+        return self._after_step
+
+    def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], result: LadderResult | None,
+             ) -> bool:
+        """Log ``metrics`` at ``step`` (with the share and sigma histograms of a measured step's
+        ``result`` when asked for)."""
+        extra = None
+        if self.histograms and result is not None:
+            extra = lambda writer, s: self._histograms(writer, s, result)  # noqa: E731
+        return self._sink.log(trainer, step, metrics, extra)
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
         dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.shared import guarded
+from lnmonitor.core.monitor.shared import guarded, off_message
 from lnmonitor.core.norms.find import NormInfo, find_norms
 from lnmonitor.core.output.metric_names import probe_metric
 from lnmonitor.core.probes.blocks import SequenceCapture, find_blocks, resolve_branch
@@ -238,7 +238,7 @@ class StructureProbe(MonitorCallback):
         except Exception as err:  # noqa: BLE001 - a probe must never stop the user's training
             self._block_list = []
             self._sink.warn_once(
-                "off", f"StructureProbe is off for the rest of this run: {type(err).__name__}: {err}"
+                "off", off_message("StructureProbe", f"{type(err).__name__}: {err}")
             )
             return
         self.last = result

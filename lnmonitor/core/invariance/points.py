@@ -25,7 +25,7 @@ import math
 from lnmonitor.core.invariance.loss_contract import default_loss
 from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance.results import InvarianceResult
-from lnmonitor.core.monitor.shared import Voice, where
+from lnmonitor.core.monitor.shared import Voice, off_message, where
 
 __all__ = ["LOSS_FN_ADVICE", "InvariancePoints"]
 
@@ -78,7 +78,7 @@ class InvariancePoints:
         if self._on_off is not None:
             self._on_off(reason)
             return
-        self.voice.warn("invariance-off", f"{self.owner}: the invariance probe is off for this run: {reason}")
+        self.voice.warn("invariance-off", off_message(f"{self.owner}: the invariance probe", reason))
 
     def wanted(self, step: int, *, sweep: bool) -> bool:
         """Whether :meth:`take` would probe ``step`` (its sweep too with ``sweep``)."""

@@ -16,7 +16,7 @@ from lnmonitor.core.output.metric_names import ladder_metric
 __all__ = [
     "Roles", "compiled_message", "decoder_padding_message", "forward_only_message", "layout_message",
     "narrow_message",
-    "no_backward_message", "off_message", "off_reason", "padding_message", "reused_message",
+    "no_backward_message", "off_reason", "padding_message", "reused_message",
     "roles_message", "row_mask_message", "short_ladder_message", "some", "span", "unmasked_message",
     "unmeasured_message", "vanished_grad_message", "zero_grad_message",
 ]
@@ -159,10 +159,6 @@ def off_reason(err: BaseException) -> str:
     return (f"measuring a step failed inside a norm's hook ({type(err).__name__}: "
             f"{err}); training goes on. If a norm computes something lnmonitor "
             "misreads, leave it out with exclude=[...].")
-
-
-def off_message(owner: str, reason: str) -> str:
-    return f"{owner} is off for the rest of this run: {reason}"
 
 
 def narrow_message(owner: str, name: str, width: int, dead_dim: int, kind: str) -> str:

@@ -58,7 +58,7 @@ from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
 from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.core.monitor.shared import Voice
+from lnmonitor.core.monitor.shared import Voice, off_message
 from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
@@ -225,7 +225,7 @@ class LadderMeter:
         rows = self._tap.collect()
         if self._tap.error is not None:  # a hook could not measure this model: say so, stop
             self.off_reason = words.off_reason(self._tap.error)
-            self._warn("off", words.off_message(self.owner, self.off_reason))
+            self._warn("off", off_message(self.owner, self.off_reason))
             self._pending = None
             return
         if rows.order:

@@ -150,6 +150,12 @@ class History:
             self.rows.append({"step": step, **metrics})
 
 
+def off_message(who: str, reason: str) -> str:
+    """The one sentence that says a monitor (or one of its parts, ``who``) stopped for the rest of
+    the run, and why; training goes on."""
+    return f"{who} is off for the rest of this run: {reason}"
+
+
 def where(err: BaseException) -> str:
     """``file:line in function`` of the innermost frame that raised ``err``."""
     frames = traceback.extract_tb(err.__traceback__)
@@ -201,7 +207,7 @@ def _trip(door, entry: str, err: Exception) -> None:
         door.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
     owner = getattr(door, "owner", type(door).__name__)
     advice = getattr(door, "advice", "")
-    door.voice.warn("guard", f"{owner} is off for the rest of this run: {door.off_reason}. Training goes "
+    door.voice.warn("guard", off_message(owner, door.off_reason) + ". Training goes "
                              "on; nothing more is measured or logged by it. " + (advice or
                              "Please report this with the message if the model and batch look ordinary."))
 

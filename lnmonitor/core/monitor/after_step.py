@@ -1,0 +1,111 @@
+"""What every door does after a training step, written once, so the doors are at parity by
+construction.
+
+A door (the Lightning callback, the ``transformers.Trainer`` callback, the plain loop's monitor)
+maps its framework's events to three calls of one :class:`AfterStep` and gives it how its
+framework logs (``log(step, metrics, result) -> bool``) and draws (``write_image``):
+
+* :meth:`AfterStep.every_step` -- every optimizer step: the every-step growth read by the
+  findings (:func:`~lnmonitor.core.findings.reader.every_step`), its health logged at once
+  when a finding was raised or ended on a step that is not measured;
+* :meth:`AfterStep.measured` -- a measured step: the meter's result, its metrics (each norm's
+  ladder position with the first logged one), the findings' health, logged, kept for the
+  summary, and the ladder's picture;
+* :meth:`AfterStep.end` -- once at the end: the ladder over training and the summary.
+
+The views (:class:`lnmonitor.views.run_views.RunViews`) come from the door: this floor draws
+nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from lnmonitor.core.findings.reader import FindingsReader, every_step, health
+
+if TYPE_CHECKING:
+    from lnmonitor.core.meter.meter import Gather, LadderMeter, LadderResult
+
+__all__ = ["AfterStep", "Log"]
+
+Log = Callable[[int, dict, "LadderResult | None"], bool]
+"""``log(step, metrics, result)``: the door's framework logs ``metrics`` at ``step`` (``result``:
+the measured step's, None for the every-step health); True when this process logged them."""
+
+
+class Views(Protocol):
+    def add(self, step: int, metrics: dict[str, float]) -> None: ...
+    def step(self, write, result, step: int, last: bool = False) -> None: ...
+    def end(self, write, title: str) -> None: ...
+
+
+class AfterStep:
+    """The post-step sequence of one run of a door.
+
+    Args:
+        meter: the door's :class:`~lnmonitor.core.meter.meter.LadderMeter`.
+        findings: its :class:`~lnmonitor.core.findings.reader.FindingsReader`, or None (off).
+        views: its pictures and summary (rank zero's).
+        speaks: whether this process draws and keeps the summary (rank zero).
+        warn: ``warn(key, text)``, said once per key.
+        owner: the name messages start with.
+    """
+
+    def __init__(self, meter: LadderMeter, findings: FindingsReader | None, views: Views, *,
+                 speaks: Callable[[], bool], warn: Callable[[str, str], None], owner: str) -> None:
+        self.meter, self.findings, self.views = meter, findings, views
+        self._speaks, self._warn, self.owner = speaks, warn, owner
+        self.positions = True  # each norm's ladder position goes with the first logged measured step
+        self.last_result: LadderResult | None = None
+
+    def every_step(self, step: int, log: Log, stop: Callable[[], object], *, measured: bool) -> bool:
+        """Optimizer step ``step`` ended: the findings read its every-step growth; a kind raised
+        or ended is logged at once unless the step is ``measured`` (then it goes with its
+        metrics).  ``stop()``: ``on_finding`` asked the run to stop.  True when it logged."""
+        reading = every_step(self.findings, self.meter, step, stop)
+        if not measured and (reading.raised or reading.ended):
+            return self.log(step, reading.metrics, log)
+        return False
+
+    def measured(self, step: int, log: Log, stop: Callable[[], object], *, gather: Gather | None = None,
+                 counts: bool = False, label: str | None = None, write_image=None, last: bool = False,
+                 health_only: bool = False) -> dict[str, float] | None:
+        """Measured step ``step`` ended: unhook, merge (``gather``), read the findings and log.
+        Returns the metrics logged (None: nothing measured).  ``health_only``: the step was
+        measured for the findings alone (the door logs nothing else there): only what they raised
+        is logged, and no picture is drawn.  ``last``: the run's last step (it gets a picture)."""
+        self.meter.stop()
+        result = self.meter.result(gather, counts=counts, label=label or f"step {step}")
+        if result is None:
+            return None
+        self.last_result = result
+        found = health(self.findings, step, result, stop)
+        if health_only:
+            if found:
+                self.log(step, found, log, result)
+            return found
+        metrics = result.metrics(positions=self.positions)
+        metrics.update(found)
+        logged = self.log(step, metrics, log, result)
+        self.positions = self.positions and not logged
+        if logged and self._speaks():
+            self.views.step(write_image, result, step, last)
+        return metrics
+
+    def log(self, step: int, metrics: dict[str, float], log: Log, result: LadderResult | None = None) -> bool:
+        """``metrics`` of ``step`` to the door's ``log``, and kept for the summary (rank zero)."""
+        logged = log(step, metrics, result)
+        if logged and self._speaks():
+            self.views.add(step, metrics)
+        return logged
+
+    def end(self, write_image, title: str) -> None:
+        """The run ended: the ladder over training and the summary titled ``title`` (rank zero,
+        once); a failure there is said and the run goes on."""
+        if not self._speaks():
+            return
+        try:
+            self.views.end(write_image, title)
+        except Exception as err:  # noqa: BLE001 - the end-of-run views must never fail a run
+            self._warn("end", f"{self.owner}: no end-of-run summary or picture: {err!r}")
