@@ -15,9 +15,9 @@ from lnmonitor.commands.cli import main
 from lnmonitor.commands.recipe_arguments import parse_shard
 from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import report, store
-from lnmonitor.experiments.eps_compare import run_experiment
-from lnmonitor.experiments.grid import Experiment, experiment_config, parse_eps, parse_seeds
+from lnmonitor.experiments.eps import report, store
+from lnmonitor.experiments.eps.compare import run_experiment
+from lnmonitor.experiments.eps.grid import Experiment, experiment_config, parse_eps, parse_seeds
 from lnmonitor.tiny.corpus import load_corpus
 from lnmonitor.tiny.recipe import Recipe
 from lnmonitor.views.events import read_scalars
@@ -170,8 +170,8 @@ KILLER = textwrap.dedent(
     """
     import os, signal, sys
     from lightning.pytorch.callbacks import Callback
-    from lnmonitor.experiments.eps_compare import run_experiment
-    from lnmonitor.experiments.grid import Experiment
+    from lnmonitor.experiments.eps.compare import run_experiment
+    from lnmonitor.experiments.eps.grid import Experiment
     from lnmonitor.tiny.corpus import load_corpus
     from lnmonitor.tiny.recipe import Recipe
 

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.eps_delay: the eps 0.1 cost as steps lost, exact on synthetic curves and
+"""lnmonitor.experiments.eps.delay: the eps 0.1 cost as steps lost, exact on synthetic curves and
 as docs/eps.md tabulates it from the committed records."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lnmonitor.experiments import eps_delay
+from lnmonitor.experiments.eps import delay as eps_delay
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Findings (lnmonitor.core.findings.reader), the signals they read (core.findings.signals), the
-scales no norm governs (experiments.scales), the testbed's events and the peers' rules
-(experiments.stability_events), the tiny recipe's stability options, and no finding where nothing is wrong."""
+scales no norm governs (experiments.stability.scales), the testbed's events and the peers' rules
+(experiments.stability.events), the tiny recipe's stability options, and no finding where nothing is wrong."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from lnmonitor.core.findings.signals import crosses, step_signals
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor.arguments import ArgumentError
-from lnmonitor.experiments import stability_events as ev
-from lnmonitor.experiments.candidate_signals import candidate_signals, growth_jump, growth_rate
-from lnmonitor.experiments.scales import ScaleTap, attention_logit_max, output_logit_scales
+from lnmonitor.experiments.stability import events as ev
+from lnmonitor.experiments.stability.candidate_signals import candidate_signals, growth_jump, growth_rate
+from lnmonitor.experiments.stability.scales import ScaleTap, attention_logit_max, output_logit_scales
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import Recipe
 
@@ -334,7 +334,7 @@ EPS_DELAY_RECORDS = {
 
 def test_the_eps_finding_cites_the_steps_each_configuration_lost():
     from lnmonitor.core.findings.reader import EPS_DELAYS
-    from lnmonitor.experiments.eps_delay import delays
+    from lnmonitor.experiments.eps.delay import delays
 
     results = Path(__file__).resolve().parents[1] / "results"
     assert set(EPS_DELAY_RECORDS) == set(EPS_DELAYS)
@@ -431,7 +431,7 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
     tap.stop()
     meter.stop()
     said = []
-    assert tap.result() is not None  # the testbed's scales (experiments.scales) are taken on every family
+    assert tap.result() is not None  # the testbed's scales (experiments.stability.scales): every family
     reading = FindingsReader(warn=said.append).read(0, meter.result())
     assert reading.raised == [] and said == [] and tap.error is None
 
@@ -645,10 +645,10 @@ def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_test
     """stream_growth: its threshold the pre-registered one, its figures the confirmation part's, which
     passed the rule to ship; eps_dominates: the fitted testbed's."""
     from lnmonitor.core.findings.reader import TESTBED
-    from lnmonitor.experiments import stability_heldout as H
-    from lnmonitor.experiments import stability_heldout_table as T
-    from lnmonitor.experiments.candidate_signals import CANDIDATES
-    from lnmonitor.experiments.stability_table import PEERS, analyse, load_records, signal_figures
+    from lnmonitor.experiments.stability import heldout as H
+    from lnmonitor.experiments.stability import heldout_table as T
+    from lnmonitor.experiments.stability.candidate_signals import CANDIDATES
+    from lnmonitor.experiments.stability.table import PEERS, analyse, load_records, signal_figures
 
     confirmed = T.judge_heldout(H.load(RESULTS.parent / "stability-confirm", H.CONFIRM_RUNS))
     assert len(confirmed) == len(H.CONFIRM_RUNS)
@@ -668,8 +668,8 @@ def test_the_messages_quote_the_testbeds_records_and_the_thresholds_are_the_test
 def test_the_default_recipe_raises_no_finding_in_the_testbed():
     """Evidence from the testbed's runs of the default recipe (lr 3e-3, one-cycle warm-up) at
     reduced steps and batch (300 steps, batch 16): no kind fires in any seed at its threshold."""
-    from lnmonitor.experiments import stability_heldout_table as T
-    from lnmonitor.experiments.stability_table import analyse, load_records
+    from lnmonitor.experiments.stability import heldout_table as T
+    from lnmonitor.experiments.stability.table import analyse, load_records
 
     records = load_records(RESULTS)
     runs = [r for r in analyse(records) if r.name == "lr3e-3"]
@@ -682,7 +682,7 @@ def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it
     from dataclasses import replace
 
     from lnmonitor.commands.cli import main
-    from lnmonitor.experiments import stability
+    from lnmonitor.experiments.stability import testbed as stability
     from lnmonitor.tiny.corpus import default_corpus
 
     config = stability.TESTBED["qk-lr3e-2-nowarmup"]
@@ -712,7 +712,7 @@ def test_a_testbed_run_records_every_step_and_the_command_tabulates_and_skips_it
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_testbed_shards_are_disjoint_cover_it_and_start_with_seed_zero(count):
     from lnmonitor.commands.cli import main
-    from lnmonitor.experiments.stability import TESTBED, testbed_runs
+    from lnmonitor.experiments.stability.testbed import TESTBED, testbed_runs
 
     every = testbed_runs()
     assert sorted(every) == sorted((n, s) for n, c in TESTBED.items() for s in c.seeds)

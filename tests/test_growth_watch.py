@@ -347,7 +347,7 @@ def test_a_model_built_outside_the_project_is_quiet_healthy_and_said_at_its_blow
     trained for real on the standard library's source at the defaults but every_n_steps=10:
     lr 1e-3 trains well and raises nothing; lr 0.1 blows up within a few steps and is said at
     the step the every-step growth crosses, before the first measured step after 0."""
-    from lnmonitor.experiments import stability_heldout as H
+    from lnmonitor.experiments.stability import heldout as H
     from lnmonitor.integrations.loop import LoopMonitor
 
     torch.manual_seed(0)

@@ -57,7 +57,7 @@ def test_an_eps_compare_run_shows_the_grids_knobs(tmp_path):
     from conftest import events
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lnmonitor.experiments.run import write_hparams_session
+    from lnmonitor.experiments.eps.run import write_hparams_session
     from lnmonitor.tiny.recipe import Recipe
 
     logger = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.law: one law across eps comparisons, from tiny synthetic records
+"""lnmonitor.experiments.eps.law: one law across eps comparisons, from tiny synthetic records
 (no training): the predictors read from a record, the hinge fit, the bootstrap intervals,
 the sentence that claims no more than them, and ``lnmonitor report A B --law C``."""
 
@@ -13,9 +13,9 @@ import pytest
 from lnmonitor.commands.cli import main
 from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import law, store
-from lnmonitor.experiments.statistics import paired_difference
-from lnmonitor.experiments.store import eps_label
+from lnmonitor.experiments.eps import law, store
+from lnmonitor.experiments.eps.statistics import paired_difference
+from lnmonitor.experiments.eps.store import eps_label
 
 FIRST, FINAL = "model.blocks.0.ln1", "model.lnf"
 

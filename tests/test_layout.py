@@ -70,3 +70,20 @@ def test_the_package_names_its_three_doors_and_importing_the_loop_door_loads_not
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    """docs/layout.md: folders by job, each a part with a public face (its ``__init__``'s
+    docstring names its modules) and at most a dozen modules."""
+    root = Path(lnmonitor.__file__).parent
+    crowded, faceless = [], []
+    for init in sorted(root.rglob("__init__.py")):
+        folder = init.parent
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > 12:
+            crowded.append(f"{folder.relative_to(root)}: {len(modules)}")
+        text = init.read_text()
+        if folder.parent.name == "core" and not all(p.stem in text for p in modules):
+            faceless.append(str(folder.relative_to(root)))
+    assert not crowded, crowded
+    assert not faceless, f"these parts' __init__ docstrings do not name all their modules: {faceless}"

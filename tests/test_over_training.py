@@ -1,11 +1,11 @@
-"""lnmonitor.experiments.over_training: the loss gap paired by seed at every validation, the
+"""lnmonitor.experiments.eps.over_training: the loss gap paired by seed at every validation, the
 first norm's transmission and the stream rms over training, from tiny synthetic curves."""
 
 from __future__ import annotations
 
 import pytest
 
-from lnmonitor.experiments import over_training
+from lnmonitor.experiments.eps import over_training
 
 FIRST, FINAL = "model.blocks.0.ln1", "model.lnf"
 
@@ -78,7 +78,7 @@ def test_the_report_figures_over_training_draw_the_paired_gap_and_the_seeds_mean
     geometric mean), on the grid above."""
     import numpy as np
 
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     figures = []
     monkeypatch.setattr(report_figures, "save_png", lambda fig, path: figures.append(fig))

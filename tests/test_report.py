@@ -1,15 +1,15 @@
-"""lnmonitor.experiments.report and its figures on synthetic records: the wall time, the tables and
+"""lnmonitor.experiments.eps.report and its figures on synthetic records: the wall time, the tables and
 the verdict against scipy on the records, and what the heatmap and the dose-response draw."""
 
 import pytest
 
-from lnmonitor.experiments import report
+from lnmonitor.experiments.eps import report
 
 
 @pytest.fixture
 def drawn(monkeypatch) -> list:
     """The figures report_figures saves, kept as matplotlib figures instead of PNGs."""
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     figures: list = []
     monkeypatch.setattr(report_figures, "save_png", lambda fig, path: figures.append(fig))
@@ -32,7 +32,7 @@ def test_runs_side_by_side_occupy_the_wall_time_once():
 def test_the_heatmap_takes_the_largest_eps_that_has_finished(tmp_path, drawn):
     import numpy as np
 
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     norms = ["model.blocks.0.ln1", "model.lnf"]
 
@@ -58,7 +58,7 @@ def test_the_report_tables_are_the_statistics_of_the_records(tmp_path):
     from scipy import stats
 
     from lnmonitor.core.output import files
-    from lnmonitor.experiments import store
+    from lnmonitor.experiments.eps import store
 
     # seeds far apart, the eps effect small and steady within a seed: resolved only when paired by seed
     base = {0: 1.50, 1: 1.70, 2: 1.62}
@@ -104,7 +104,7 @@ def test_the_dose_response_draws_each_eps_means_over_its_seeds(tmp_path, drawn):
     (given out of order), from records whose seeds differ; fewer than three eps draw nothing."""
     import numpy as np
 
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     rng = np.random.default_rng(0)
     eps_values = [0.1, 1e-5, 1e-3]
@@ -140,7 +140,7 @@ def test_the_ladder_and_share_figures_draw_each_runs_held_out_figures(tmp_path, 
     import numpy as np
     from matplotlib.container import BarContainer
 
-    from lnmonitor.experiments import report_figures, store
+    from lnmonitor.experiments.eps import report_figures, store
 
     norms, rungs = ["model.emb", "model.ln1", "model.lnf"], ["model.ln1", "model.lnf"]
 
@@ -180,7 +180,7 @@ def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_val
     a run whose loss fell is drawn at its absolute value, not left out."""
     import numpy as np
 
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     head = {(1e-5, 0): (1e-7, 4e-7, -2.4e-7), (1e-5, 1): (2e-7, 8e-7, 4.8e-7), (0.1, 0): (0.05, 0.2, -0.01)}
     records = {(e, s): {"eps": e, "seed": s, "headline": {
@@ -197,7 +197,7 @@ def test_the_invariance_figure_draws_each_runs_scale_3_error_as_its_absolute_val
 
 
 def test_the_validation_loss_figure_draws_one_line_per_seed_labelled_once_per_eps(tmp_path, drawn):
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     curves = {(1e-5, 0): [(9, 3.0), (19, 2.5)], (1e-5, 1): [(9, 3.1), (19, 2.6)],
               (0.1, 0): [(9, 3.2), (19, 2.9)], (0.1, 1): []}  # a run without a curve yet: no line
@@ -217,7 +217,7 @@ def test_the_invariance_figure_draws_each_sweep_and_its_fit_over_the_fitted_poin
     ``constant * (eps/var)^slope`` over the eps/var of its fitted points only."""
     import numpy as np
 
-    from lnmonitor.experiments import report_figures
+    from lnmonitor.experiments.eps import report_figures
 
     sweep = [  # (eps/var, dloss, in fit, float32 rounding)
         (1e-7, 3e-7, False, True), (1e-4, 2e-5, True, False), (1e-2, -1.9e-3, True, False),

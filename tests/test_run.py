@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.run: a finished run measured again keeps its training and takes this
+"""lnmonitor.experiments.eps.run: a finished run measured again keeps its training and takes this
 lnmonitor's record format, with nothing left of the older measurement."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lnmonitor.core.output.files import read_json
-from lnmonitor.experiments import store
-from lnmonitor.experiments.run import remeasured
+from lnmonitor.experiments.eps import store
+from lnmonitor.experiments.eps.run import remeasured
 
 STORED = Path(__file__).resolve().parent.parent / "results" / "eps-compare" / "eps=0.1" / "seed=0"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lnmonitor.experiments import stability_heldout as H
-from lnmonitor.experiments import stability_heldout_table as T
+from lnmonitor.experiments.stability import heldout as H
+from lnmonitor.experiments.stability import heldout_table as T
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_the_docs_tables_are_the_records():
     inside = doc.split(T.MARKERS[0], 1)[1].split(T.MARKERS[1], 1)[0]
     records = H.load(ROOT / H.DEFAULT_OUT)
     assert len(records) == len(H.RUNS)  # every run of the part, none missing
-    from lnmonitor.experiments.stability_table import load_records
+    from lnmonitor.experiments.stability.table import load_records
 
     table = T.markdown(T.judge_fitted(load_records(ROOT / T.FITTED)), T.judge_heldout(records))
     assert inside == "\n" + table

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.statistics: the Student-t interval, the loss difference paired by seed,
+"""lnmonitor.experiments.eps.statistics: the Student-t interval, the loss difference paired by seed,
 and a verdict that claims no more than its interval."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lnmonitor.experiments import statistics
+from lnmonitor.experiments.eps import statistics
 
 
 def test_interval_is_the_student_t_interval():

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.store: one reader for a run record's held-out figures, format /1 (the
+"""lnmonitor.experiments.eps.store: one reader for a run record's held-out figures, format /1 (the
 stored grids' hand-built norms table) and /2 (the meter's metrics and roles)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments import law, store
-from lnmonitor.experiments.over_training import ladder_ends
+from lnmonitor.experiments.eps import law, store
+from lnmonitor.experiments.eps.over_training import ladder_ends
 
 STORED = Path(__file__).resolve().parent.parent / "results" / "eps-compare"
 

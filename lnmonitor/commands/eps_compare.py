@@ -13,9 +13,9 @@ from lnmonitor.commands.recipe_arguments import (
     recipe_from_args,
 )
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.eps_compare import DEFAULT_OUT, run_experiment
-from lnmonitor.experiments.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, parse_eps, parse_seeds
-from lnmonitor.experiments.run import RunInterrupted
+from lnmonitor.experiments.eps.compare import DEFAULT_OUT, run_experiment
+from lnmonitor.experiments.eps.grid import DEFAULT_EPS, DEFAULT_SEEDS, Experiment, parse_eps, parse_seeds
+from lnmonitor.experiments.eps.run import RunInterrupted
 from lnmonitor.tiny.corpus import corpus_name, load_corpus
 
 __all__ = ["register", "run"]

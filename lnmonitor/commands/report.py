@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lnmonitor.experiments.report import REPORT_NAME, rebuild
+    from lnmonitor.experiments.eps.report import REPORT_NAME, rebuild
 
     rebuilt = rebuild(args.out)
     for out, results in rebuilt.items():
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         for diff in results["differences"].values():
             print(f"report: {diff['verdict']}")
     if args.law is not None:
-        from lnmonitor.experiments.law import sentence, write_law
+        from lnmonitor.experiments.eps.law import sentence, write_law
 
         result = write_law(args.law, rebuilt)
         best = result["best"]

@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise UsageError(f"--jobs must be a positive integer (runs side by side), got {args.jobs}")
     shard = parse_shard(args.shard)
-    from lnmonitor.experiments.stability_table import write_table
+    from lnmonitor.experiments.stability.table import write_table
 
     if not args.table_only:
-        from lnmonitor.experiments.stability import run_testbed
+        from lnmonitor.experiments.stability.testbed import run_testbed
 
         run_testbed(load_corpus(args.data), args.out, names=args.configs, jobs=args.jobs, force=args.force,
                     shard=shard)

@@ -44,7 +44,7 @@ GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
 
 # What each kind did where it was tested (docs/findings.md), which tests/test_findings.py holds
 # these to: stream_growth on the confirmation part (results/stability-confirm, models and seeds
-# its threshold was not fitted on: lnmonitor.experiments.stability_heldout_table.figures, amended);
+# its threshold was not fitted on: lnmonitor.experiments.stability.heldout_table.figures, amended);
 # eps_dominates in the fitted testbed (results/stability: stability_table.signal_figures;
 # peer_hits: the bad runs the better of the two peers' loss rules flagged in time).
 TESTBED: dict[str, dict] = {
@@ -57,7 +57,7 @@ TESTBED: dict[str, dict] = {
 
 # the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
 # cost validation loss in the grid on the Python help text (the testbed's candidate alarm for
-# first_eps_over_var, stated before it was measured: lnmonitor.experiments.candidate_signals)
+# first_eps_over_var, stated before it was measured: lnmonitor.experiments.stability.candidate_signals)
 EPS_KNEE = 27.2
 
 # What a larger eps cost where it was measured (docs/eps.md): eps 0.1 minus eps 1e-5 at GPT-2's

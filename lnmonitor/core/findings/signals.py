@@ -1,7 +1,7 @@
 """The signals the findings read from one measured step: figures the meter already has.
 
 One definition serves the live findings (:mod:`lnmonitor.core.findings.reader`) and the testbed
-that validated them (:mod:`lnmonitor.experiments.candidate_signals` adds the testbed's other
+that validated them (:mod:`lnmonitor.experiments.stability.candidate_signals` adds the testbed's other
 candidates: rates, jumps and the scales no norm governs), so a threshold measured on the testbed
 means the same figure in a user's run.  Nothing here is recomputed from rows: every value is a
 field of the step's :class:`~lnmonitor.core.meter.ladder.LadderFigures`.  Imports no Lightning

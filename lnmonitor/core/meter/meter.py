@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
 from lnmonitor.core.maths.histograms import Layout, merge
-from lnmonitor.core.meter import messages as words
+from lnmonitor.core.meter import messages
 from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figures
 from lnmonitor.core.meter.messages import Roles
@@ -149,7 +149,7 @@ class LadderMeter:
                 "names the same whatever wraps the model. Said once."))
         for info in self.norms:
             if info.width is not None and info.width <= info.dead_dim:
-                raise NormSelectionError(words.narrow_message(owner, info.name, info.width, info.dead_dim,
+                raise NormSelectionError(messages.narrow_message(owner, info.name, info.width, info.dead_dim,
                                                               info.kind))
         self._names = [info.name for info in self.norms]
         self.layout = Layout(len(self.norms))
@@ -157,7 +157,7 @@ class LadderMeter:
         self.roles_known = False
         self.off_reason: str | None = None
         self._tap = NormTap(self.norms)
-        self._stance = None
+        self._eager_code = None
         self._pending: Tensor | None = None
         self._eps: dict[int, float] = {}
         self._resolution: dict[int, float] = {}
@@ -181,13 +181,13 @@ class LadderMeter:
         if said:
             self._say(said)
         if compiled(model):
-            self._say(words.compiled_message(owner))
+            self._say(messages.compiled_message(owner))
 
     # -- one measured step -------------------------------------------------------------
 
     @property
     def measuring(self) -> bool:
-        return self._stance is not None
+        return self._eager_code is not None
 
     def start(self) -> None:
         """Hook the norms until :meth:`stop` (a no-op while measuring or when off)."""
@@ -195,8 +195,8 @@ class LadderMeter:
             return
         # compiled code ignores hooks registered after it compiled (and hooks present while
         # it compiles break its graph): the measured step runs eagerly
-        self._stance = eager()
-        self._stance.__enter__()
+        self._eager_code = eager()
+        self._eager_code.__enter__()
         self._tap.row_mask = None
         self._tap.attach(bypass=not self.roles_known)
         if self._rows.row_mask is not False:
@@ -224,7 +224,7 @@ class LadderMeter:
         self._unhook()
         rows = self._tap.collect()
         if self._tap.error is not None:  # a hook could not measure this model: say so, stop
-            self.off_reason = words.off_reason(self._tap.error)
+            self.off_reason = messages.off_reason(self._tap.error)
             self._warn("off", off_message(self.owner, self.off_reason))
             self._pending = None
             return
@@ -273,8 +273,8 @@ class LadderMeter:
         self._tap.detach()
         self._tap.row_mask = None
         self._inputs_hooks.remove()
-        stance, self._stance = self._stance, None
-        stance.__exit__(None, None, None)
+        eager_code, self._eager_code = self._eager_code, None
+        eager_code.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[LadderMeter]:
@@ -309,10 +309,11 @@ class LadderMeter:
         unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
-            self._say(words.no_backward_message(self.owner, label))
+            self._say(messages.no_backward_message(self.owner, label))
             return None
         if unmeasured:
-            self._warn("unmeasured", words.unmeasured_message(self.owner, label, unmeasured, len(self.norms)))
+            said = messages.unmeasured_message(self.owner, label, unmeasured, len(self.norms))
+            self._warn("unmeasured", said)
             if len(unmeasured) == len(self.norms):
                 return None
         self._say_conditions(row_stats)
@@ -336,27 +337,27 @@ class LadderMeter:
         if not new:
             return
         self.refused.update(new)
-        self._warn(f"layout:{','.join(sorted(new))}", words.layout_message(self.owner, new))
+        self._warn(f"layout:{','.join(sorted(new))}", messages.layout_message(self.owner, new))
 
     def _say_conditions(self, row_stats: list[RowStats]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
         if any(s.pad_rows for s in row_stats):
-            self._warn("padding", words.padding_message(self.owner, self._rows.source))
+            self._warn("padding", messages.padding_message(self.owner, self._rows.source))
         vanished = [(info.name, int(s.vanished_grad_rows), s.rows - s.pad_rows)
                     for info, s in zip(self.norms, row_stats, strict=True) if s.vanished_grad_rows > 0]
         zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, row_stats, strict=True)
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
-            self._say(words.zero_grad_message(self.owner, zero))
+            self._say(messages.zero_grad_message(self.owner, zero))
         if vanished:
-            self._warn("vanished", words.vanished_grad_message(self.owner, vanished))
+            self._warn("vanished", messages.vanished_grad_message(self.owner, vanished))
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
-            self._warn("unmasked", words.unmasked_message(self.owner, self._rows.source, names))
+            self._warn("unmasked", messages.unmasked_message(self.owner, self._rows.source, names))
         if self._forward_only:
             names = [self.norms[i].name for i in sorted(self._forward_only)]
-            self._warn("forward-only", words.forward_only_message(self.owner, names))
+            self._warn("forward-only", messages.forward_only_message(self.owner, names))
 
     def eps(self, index: int) -> float:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
@@ -396,13 +397,13 @@ class LadderMeter:
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
         if self.reused:
-            self._warn("reused", words.reused_message(self.owner, sorted(self.reused)))
+            self._warn("reused", messages.reused_message(self.owner, sorted(self.reused)))
         self.stack_of = stack_of([n.name for n in ordered])
         ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
         self.main_stack = self.stack_of[self.final_norm if self.final_norm in self.stack_of else ran[-1]]
         decided = self._roles(ordered, roles)
-        self._say(words.roles_message(self.owner, decided, bool(self.ladder)))
-        short = words.short_ladder_message(self.owner, decided)
+        self._say(messages.roles_message(self.owner, decided, bool(self.ladder)))
+        short = messages.short_ladder_message(self.owner, decided)
         if short:
             self._warn("one-rung", short)
 

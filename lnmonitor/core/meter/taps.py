@@ -124,8 +124,8 @@ class NormTap:
 
     def detach(self) -> None:
         self._hooks.remove()
-        for box in self._pending:
-            box.clear()
+        for pending in self._pending:
+            pending.clear()
         self._pending = []
 
     def _guarded(self, fn):
@@ -181,15 +181,15 @@ class NormTap:
             if not packing and info.kind == "layer" and x is stream and not dtensors.is_dtensor(output):
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
             # the only references we hold, cleared by the backward hooks or detach()
-            box = _Pending(x, saved, info.gain(), self._keep(x, index, info), like=stream)
-            self._pending.append(box)
+            pending = _Pending(x, saved, info.gain(), self._keep(x, index, info), like=stream)
+            self._pending.append(pending)
             if saved is not None:  # nn.LayerNorm: read what its backward computes anyway
-                output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, box)))
+                output.grad_fn.register_hook(self._guarded(self._node_hook(index, info, pending)))
             else:
-                output.register_hook(self._guarded(self._grad_hook(index, info, box)))
+                output.register_hook(self._guarded(self._grad_hook(index, info, pending)))
             if self._bypass_step and stream.requires_grad:
-                box.awaits_input = True
-                on_stream_gradient(stream, self._guarded(self._input_hook(index, box, x.dtype)))
+                pending.awaits_input = True
+                on_stream_gradient(stream, self._guarded(self._input_hook(index, pending, x.dtype)))
 
         return self._guarded(hook)
 
@@ -225,26 +225,26 @@ class NormTap:
             raw = forward_raw(x.reshape(-1, d), info.kind)
         self._keep_raw(raw, ("rows", info.kind, d), self._keep(x, index, info), index, d, eps, info)
 
-    def _take(self, box: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
-        x, saved, gain, keep = box.x, box.saved, box.gain, box.keep
-        box.x = box.saved = box.gain = box.keep = None
-        if not box.awaits_input:  # else the input hook, or detach(), lets it go
-            box.like = None  # the hook keeps the box until the graph goes: hold no tensor in it
-            self._drop(box)
+    def _take(self, pending: _Pending) -> tuple[Tensor, tuple | None, Tensor | None, Tensor | None]:
+        x, saved, gain, keep = pending.x, pending.saved, pending.gain, pending.keep
+        pending.x = pending.saved = pending.gain = pending.keep = None
+        if not pending.awaits_input:  # else the input hook, or detach(), lets it go
+            pending.like = None  # the hook keeps the pending until the graph goes: hold no tensor in it
+            self._drop(pending)
         return x, saved, gain, keep
 
-    def _drop(self, box: _Pending) -> None:
+    def _drop(self, pending: _Pending) -> None:
         try:
-            self._pending.remove(box)
+            self._pending.remove(pending)
         except ValueError:
             pass
 
-    def _grad_hook(self, index: int, info: NormInfo, box: _Pending):
+    def _grad_hook(self, index: int, info: NormInfo, pending: _Pending):
         def hook(grad: Tensor) -> None:
-            if box.x is None:
+            if pending.x is None:
                 return
-            grad = dtensors.local(grad, box.like)
-            x, _, gain, keep = self._take(box)
+            grad = dtensors.local(grad, pending.like)
+            x, _, gain, keep = self._take(pending)
             d = x.shape[-1] if info.width is None else info.width
             if x.numel() % d or grad.shape != x.shape or d <= info.dead_dim:
                 return  # not rows of this norm, or no room outside the dead subspace
@@ -255,15 +255,15 @@ class NormTap:
             self._run(row_raw, args, ("rows", info.kind, d), keep, index, d, eps, info)
             if self._bypass_step:
                 with torch.no_grad():
-                    box.through = gradient_through(rows, grads, info.kind, eps, gain)
+                    pending.through = gradient_through(rows, grads, info.kind, eps, gain)
 
         return hook
 
-    def _node_hook(self, index: int, info: NormInfo, box: _Pending):
+    def _node_hook(self, index: int, info: NormInfo, pending: _Pending):
         def hook(grad_inputs, grad_outputs) -> None:
-            if box.x is None:
+            if pending.x is None:
                 return
-            x, (mean, rstd), gain, keep = self._take(box)
+            x, (mean, rstd), gain, keep = self._take(pending)
             g = grad_outputs[0] if grad_outputs else None
             if g is None:
                 return
@@ -282,19 +282,19 @@ class NormTap:
                 args = (g, dx, mean, rstd, gain, self._scratch(1, x.numel() // d, d, x.device))
                 self._run(layernorm_backward_raw, args, ("layernorm", eps, d), keep, index, d, eps, info)
             if self._bypass_step and dx is not None and dx.shape == x.shape:
-                box.through = dx.detach().reshape(-1, d)  # what came through the norm, as autograd has it
+                pending.through = dx.detach().reshape(-1, d)  # what came through the norm, as autograd has it
 
         return hook
 
-    def _input_hook(self, index: int, box: _Pending, dtype: torch.dtype):
+    def _input_hook(self, index: int, pending: _Pending, dtype: torch.dtype):
         """The whole gradient at the norm's input (the stream it was cast from) against the
         part through the norm; the resolution is the coarser of the two dtypes'."""
 
         def hook(total: Tensor) -> None:
-            total = dtensors.local(total, box.like)
-            through = box.through
-            self._drop(box)
-            box.clear()
+            total = dtensors.local(total, pending.like)
+            through = pending.through
+            self._drop(pending)
+            pending.clear()
             if through is None or total.numel() != through.numel():
                 return
             with torch.no_grad():

@@ -4,8 +4,8 @@
 Everything here works from the run records alone (``results.json`` or the per-run
 ``result.json`` files, which carry their training curves), so ``lnmonitor report``
 rebuilds the report without torch, Lightning, event files or any training.  The statistics are
-:mod:`lnmonitor.experiments.statistics`; the figures are
-:mod:`lnmonitor.experiments.report_figures`.
+:mod:`lnmonitor.experiments.eps.statistics`; the figures are
+:mod:`lnmonitor.experiments.eps.report_figures`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.over_training import markdown as over_training
-from lnmonitor.experiments.report_figures import (
+from lnmonitor.experiments.eps.over_training import markdown as over_training
+from lnmonitor.experiments.eps.report_figures import (
     FIGURES,
     figure_dose_response,
     figure_invariance,
@@ -29,8 +29,8 @@ from lnmonitor.experiments.report_figures import (
     figure_transmission_by_norm,
     figure_val_loss,
 )
-from lnmonitor.experiments.statistics import aggregate, paired_difference
-from lnmonitor.experiments.store import (
+from lnmonitor.experiments.eps.statistics import aggregate, paired_difference
+from lnmonitor.experiments.eps.store import (
     RESULTS_FORMAT,
     RESULTS_NAME,
     eps_label,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.store import (
+from lnmonitor.experiments.eps.store import (
     eps_label,
     grid_pairs,
 )

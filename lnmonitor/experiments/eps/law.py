@@ -3,7 +3,7 @@ the monitors log, fitted across the grids (and so across initialisations).
 
 Each run at an eps other than its grid's smallest is one point: its validation loss minus
 that of the smallest eps at the same seed (the pairing of
-:func:`lnmonitor.experiments.statistics.paired_difference`), against how far the first
+:func:`lnmonitor.experiments.eps.statistics.paired_difference`), against how far the first
 norm stops normalising, its ``eps/var`` (median row).  The transmission ``eps/(var+eps)``
 is ``r/(1+r)`` of ``r = eps/var``: it ranks the runs alike, but saturates at 1 where
 eps/var still spans decades.  Three predictors (:data:`PREDICTORS`): at step 0 (the
@@ -16,7 +16,7 @@ smallest predictor to a decade below the largest), with 95% percentile intervals
 bootstrap that resamples seeds within each grid: the differences of one seed share their
 baseline run, so the seed is the unit that varies.
 
-Everything here works from the merged results of :mod:`lnmonitor.experiments.report`, without
+Everything here works from the merged results of :mod:`lnmonitor.experiments.eps.report`, without
 torch; scipy is imported only when the law is computed.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
 from lnmonitor.core.output.metric_names import per_norm
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.store import eps_label, norm_value, record_rungs
+from lnmonitor.experiments.eps.store import eps_label, norm_value, record_rungs
 
 __all__ = [
     "LAW_FIGURE", "PREDICTORS", "LawPoint", "eps_over_var_at_end", "eps_over_var_at_init",

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from lnmonitor.core.output.metric_names import per_norm
-from lnmonitor.experiments.over_training import curve_mean, ladder_ends, loss_gap
+from lnmonitor.experiments.eps.over_training import curve_mean, ladder_ends, loss_gap
+from lnmonitor.experiments.eps.statistics import interval
+from lnmonitor.experiments.eps.store import eps_label, norm_value, record_norms, record_rungs, share_baseline
 from lnmonitor.experiments.plotting import scatter_sweep, sweep_legend
-from lnmonitor.experiments.statistics import interval
-from lnmonitor.experiments.store import eps_label, norm_value, record_norms, record_rungs, share_baseline
 from lnmonitor.views.names import short_name, short_names
 from lnmonitor.views.plotting import new_figure, save_png
 
@@ -94,7 +94,7 @@ def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, pat
 
 def _per_norm(records: dict, eps: float, field: str, rungs: bool = False) -> tuple[list[str], np.ndarray]:
     """Norm names (every norm, or the ladder's ``rungs``, in the first run's forward order) and
-    a (runs, norms) array of one held-out statistic (:func:`lnmonitor.experiments.store.norm_value`)."""
+    a (runs, norms) array of one held-out statistic (:func:`lnmonitor.experiments.eps.store.norm_value`)."""
     runs = [r for (e, _), r in sorted(records.items()) if e == eps and record_norms(r)]
     if not runs:
         return [], np.empty((0, 0))

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from lnmonitor.core.output.files import atomic_write_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.grid import Experiment, experiment_config
+from lnmonitor.experiments.eps.grid import Experiment, experiment_config
 
 __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
     "record_measurement", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
 from lnmonitor.core.output.metric_names import parse
-from lnmonitor.experiments.store import (
+from lnmonitor.experiments.eps.store import (
     RECORD_FORMAT,
     RECORD_NAME,
     eps_label,
@@ -66,7 +66,7 @@ def record_measurement(module, batches) -> dict:
     windows for the norm statistics.  ``metrics`` are the meter's figures under the names a
     monitor logs them (:meth:`lnmonitor.core.meter.meter.LadderResult.metrics`); ``norm_info``,
     ``rungs`` and ``final_norm`` say which norm is which (record format /2,
-    :mod:`lnmonitor.experiments.store`)."""
+    :mod:`lnmonitor.experiments.eps.store`)."""
     from lnmonitor.core.maths import geometry
     from lnmonitor.experiments.measure import held_out_measurement
 

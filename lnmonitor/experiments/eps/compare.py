@@ -5,7 +5,7 @@ For every (eps, seed) pair the recipe is trained with the monitors, TensorBoard 
 held-out windows (:func:`lnmonitor.experiments.measure.held_out_measurement`, the pipeline
 ``lnmonitor analyze`` runs too) and a run record ``result.json`` is written there
 atomically. The merged ``<out>/results.json``, ``report.md`` and the figures are
-rebuilt from the records after every run (:func:`lnmonitor.experiments.report.publish`).
+rebuilt from the records after every run (:func:`lnmonitor.experiments.eps.report.publish`).
 This module imports torch only inside the functions that train or measure, so the
 command line can show its help and check its input without it.
 
@@ -36,12 +36,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.grid import Experiment, experiment_config
-from lnmonitor.experiments.report import publish, results_pairs
-from lnmonitor.experiments.run import RunInterrupted, check_checkpoint, remeasure_run, run_one
+from lnmonitor.experiments.eps.grid import Experiment, experiment_config
+from lnmonitor.experiments.eps.report import publish, results_pairs
+from lnmonitor.experiments.eps.run import RunInterrupted, check_checkpoint, remeasure_run, run_one
 
 __all__ = ["DEFAULT_OUT", "check_out", "run_experiment"]
-from lnmonitor.experiments.store import (
+from lnmonitor.experiments.eps.store import (
     RECORD_NAME,
     RESULTS_NAME,
     check_config,

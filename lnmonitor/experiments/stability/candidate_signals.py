@@ -1,6 +1,6 @@
 """The stability testbed's candidate signals: the findings' own (:mod:`lnmonitor.core.findings.signals`)
 and the ones tested beside them and not shipped -- rates and jumps of the growth over earlier steps,
-and the scales no norm governs (attention and output logits, :mod:`lnmonitor.experiments.scales`).
+and the scales no norm governs (attention and output logits, :mod:`lnmonitor.experiments.stability.scales`).
 Each candidate's alarm was stated before the testbed measured it (docs/findings.md).
 """
 
@@ -14,7 +14,7 @@ from lnmonitor.core.findings.signals import SIGNALS, step_signals
 
 if TYPE_CHECKING:
     from lnmonitor.core.meter.ladder import LadderFigures
-    from lnmonitor.experiments.scales import Scales
+    from lnmonitor.experiments.stability.scales import Scales
 
 __all__ = ["CANDIDATES", "CANDIDATE_SIGNALS", "JUMP_WINDOW", "candidate_signals", "growth_jump",
            "growth_rate"]

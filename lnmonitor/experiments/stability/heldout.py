@@ -9,7 +9,7 @@ loop for :data:`STEPS` steps and records every step's training loss (bytes as to
 cross-entropy in nats per byte, every position a target), gradient norm before clipping and the
 ladder's growth (the meter's every-step growth watch; the meter's own figure at step 0), and the
 meter's signals every :data:`MEASURE_EVERY` steps.  What the records mean is
-:mod:`lnmonitor.experiments.stability_heldout_table`'s.
+:mod:`lnmonitor.experiments.stability.heldout_table`'s.
 
 Records go to ``<out>/<family>/<lr>/seed=<seed>.json`` (written atomically, never rerun unless
 ``force``).  Imports transformers when a run needs it.
@@ -30,7 +30,7 @@ from torch import nn
 
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.output.files import atomic_write_json, read_json
-from lnmonitor.experiments.candidate_signals import candidate_signals
+from lnmonitor.experiments.stability.candidate_signals import candidate_signals
 
 __all__ = ["DEFAULT_OUT", "FAMILIES", "MEASURE_EVERY", "RUNS", "STEPS", "HeldOutRun", "run", "run_all"]
 

@@ -9,8 +9,8 @@ step's loss is at hand) and records:
 
 * every step's training loss (cross-entropy, nats/char) and gradient norm before clipping;
 * on every ``measure_every``-th step, the candidate signals
-  (:func:`lnmonitor.experiments.candidate_signals.candidate_signals`: the meter's ladder and the
-  :class:`~lnmonitor.experiments.scales.ScaleTap`'s attention and output logits, per layer too);
+  (:func:`lnmonitor.experiments.stability.candidate_signals.candidate_signals`: the meter's ladder and the
+  :class:`~lnmonitor.experiments.stability.scales.ScaleTap`'s attention and output logits, per layer too);
 * the validation loss every ``val_every`` steps on the fixed held-out windows, and at the end.
 
 Records go to ``<out>/<config>/seed=<seed>/result.json`` (written atomically: its presence
@@ -18,7 +18,7 @@ means the run finished, and it is never rerun unless ``force``).  A run is short
 seconds), so an interrupted one restarts from its first step.  ``jobs`` runs that many side by
 side in worker processes, one torch thread each.  What
 the records mean (the events, the lead times, the peers' rules on the same losses) is
-:mod:`lnmonitor.experiments.stability_table`'s.
+:mod:`lnmonitor.experiments.stability.table`'s.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from lnmonitor.core.output.files import atomic_write_json, read_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.grid import data_fingerprint
+from lnmonitor.experiments.eps.grid import data_fingerprint
 from lnmonitor.tiny.recipe import Recipe
 
 __all__ = ["DEFAULT_OUT", "TESTBED", "Config", "record_path", "run_config", "run_testbed", "testbed_runs"]
@@ -47,7 +47,7 @@ FORMAT = 1
 class Config:
     """One testbed configuration: ``recipe`` (its seed is replaced per run), the ``group`` whose
     best final validation loss defines damage (with the same lr schedule:
-    :func:`lnmonitor.experiments.stability_table.run_group`), ``healthy`` (the control expected to train well:
+    :func:`lnmonitor.experiments.stability.table.run_group`), ``healthy`` (the control expected to train well:
     its alarms are false alarms unless an event happened), and what it is for."""
 
     name: str
@@ -121,8 +121,8 @@ def run_config(config: Config, seed: int, text: str) -> dict:
     import torch
 
     from lnmonitor.core.meter.meter import LadderMeter
-    from lnmonitor.experiments.candidate_signals import candidate_signals
-    from lnmonitor.experiments.scales import ScaleTap
+    from lnmonitor.experiments.stability.candidate_signals import candidate_signals
+    from lnmonitor.experiments.stability.scales import ScaleTap
     from lnmonitor.tiny.data import CharDataModule, RandomWindows
     from lnmonitor.tiny.module import TinyGPTModule
 

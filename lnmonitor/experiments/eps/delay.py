@@ -14,7 +14,7 @@ one-cycle learning rate is still high there.  A cross-check on the training loss
 50 steps, one batch each) smooths it with a trailing mean of a few logged points first.
 
 Reads the records of ``lnmonitor eps-compare`` (``<out>/eps=<eps>/seed=<n>/result.json``, their
-``val/loss`` and ``train/loss`` curves).  ``python -m lnmonitor.experiments.eps_delay`` prints
+``val/loss`` and ``train/loss`` curves).  ``python -m lnmonitor.experiments.eps.delay`` prints
 the table; ``--folder`` reads other record sets.
 """
 

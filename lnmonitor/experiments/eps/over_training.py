@@ -3,7 +3,7 @@ opens, whether the first norm ever starts normalising, and how the stream grows.
 
 * :func:`loss_gap` -- per validation step, the validation loss at an eps minus at the
   baseline eps, paired by seed, with its Student-t interval
-  (:func:`lnmonitor.experiments.statistics.interval`);
+  (:func:`lnmonitor.experiments.eps.statistics.interval`);
 * :func:`curve_mean` -- the geometric mean over seeds of one monitor curve;
 * :func:`markdown` -- the report's section: the gap's table and when it is first resolved,
   the first norm's transmission (start, least, end, the step it first falls below half its
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from lnmonitor.core.output.metric_names import per_norm
-from lnmonitor.experiments.statistics import interval
-from lnmonitor.experiments.store import eps_label, record_final, record_rungs
+from lnmonitor.experiments.eps.statistics import interval
+from lnmonitor.experiments.eps.store import eps_label, record_final, record_rungs
 
 __all__ = ["curve_mean", "first_below_half", "ladder_ends", "loss_gap", "markdown"]
 

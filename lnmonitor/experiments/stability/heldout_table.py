@@ -5,9 +5,9 @@ docs/findings.md ("Held out") states every definition here before the held-out p
 trained: the **visible event** is a non-finite loss or the 10-step mean training loss more than
 :data:`VISIBLE_MARGIN` above the reference run's (the same family and seed, the same batches) at
 the same step; **damage** is the last 20 steps' mean more than :data:`DAMAGE_MARGIN` above the
-reference's.  On the fitted part (:mod:`lnmonitor.experiments.stability`) the reference is the
+reference's.  On the fitted part (:mod:`lnmonitor.experiments.stability.testbed`) the reference is the
 run of the group's best configuration with the same seed, as its damage onset's is, and the
-growth was taken on every 5th step only.  ``python -m lnmonitor.experiments.stability_heldout_table``
+growth was taken on every 5th step only.  ``python -m lnmonitor.experiments.stability.heldout_table``
 writes the tables between the ``stability-heldout-table`` markers of docs/findings.md.
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnmonitor.experiments import stability_heldout
-from lnmonitor.experiments.candidate_signals import growth_jump
-from lnmonitor.experiments.stability_events import kill_loss_spike, olmo_stability_monitor
-from lnmonitor.experiments.stability_table import best_runs, load_records, run_group
+from lnmonitor.experiments.stability import heldout as stability_heldout
+from lnmonitor.experiments.stability.candidate_signals import growth_jump
+from lnmonitor.experiments.stability.events import kill_loss_spike, olmo_stability_monitor
+from lnmonitor.experiments.stability.table import best_runs, load_records, run_group
 
 __all__ = ["RULES", "Judged", "judge_fitted", "judge_heldout", "markdown", "visible_event", "write"]
 

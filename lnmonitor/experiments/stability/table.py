@@ -1,12 +1,12 @@
 """The stability testbed's table, from its records alone (no torch).
 
-For every run: its events (:mod:`lnmonitor.experiments.stability_events`), and for every
-candidate signal (:data:`lnmonitor.experiments.candidate_signals.CANDIDATES`) and both peers' rules, the first
-step it fires.  A run with an event is *bad* (its event step is its earliest event); one
-without is *clean*.  Per signal and peer: the lead time before the event over the bad runs it
-flagged at or before their event (median and range, in steps), hits (bad runs flagged in time),
-late flags (only after the event) and false alarms (clean runs flagged at all).  A signal that
-flags no bad run in time does not lead, and the table says so.  The *separating threshold*
+For every run: its events (:mod:`lnmonitor.experiments.stability.events`), and for every candidate
+signal (:data:`lnmonitor.experiments.stability.candidate_signals.CANDIDATES`) and both peers'
+rules, the first step it fires.  A run with an event is *bad* (its event step is its earliest
+event); one without is *clean*.  Per signal and peer: the lead time before the event over the bad
+runs it flagged at or before their event (median and range, in steps), hits (bad runs flagged in
+time), late flags (only after the event) and false alarms (clean runs flagged at all).  A signal
+that flags no bad run in time does not lead, and the table says so.  The *separating threshold*
 column is the least threshold no clean run crossed, and the bad runs it would flag in time: a
 figure fitted on these very runs, said as such.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 from lnmonitor.core.findings.signals import crosses
 from lnmonitor.core.output.files import atomic_write_text, read_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.candidate_signals import CANDIDATES, growth_jump, growth_rate
-from lnmonitor.experiments.stability_events import (
+from lnmonitor.experiments.stability.candidate_signals import CANDIDATES, growth_jump, growth_rate
+from lnmonitor.experiments.stability.events import (
     damage_onset,
     divergence,
     kill_loss_spike,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lnmonitor.experiments.store import eps_label
+from lnmonitor.experiments.eps.store import eps_label
 
 __all__ = ["CONFIDENCE", "LOG_SCALE", "aggregate", "interval", "paired_difference", "verdict"]
 
