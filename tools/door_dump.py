@@ -1,7 +1,8 @@
 """Everything the three doors log, as float hex: the check that a change of the code's shape
 changed no number.
 
-Runs one tiny transformers GPT-2 (random weights, fixed seeds) through each door -- Lightning
+Runs the three-doors test's tiny transformers GPT-2 (tests/test_doors.py: random weights, fixed
+seeds, the same batch) through each door -- Lightning
 (:class:`~lnmonitor.LayerNormMonitor`, :class:`~lnmonitor.FinalNormInvarianceMonitor`),
 ``transformers.Trainer`` (:class:`~lnmonitor.LNMonitorCallback`) and a plain loop
 (:class:`~lnmonitor.LoopMonitor`, on batches padded to different lengths) -- and writes every
@@ -30,29 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an installed copy
 
-STEPS, EVERY, LR, ROWS, CONTEXT, PROBE = 6, 2, 0.05, 8, 16, 4
+STEPS = 6  # three measured steps at every 2nd and the last
 
 
-def _gpt2():
-    import torch
-    import transformers
+def _parity():
+    """tests/test_doors.py, whose model, batch, labels and LightningModule the dump runs: one
+    definition of the three doors' common ground."""
+    import importlib.util
 
-    config = transformers.GPT2Config(vocab_size=64, n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _tokens():
-    import torch
-
-    return torch.randint(0, 64, (ROWS, CONTEXT), generator=torch.Generator().manual_seed(1))
-
-
-def _labels(x):
-    y = x.clone()
-    y[:, 0] = -100
-    return y
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_doors.py"
+    spec = importlib.util.spec_from_file_location("test_doors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _hex(history) -> dict[str, dict[str, str]]:
@@ -68,35 +59,19 @@ def _hex(history) -> dict[str, dict[str, str]]:
 
 def lightning_door(folder: Path) -> dict:
     import lightning as L
-    import torch
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
     from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 
-    class Wrapped(L.LightningModule):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return self.model(input_ids=x, labels=_labels(x)).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR)
-
-    def loss_fn(module, batch):
-        out = module.model(input_ids=batch[0], labels=_labels(batch[0]))
-        return out.logits, out.loss
-
-    monitor = LayerNormMonitor(every_n_steps=EVERY, keep_history=True)
-    invariance = FinalNormInvarianceMonitor(every_n_steps=EVERY, probe_batch=(_tokens()[:PROBE],),
-                                            loss_fn=loss_fn, keep_history=True)
+    T = _parity()
+    monitor = LayerNormMonitor(every_n_steps=T.EVERY, keep_history=True)
+    invariance = FinalNormInvarianceMonitor(every_n_steps=T.EVERY, probe_batch=(T.tokens()[:T.PROBE],),
+                                            loss_fn=T._logits_and_loss, keep_history=True)
     trainer = L.Trainer(max_steps=STEPS, logger=CSVLogger(str(folder)), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         callbacks=[monitor, invariance])
-    trainer.fit(Wrapped(_gpt2()), DataLoader(TensorDataset(_tokens()), batch_size=ROWS))
+    trainer.fit(T.Wrapped(T.gpt2()), DataLoader(TensorDataset(T.tokens()), batch_size=T.ROWS))
     return {"ladder": _hex(monitor.history), "invariance": _hex(invariance.history)}
 
 
@@ -105,14 +80,15 @@ def transformers_door(folder: Path) -> dict:
 
     from lnmonitor import LNMonitorCallback
 
-    data = [{"input_ids": x, "labels": y} for x, y in zip(_tokens(), _labels(_tokens()), strict=True)]
+    T = _parity()
+    data = [{"input_ids": x, "labels": y} for x, y in zip(T.tokens(), T.labels(T.tokens()), strict=True)]
     args = transformers.TrainingArguments(
-        output_dir=str(folder), per_device_train_batch_size=ROWS, max_steps=STEPS, learning_rate=LR,
+        output_dir=str(folder), per_device_train_batch_size=T.ROWS, max_steps=STEPS, learning_rate=T.LR,
         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, use_cpu=True,
-        save_strategy="no", report_to=[], logging_steps=EVERY, disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="no", report_to=[], logging_steps=T.EVERY, disable_tqdm=True, dataloader_num_workers=0,
         seed=0, data_seed=0)
-    trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=data)
-    callback = LNMonitorCallback(trainer, every_n_steps=EVERY, keep_history=True, probe_size=PROBE)
+    trainer = transformers.Trainer(model=T.gpt2(), args=args, train_dataset=data)
+    callback = LNMonitorCallback(trainer, every_n_steps=T.EVERY, keep_history=True, probe_size=T.PROBE)
     trainer.add_callback(callback)
     trainer.train()
     return {"all": _hex(callback.history)}
@@ -123,15 +99,16 @@ def loop_door(_folder: Path) -> dict:
 
     from lnmonitor import LoopMonitor
 
-    model = _gpt2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    x = _tokens()
+    T = _parity()
+    model = T.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=T.LR)
+    x = T.tokens()
     mask = torch.ones_like(x)
-    mask[1::2, CONTEXT // 2:] = 0  # every second row padded after half its length
-    labels = _labels(x).masked_fill(mask == 0, -100)
-    probe = {"input_ids": x[:PROBE], "attention_mask": mask[:PROBE], "labels": labels[:PROBE]}
-    monitor = LoopMonitor(model, every_n_steps=EVERY, max_steps=STEPS, keep_history=True,
-                          probe_batch=probe, invariance_every_n_steps=EVERY)
+    mask[1::2, T.CONTEXT // 2:] = 0  # every second row padded after half its length
+    labels = T.labels(x).masked_fill(mask == 0, -100)
+    probe = {"input_ids": x[:T.PROBE], "attention_mask": mask[:T.PROBE], "labels": labels[:T.PROBE]}
+    monitor = LoopMonitor(model, every_n_steps=T.EVERY, max_steps=STEPS, keep_history=True,
+                          probe_batch=probe, invariance_every_n_steps=T.EVERY)
     for step in range(STEPS):
         with monitor.step(step):
             model(input_ids=x, attention_mask=mask, labels=labels).loss.backward()

@@ -38,6 +38,16 @@ def _colors(eps_values: Sequence[float]) -> dict[float, str]:
     return {e: palette[i % len(palette)] for i, e in enumerate(sorted(eps_values))}
 
 
+
+def _finish(fig, ax, path: Path, ylabel: str, title: str) -> bool:
+    """Label, grid and legend ``ax``, write ``fig`` to ``path``; True (a figure was drawn)."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_png(fig, path)
+    return True
+
 def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bool:
     if not any(curves.values()):
         return False
@@ -54,12 +64,7 @@ def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bo
         ax.plot(steps, values, color=colors[eps], marker="o", markersize=3, linewidth=1.2, alpha=0.8,
                 label=label)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss (nats/char)")
-    ax.set_title("Validation loss, one line per seed")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_png(fig, path)
-    return True
+    return _finish(fig, ax, path, "validation loss (nats/char)", "Validation loss, one line per seed")
 
 
 def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, path: Path) -> bool:
@@ -84,12 +89,8 @@ def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, pat
         return False
     ax.axhline(0.0, color="0.4", linewidth=0.8, linestyle=":")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"validation loss minus eps={eps_label(base)} (nats/char)")
-    ax.set_title("The loss gap over training, paired by seed (band: 95% interval)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_png(fig, path)
-    return True
+    return _finish(fig, ax, path, f"validation loss minus eps={eps_label(base)} (nats/char)",
+                   "The loss gap over training, paired by seed (band: 95% interval)")
 
 
 def _per_norm(records: dict, eps: float, field: str, rungs: bool = False) -> tuple[list[str], np.ndarray]:
@@ -121,12 +122,8 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
     if not drawn:
         return False
     ax.set_yscale("log")
-    ax.set_ylabel("1/sigma of the norm's input (median row, log scale)")
-    ax.set_title("The 1/sigma ladder on held-out text, one line per seed")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_png(fig, path)
-    return True
+    return _finish(fig, ax, path, "1/sigma of the norm's input (median row, log scale)",
+                   "The 1/sigma ladder on held-out text, one line per seed")
 
 
 def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) -> bool:
