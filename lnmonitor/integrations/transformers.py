@@ -158,7 +158,8 @@ class LNMonitorCallback(TrainerCallback):
         self.summary = arguments.flag(summary, "summary")
         self.owner = "LNMonitorCallback"
         self.voice = Voice()
-        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner, self._say)
+        self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
+                                    self.voice.say)
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None
         self.every_n_steps: int | None = self._every_arg
@@ -182,12 +183,6 @@ class LNMonitorCallback(TrainerCallback):
         """Every reported dict, with its ``step`` (see ``keep_history``)."""
         return self._kept.rows
 
-    def _say(self, text: str) -> None:
-        self.voice.say(text)
-
-    def _warn(self, key: str, text: str) -> None:
-        self.voice.warn(key, text)
-
     def shut(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped, or training ended)."""
         self._measuring = None
@@ -209,17 +204,17 @@ class LNMonitorCallback(TrainerCallback):
         self._first_step = bool(args.logging_first_step)
         self.meter = LadderMeter(
             model, include=self.include, exclude=self.exclude, final_norm=self.final_norm, ladder=self.ladder,
-            row_mask=self.row_mask, owner="LNMonitorCallback", say=self._say, warn=self._warn,
+            row_mask=self.row_mask, owner="LNMonitorCallback", say=self.voice.say, warn=self.voice.warn,
             watch_growth=reads_growth(self.findings),
         )
         self._after = AfterStep(self.meter, self.findings, self._new_views(), speaks=lambda: self._main,
-                                warn=self._warn, owner=self.owner)
+                                warn=self.voice.warn, owner=self.owner)
         callbacks = trainer.callback_handler.callbacks if trainer is not None else []
         self._reporters = [cb for cb in callbacks if type(cb) in INTEGRATION_TO_CALLBACK.values()]
         if trainer is None:
-            self._warn("no-trainer", "LNMonitorCallback: no transformers.Trainer runs this callback's events "
-                                     "(none on the call stack holds it), so its metrics go to no report_to "
-                                     "integration: they are kept in .history.")
+            self.voice.warn("no-trainer", "LNMonitorCallback: no transformers.Trainer runs this callback's "
+                                          "events (none on the call stack holds it), so its metrics go to no "
+                                          "report_to integration: they are kept in .history.")
         self._kept.reset(receivers=bool(self._reporters))
         self._points.begin(None, None)
         if self.invariance_every_n_steps is not None:
@@ -295,15 +290,15 @@ class LNMonitorCallback(TrainerCallback):
         """The probe's rows from the eval data (the Trainer's eval loader), else from the first
         training rows (said once); None when there are none."""
         pad = pad_id_of(model, kwargs.get("processing_class"))
-        say = lambda text: self._say(f"LNMonitorCallback: {text}.")  # noqa: E731
-        warn = lambda text: self._warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
+        say = lambda text: self.voice.say(f"LNMonitorCallback: {text}.")  # noqa: E731
+        warn = lambda text: self.voice.warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
         if trainer is not None and trainer.eval_dataset is not None:
             batch = first_samples(trainer.get_eval_dataloader(), self.probe_size, pad=pad, say=say, warn=warn)
             if batch is not None:
                 return batch
         batch = first_samples(kwargs.get("train_dataloader"), self.probe_size, pad=pad, say=say, warn=warn)
         if batch is not None:
-            self._warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
+            self.voice.warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
                                       "from, so the invariance probe runs on the first training rows.")
         return batch
 
@@ -352,13 +347,13 @@ class LNMonitorCallback(TrainerCallback):
                 reporter.on_log(args, state, control, logs=dict(metrics))
             except Exception as err:  # noqa: BLE001 - a reporter must never stop training
                 self._reporters.remove(reporter)
-                self._warn(f"report-{type(reporter).__name__}",
+                self.voice.warn(f"report-{type(reporter).__name__}",
                            f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
                            "goes to it (training goes on).")
         return True
 
     def _new_views(self) -> RunViews:
-        return RunViews(self.owner, self._say, self._warn, images=self.images,
+        return RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
                         image_every_n_steps=self.image_every_n_steps, summary=self.summary)
 
     def _image_writer(self):
@@ -382,7 +377,8 @@ class LNMonitorCallback(TrainerCallback):
                 try:
                     writer.add_custom_scalars(layout)
                 except Exception as err:  # noqa: BLE001 - a layout must never stop training
-                    self._warn("layout", f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
+                    self.voice.warn("layout",
+                                    f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
 
 
 def _running_trainer(callback) -> Trainer | None:
