@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import free_port
 from torch import nn
 
-from lnmonitor.core.meter import dtensors
+from lnmonitor.core import dtensors
 from lnmonitor.core.meter.meter import LadderMeter
 
 

@@ -14,11 +14,11 @@ from conftest import (
 )
 from torch import nn
 
+from lnmonitor.core.invariance.final_norm import find_final_norm
 from lnmonitor.core.invariance.loss_contract import default_loss, split_output
 from lnmonitor.core.invariance.measure import final_norm_invariance
 from lnmonitor.core.invariance.results import CASES, SWEEP_SCALES
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.core.norms.final_norm import find_final_norm
 from lnmonitor.core.norms.find import find_norms
 
 

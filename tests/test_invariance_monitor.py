@@ -30,8 +30,8 @@ from test_layernorm_monitor_conditions import swap_norms
 from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor
+from lnmonitor.core.invariance.final_norm import final_norm_bypass
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
-from lnmonitor.core.norms.final_norm import final_norm_bypass
 from lnmonitor.tiny import TinyGPTModule
 
 

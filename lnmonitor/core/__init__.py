@@ -4,5 +4,7 @@ roles, the final norm), ``meter`` (one measured step from the hooks to the figur
 :class:`~lnmonitor.core.meter.meter.LadderMeter` every door drives), ``invariance`` (the
 final-norm invariance probe), ``findings`` (what the numbers mean for the run), ``probes`` (the
 structural probes), ``output`` (the logged names, writers, files) and ``monitor`` (what every
-door shares: the post-step sequence, the guard, the argument checks); ``kinds``, ``hooks`` and
-``torch_internals`` are what every part uses.  Importing this package imports nothing."""
+door shares below the measurement: the guard, the argument checks); ``kinds``, ``hooks``,
+``torch_internals`` and ``dtensors`` (tensor-parallel activations) are what every part uses;
+``after_step`` (the post-step sequence every door runs: metrics, findings, logging, pictures,
+summary) stands on top of them all.  Importing this package imports nothing."""

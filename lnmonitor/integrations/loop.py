@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.findings.reader import door_reader, reads_growth
 from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
@@ -26,7 +27,6 @@ from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT

@@ -22,6 +22,7 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
         "lnmonitor.integrations.transformers needs transformers: pip install 'lnmonitor[hf]'"
     ) from err
 
+from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.findings.reader import door_reader, reads_growth, state_from_health
 from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance.loss_contract import default_loss
@@ -31,7 +32,6 @@ from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (

@@ -63,7 +63,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     reaches the end of training.
 
     Before its first run it checks, with one gradient pass on the probe batch
-    (:func:`lnmonitor.core.norms.final_norm.final_norm_bypass`), that the final norm's input reaches
+    (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), that the final norm's input reaches
     the loss only through the norm.  When it does not -- a model without a final norm,
     whose last norm sits inside a block -- the cases would read zero although the loss
     is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs

@@ -16,12 +16,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
+from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.findings.reader import door_reader, reads_growth
 from lnmonitor.core.hooks import model_class
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.meter.row_stats import RowStats
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.core.monitor.shared import due, guarded
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final

@@ -2,4 +2,5 @@
 cases, scales and result types), ``probe`` (one model's probe with its state), ``points``
 (which steps a door probes at), ``loss_contract`` (what a forward returns and how a batch is
 passed), ``replay`` (the part of a forward before the final norm, replayed), ``sweep`` (the
-scale sweep's fit window) and ``probe_rows`` (the held-out rows it runs on)."""
+scale sweep's fit window), ``probe_rows`` (the held-out rows it runs on) and ``final_norm`` (the
+meter's final-norm rule on the probe's own rows, where no meter decided, and its check)."""

@@ -50,7 +50,7 @@ device) are restored afterwards; everything runs under ``torch.no_grad()``, eage
 (``torch.compile``-d code would not see the hook) and invisible to the norm taps of a
 ``LayerNormMonitor`` measuring the same step.
 
-Is the norm final?  :mod:`lnmonitor.core.norms.final_norm` finds it and checks it; the result
+Is the norm final?  :mod:`lnmonitor.core.invariance.final_norm` finds it and checks it; the result
 types are in :mod:`lnmonitor.core.invariance.results`, the loss contract in
 :mod:`lnmonitor.core.invariance.loss_contract`, the sweep's fit in :mod:`lnmonitor.core.invariance.sweep`, and
 the stateful probe the doors drive in :mod:`lnmonitor.core.invariance.probe`.
@@ -65,7 +65,9 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import Hooks, restored, sharded
+from lnmonitor.core.invariance.final_norm import find_final_norm, named_norm
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
 from lnmonitor.core.invariance.replay import PrefixReplay
 from lnmonitor.core.invariance.results import (
@@ -78,8 +80,6 @@ from lnmonitor.core.invariance.results import (
 )
 from lnmonitor.core.invariance.sweep import FIT_RANGE, ROUNDING_BELOW, fit_sweep, fitted
 from lnmonitor.core.maths.geometry import normalise
-from lnmonitor.core.meter import dtensors
-from lnmonitor.core.norms.final_norm import find_final_norm, named_norm
 from lnmonitor.core.norms.find import NormInfo, find_norms
 
 __all__ = ["final_norm_invariance"]

@@ -2,7 +2,7 @@
 
 Every door (the Lightning callback, the transformers.Trainer callback, the plain loop)
 drives one :class:`InvarianceProbe`: it finds the final norm once, checks once that it is
-final (:func:`lnmonitor.core.norms.final_norm.final_norm_bypass`), and keeps the last point so
+final (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), and keeps the last point so
 that a point probed without its sweep can get the sweep alone.
 """
 
@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lnmonitor.core.invariance.loss_contract import LossFn, default_loss
-from lnmonitor.core.invariance.measure import final_norm_invariance
-from lnmonitor.core.invariance.results import CASES, SWEEP_SCALES, InvarianceResult
-from lnmonitor.core.norms.final_norm import (
+from lnmonitor.core.invariance.final_norm import (
     FINAL_BYPASS_TOLERANCE,
     NotAFinalNorm,
     final_norm_bypass,
     find_final_norm,
     named_norm,
 )
+from lnmonitor.core.invariance.loss_contract import LossFn, default_loss
+from lnmonitor.core.invariance.measure import final_norm_invariance
+from lnmonitor.core.invariance.results import CASES, SWEEP_SCALES, InvarianceResult
 from lnmonitor.core.norms.find import NormInfo, find_norms
 from lnmonitor.core.output.metric_names import finite_metrics
 

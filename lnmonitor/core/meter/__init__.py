@@ -3,5 +3,5 @@
 takes, written at its top), ``taps`` and ``bypass`` (the hooks of one step), ``step_rows`` and
 ``row_stats`` (a step's rows, then each norm's statistics), ``ladder`` (every figure reported
 about a step's norms), ``messages`` (what the meter says, in words), ``padding`` (which rows
-are padding), ``dtensors`` (tensor-parallel activations), ``growth_watch`` (every step's stream
+are padding), ``growth_watch`` (every step's stream
 growth) and ``heldout`` (held-out batches through the same meter)."""

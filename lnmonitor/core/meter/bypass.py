@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.meter import dtensors
 
 __all__ = ["gradient_through", "on_stream_gradient"]
 

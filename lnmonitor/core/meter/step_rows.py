@@ -67,7 +67,7 @@ class StepRows:
     measured calls (a module the forward calls more than once is reused), and ``unmasked``
     holds the norms with a row mask that none of their calls' rows lined up with (every row
     measured), and ``refused`` maps a norm to why its ``DTensor`` rows could not be read
-    (:func:`lnmonitor.core.meter.dtensors.unsupported`: it has no rows), and ``without_target`` maps
+    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows), and ``without_target`` maps
     a norm index to the rows that may lack a gradient by construction (one per sequence of its
     calls with gradient, every row of its calls without; nan where a call's rows were flat).
     """

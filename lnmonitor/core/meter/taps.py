@@ -54,10 +54,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core import torch_internals
+from lnmonitor.core import dtensors, torch_internals
 from lnmonitor.core.hooks import Hooks, measuring
 from lnmonitor.core.maths.reductions import chunk_rows, forward_raw, layernorm_backward_raw, row_raw
-from lnmonitor.core.meter import dtensors
 from lnmonitor.core.meter.bypass import gradient_through, on_stream_gradient
 from lnmonitor.core.meter.step_rows import CallRecord, RawCall, StepRows, finish_calls
 from lnmonitor.core.norms.find import NormInfo

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import unwrap, user_name
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.maths.geometry import dead_dim
-from lnmonitor.core.meter import dtensors
 from lnmonitor.core.monitor.arguments import patterns
 from lnmonitor.core.norms.identify import identify, width_of
 from lnmonitor.core.norms.registry import NormSpec, norm_eps

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import float64_twin, unmeasured
 from lnmonitor.core.kinds import NormKind
-from lnmonitor.core.meter import dtensors
 from lnmonitor.core.norms.registry import NormSpec, candidates, norm_eps, registry_version
 
 __all__ = ["identify", "width_of"]

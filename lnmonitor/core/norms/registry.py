@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.kinds import KINDS, NormKind
-from lnmonitor.core.meter import dtensors
 
 __all__ = [
     "GainFn", "NormSpec", "candidates", "norm_eps", "register_norm", "registry_version", "unregister_norm",

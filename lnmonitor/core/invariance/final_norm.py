@@ -23,9 +23,9 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import Hooks, restored
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
-from lnmonitor.core.meter import dtensors
 from lnmonitor.core.norms.find import NormInfo, find_norms
 
 __all__ = [
