@@ -158,7 +158,8 @@ def test_argument_combinations_and_generators():
     probe = StructureProbe(branch=(n for n in ("ln1", "attn")))  # a one-shot iterable
     assert probe.branch == ("ln1", "attn")
     mon = LayerNormMonitor(include=(p for p in ["*.ln1"]), every_n_steps=np.int64(3))
-    assert mon.include == ("*.ln1",) and mon._every_arg == 3 and type(mon._every_arg) is int
+    assert mon.settings.include == ("*.ln1",) and mon.settings.every_n_steps == 3
+    assert type(mon.settings.every_n_steps) is int
 
 
 @pytest.mark.parametrize(
@@ -212,3 +213,35 @@ def test_the_fuzz_covers_every_public_argument():
     for cls in (LayerNormMonitor, FinalNormInvarianceMonitor, StructureProbe):
         names = [n for n in inspect.signature(cls).parameters if n != "self"]
         assert [n for n in names if (cls, n) not in VALID] == [], cls.__name__
+
+
+def test_the_three_doors_share_one_settings_object_with_one_name_a_setting():
+    """The ladder's settings are one dataclass, built and checked alike by every door: the same
+    values read back from each, the same refusal for the same nonsense."""
+    import dataclasses
+
+    from lnmonitor import LoopMonitor
+    from lnmonitor.core.monitor.arguments import ArgumentError
+    from lnmonitor.core.settings import LadderSettings
+
+    pytest.importorskip("transformers")
+    from lnmonitor.integrations.transformers import LNMonitorCallback
+
+    given = dict(every_n_steps=4, include=["*.ln*"], exclude="*.ln2", final_norm="lnf", ladder=None,
+                 images=False, image_every_n_steps=7, summary=False, keep_history=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    loop = LoopMonitor(model, **{**given, "include": None, "exclude": None, "final_norm": None})
+    doors = [LayerNormMonitor(**given), LNMonitorCallback(**given), loop]
+    expected = LadderSettings(**given)
+    assert [f.name for f in dataclasses.fields(LadderSettings)] == [
+        "every_n_steps", "include", "exclude", "final_norm", "ladder", "row_mask", "images",
+        "image_every_n_steps", "summary", "keep_history"]
+    assert doors[0].settings == doors[1].settings == expected
+    assert doors[2].settings.image_every_n_steps == 7 and doors[2].settings.images is False
+    assert LadderSettings.__doc__ and expected.include == ("*.ln*",)
+    with pytest.raises(MisconfigurationException, match="image_every_n_steps"):
+        LayerNormMonitor(image_every_n_steps=0)
+    for door in (lambda: LNMonitorCallback(image_every_n_steps=0),
+                 lambda: LoopMonitor(model, image_every_n_steps=0)):
+        with pytest.raises(ArgumentError, match="image_every_n_steps"):
+            door()

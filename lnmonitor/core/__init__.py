@@ -6,5 +6,6 @@ final-norm invariance probe), ``findings`` (what the numbers mean for the run), 
 structural probes), ``output`` (the logged names, writers, files) and ``monitor`` (what every
 door shares below the measurement: the guard, the argument checks); ``kinds``, ``hooks``,
 ``torch_internals`` and ``dtensors`` (tensor-parallel activations) are what every part uses;
-``after_step`` (the post-step sequence every door runs: metrics, findings, logging, pictures,
-summary) stands on top of them all.  Importing this package imports nothing."""
+``settings`` (the ladder's settings every door shares, one name each) and ``after_step`` (the
+post-step sequence every door runs: metrics, findings, logging, pictures, summary) stand on top
+of them all.  Importing this package imports nothing."""

@@ -25,12 +25,13 @@ from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
-from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.meter.meter import LadderResult
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.shared import History, Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
+from lnmonitor.core.settings import LadderSettings
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LoopMonitor"]
@@ -133,40 +134,33 @@ class LoopMonitor:
         findings: Mapping[str, float | None] | bool | None = None,
         on_finding: Callable | None = None,
     ) -> None:
+        # a plain loop has no log cadence of its own to fall back on: every_n_steps is a number
         self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps", allow_none=False)
+        self.settings = LadderSettings(
+            every_n_steps=every_n_steps, include=include, exclude=exclude, final_norm=final_norm,
+            ladder=ladder, row_mask=row_mask, images=images, image_every_n_steps=image_every_n_steps,
+            summary=summary, keep_history=keep_history)
         self.max_steps = arguments.positive_int(max_steps, "max_steps")
         self.invariance_every_n_steps = arguments.positive_int(invariance_every_n_steps,
                                                                "invariance_every_n_steps")
-        self.images = arguments.flag(images, "images")
-        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
-                                                          allow_none=False)
-        self.summary = arguments.flag(summary, "summary")
         loss_fn = arguments.function(loss_fn, "loss_fn", "loss_fn(model, batch) -> loss or (logits, loss)")
         size = arguments.positive_int(probe_size, "probe_size", unit="samples")
-        keep_history = arguments.optional_flag(keep_history, "keep_history")
-        final_norm = arguments.module_name(final_norm, "final_norm", "transformer.ln_f")
         probed = probe_batch is not None and self.invariance_every_n_steps is not None
         layout = {**LADDER_LAYOUT, **INVARIANCE_LAYOUT} if probed else LADDER_LAYOUT
         self._write: Callable | None = metric_writer(writer, layout)
-        self._write_image = _image_writer(writer) if self.images else None
+        self._write_image = _image_writer(writer) if self.settings.images else None
         self.owner = "LoopMonitor"
         self.voice = Voice(speaks=_rank_zero())
         self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
                                     self.voice.say)
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
-        self._kept = History(keep_history)
+        self._kept = History(self.settings.keep_history)
         self._kept.reset(receivers=writer is not None)
         self._points = InvariancePoints(self.owner, self.voice, advice=LOSS_FN_ADVICE)
-        self.meter = LadderMeter(
-            model, include=arguments.patterns(include, "include"),
-            exclude=arguments.patterns(exclude, "exclude"), final_norm=final_norm,
-            ladder=arguments.patterns(ladder, "ladder"), row_mask=arguments.row_mask(row_mask),
-            owner=self.owner, say=self.voice.say, warn=self.voice.warn,
-            watch_growth=reads_growth(self.findings),
-        )
-        views = RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
-                         image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+        self.meter = self.settings.meter(model, self.owner, self.voice.say, self.voice.warn,
+                                         watch_growth=reads_growth(self.findings))
+        views = RunViews.of(self.settings, self.owner, self.voice.say, self.voice.warn)
         self._after = AfterStep(self.meter, self.findings, views, speaks=_rank_zero, warn=self.voice.warn,
                                 owner=self.owner)
         self._measuring: int | None = None
@@ -174,7 +168,7 @@ class LoopMonitor:
         self._ended = False
         self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if self.invariance_every_n_steps is not None:
-            self._start_probe(probe_batch, loss_fn, size, final_norm)
+            self._start_probe(probe_batch, loss_fn, size, self.settings.final_norm)
 
     @property
     def invariance_off(self) -> str | None:

@@ -42,6 +42,7 @@ from lnmonitor.core.output.metric_names import (
     health_metric,
     parse,
 )
+from lnmonitor.core.settings import LadderSettings
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
@@ -142,27 +143,21 @@ class LNMonitorCallback(TrainerCallback):
                 "name, LNMonitorCallback(every_n_steps=...)"
             )
         self.trainer = trainer
-        self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
-        self.include = arguments.patterns(include, "include")
-        self.exclude = arguments.patterns(exclude, "exclude")
-        self.final_norm = arguments.module_name(final_norm, "final_norm", "model.norm")
-        self.ladder = arguments.patterns(ladder, "ladder")
-        self.row_mask = arguments.row_mask(row_mask)
+        self.settings = LadderSettings(
+            every_n_steps=every_n_steps, include=include, exclude=exclude, final_norm=final_norm,
+            ladder=ladder, row_mask=row_mask, images=images, image_every_n_steps=image_every_n_steps,
+            summary=summary, keep_history=keep_history)
         self.invariance_every_n_steps = arguments.positive_int(invariance_every_n_steps,
                                                                "invariance_every_n_steps")
         self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
-        self._kept = History(arguments.optional_flag(keep_history, "keep_history"))
-        self.images = arguments.flag(images, "images")
-        self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
-                                                          allow_none=False)
-        self.summary = arguments.flag(summary, "summary")
+        self._kept = History(self.settings.keep_history)
         self.owner = "LNMonitorCallback"
         self.voice = Voice()
         self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
                                     self.voice.say)
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None
-        self.every_n_steps: int | None = self._every_arg
+        self.every_n_steps: int | None = self.settings.every_n_steps
         self._points = InvariancePoints(self.owner, self.voice)
         self._reporters: list = []
         self._measuring: int | None = None
@@ -200,13 +195,11 @@ class LNMonitorCallback(TrainerCallback):
         self._logged = -1
         self._layout_written = False
         trainer = self.trainer or _running_trainer(self)
-        self.every_n_steps = self._every_arg or _logging_steps(args.logging_steps, state.max_steps)
+        self.every_n_steps = (self.settings.every_n_steps
+                              or _logging_steps(args.logging_steps, state.max_steps))
         self._first_step = bool(args.logging_first_step)
-        self.meter = LadderMeter(
-            model, include=self.include, exclude=self.exclude, final_norm=self.final_norm, ladder=self.ladder,
-            row_mask=self.row_mask, owner="LNMonitorCallback", say=self.voice.say, warn=self.voice.warn,
-            watch_growth=reads_growth(self.findings),
-        )
+        self.meter = self.settings.meter(model, self.owner, self.voice.say, self.voice.warn,
+                                         watch_growth=reads_growth(self.findings))
         self._after = AfterStep(self.meter, self.findings, self._new_views(), speaks=lambda: self._main,
                                 warn=self.voice.warn, owner=self.owner)
         callbacks = trainer.callback_handler.callbacks if trainer is not None else []
@@ -317,8 +310,9 @@ class LNMonitorCallback(TrainerCallback):
         device = next(model.parameters()).device
         rows = map_tensors(probe_batch(batch, self.probe_size), lambda t: t.to(device))
         autocast = trainer.autocast_smart_context_manager if trainer is not None else contextlib.nullcontext
-        self._points.begin(InvarianceProbe(model, default_loss, final_norm=self.final_norm, meter=self.meter,
-                                           autocast=autocast), rows)
+        probe = InvarianceProbe(model, default_loss, final_norm=self.settings.final_norm, meter=self.meter,
+                                autocast=autocast)
+        self._points.begin(probe, rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
         taken = self._points.take(state.global_step, sweep=sweep)
@@ -353,8 +347,7 @@ class LNMonitorCallback(TrainerCallback):
         return True
 
     def _new_views(self) -> RunViews:
-        return RunViews(self.owner, self.voice.say, self.voice.warn, images=self.images,
-                        image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+        return RunViews.of(self.settings, self.owner, self.voice.say, self.voice.warn)
 
     def _image_writer(self):
         """``write(tag, image, step)`` into the Trainer's TensorBoard writer (its tags under

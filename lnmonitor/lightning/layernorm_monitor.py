@@ -26,6 +26,7 @@ from lnmonitor.core.monitor.shared import due, guarded
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final
 from lnmonitor.core.output.metric_names import LADDER_LAYOUT, hist_metric
+from lnmonitor.core.settings import LadderSettings
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
@@ -185,24 +186,16 @@ class LayerNormMonitor(MonitorCallback):
         on_finding: Callable | None = None,
     ) -> None:
         with misconfiguration():
-            self._every_arg = arguments.positive_int(every_n_steps, "every_n_steps")
-            self.include = arguments.patterns(include, "include")
-            self.exclude = arguments.patterns(exclude, "exclude")
-            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
-            self.ladder = arguments.patterns(ladder, "ladder")
+            self.settings = LadderSettings(
+                every_n_steps=every_n_steps, include=include, exclude=exclude, final_norm=final_norm,
+                ladder=ladder, row_mask=row_mask, images=images, image_every_n_steps=image_every_n_steps,
+                summary=summary, keep_history=keep_history)
             self.histograms = arguments.flag(histograms, "histograms")
-            self.images = arguments.flag(images, "images")
-            self.image_every_n_steps = arguments.positive_int(image_every_n_steps, "image_every_n_steps",
-                                                              allow_none=False)
-            self.summary = arguments.flag(summary, "summary")
-            self.row_mask = arguments.row_mask(row_mask)
-        with misconfiguration():
-            keep_history = arguments.optional_flag(keep_history, "keep_history")
-        super().__init__(keep_history)
+        super().__init__(self.settings.keep_history)
         with misconfiguration():
             self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
                                         self._say)
-        self.every_n_steps: int | None = self._every_arg
+        self.every_n_steps: int | None = self.settings.every_n_steps
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []
         self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
@@ -226,7 +219,8 @@ class LayerNormMonitor(MonitorCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(
-            every_n_steps=self._every_arg, include=self.include, exclude=self.exclude
+            every_n_steps=self.settings.every_n_steps, include=self.settings.include,
+            exclude=self.settings.exclude
         )
 
     # -- one fit ---------------------------------------------------------------------
@@ -239,7 +233,7 @@ class LayerNormMonitor(MonitorCallback):
         self._stop()
         self.meter, self.last_row_stats, self._order = None, [], []
         self._after_step = None  # once per fit, so a fit resumed into a new log has the positions too
-        self.every_n_steps = self._every_arg or max(int(trainer.log_every_n_steps), 1)
+        self.every_n_steps = self.settings.every_n_steps or max(int(trainer.log_every_n_steps), 1)
         self._sink.setup(trainer, hparams=True)
         if self.findings is not None:
             self.findings.reset()  # each kind is raised once per fit (a resumed fit's come back next)
@@ -249,17 +243,14 @@ class LayerNormMonitor(MonitorCallback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
         with misconfiguration():
-            self.meter = LadderMeter(
-                pl_module, include=self.include, exclude=self.exclude, final_norm=self.final_norm,
-                ladder=self.ladder, row_mask=self.row_mask, owner="LayerNormMonitor", say=self._say,
-                warn=self._warn, watch_growth=reads_growth(self.findings),
-            )
+            self.meter = self.settings.meter(pl_module, self.owner, self._say, self._warn,
+                                             watch_growth=reads_growth(self.findings))
         self.meter.order = list(self._order)
         # TensorBoard keeps the session written now, before a step has found the roles: its columns
         # name the final norm the meter's rule expects from what is known (checked at the first step)
         by_name = {n.name: n for n in self.meter.norms}
-        self._columns = expected_final([by_name[n] for n in self.meter.forward_order()], self.ladder,
-                                       self.final_norm)
+        self._columns = expected_final([by_name[n] for n in self.meter.forward_order()], self.settings.ladder,
+                                       self.settings.final_norm)
         if not self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
             self._columns = None
         last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
@@ -336,8 +327,7 @@ class LayerNormMonitor(MonitorCallback):
                 self._check_columns(after.last_result.figures.final)
 
     def _new_views(self) -> RunViews:
-        return RunViews(self.owner, self._say, self._warn, images=self.images,
-                        image_every_n_steps=self.image_every_n_steps, summary=self.summary)
+        return RunViews.of(self.settings, self.owner, self._say, self._warn)
 
     def _image_writer(self, trainer: Trainer):
         return lambda tag, image, step: self._sink.log_image(trainer, tag, step, image)
@@ -391,7 +381,7 @@ class LayerNormMonitor(MonitorCallback):
         super().load_state_dict(state_dict)
         if self.findings is not None and "findings" in state_dict:  # older checkpoints have none
             self.findings.load_state_dict(state_dict["findings"])
-        if self._every_arg is None and state_dict.get("every_n_steps"):
+        if self.settings.every_n_steps is None and state_dict.get("every_n_steps"):
             self.every_n_steps = int(state_dict["every_n_steps"])
         self._order = list(state_dict.get("order", []))
         if self.meter is not None:

@@ -41,6 +41,13 @@ class RunViews:
         self._last_picture = -math.inf
         self._ended = False
 
+    @classmethod
+    def of(cls, settings, owner: str, say: Callable[[str], None], warn: Callable[[str, str], None],
+           ) -> RunViews:
+        """The views a door's :class:`~lnmonitor.core.settings.LadderSettings` ask for."""
+        return cls(owner, say, warn, images=settings.images, summary=settings.summary,
+                   image_every_n_steps=settings.image_every_n_steps)
+
     def add(self, step: int, metrics: dict[str, float]) -> None:
         """A dict the door logged at ``step``."""
         self.trail.add(step, metrics)
