@@ -112,3 +112,15 @@ def test_docs_metrics_is_generated_from_the_families_and_holds_every_name_a_fit_
     # every family is in the page, and no family is a name nothing logs in this fit's kind
     page = DOC.read_text(encoding="utf-8")
     assert all(f"`{f.names[0]}`" in page for f in FAMILIES)
+
+
+def test_the_experiments_final_figures_and_the_recipes_losses_go_through_the_codec():
+    """One codec for every tag: an eps-comparison run's ``final/<key>`` is built and parsed by it,
+    and the recipe's losses are its constants (no name built by hand elsewhere)."""
+    from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS, Metric, final_metric, parse
+    from lnmonitor.experiments.eps.run import FINAL_METRICS
+
+    for key in FINAL_METRICS:
+        tag = final_metric(key)
+        assert tag == f"final/{key}" and parse(tag) == Metric("final", key) and parse(tag).tag == tag
+    assert (TRAIN_LOSS, VAL_LOSS) == ("train/loss", "val/loss") and parse(VAL_LOSS) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS
 from lnmonitor.tiny.data import CharVocab
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 from lnmonitor.tiny.recipe import DECAYS, SCHEDULES
@@ -56,12 +57,12 @@ class TinyGPTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         logits, loss = self(*batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log(TRAIN_LOSS, loss, prog_bar=True)
         return self.objective(logits, loss)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         _, loss = self(*batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].shape[0])
+        self.log(VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=batch[0].shape[0])
 
     def configure_optimizers(self):
         decay = self.hparams.weight_decay

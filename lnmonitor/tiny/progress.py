@@ -8,6 +8,8 @@ import time
 
 from lightning.pytorch.callbacks import Callback
 
+from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS
+
 __all__ = ["EVERY_N_STEPS", "ProgressLines"]
 
 EVERY_N_STEPS = 100
@@ -35,9 +37,9 @@ class ProgressLines(Callback):
             return  # not due, or a micro-batch of a step already said
         self._printed = step
         metrics = trainer.callback_metrics
-        said = [f"train/loss {float(metrics['train/loss']):.4f}"] if "train/loss" in metrics else []
-        if "val/loss" in metrics:
-            said.append(f"val/loss {float(metrics['val/loss']):.4f} (at step {self._validated})")
+        said = [f"{TRAIN_LOSS} {float(metrics[TRAIN_LOSS]):.4f}"] if TRAIN_LOSS in metrics else []
+        if VAL_LOSS in metrics:
+            said.append(f"{VAL_LOSS} {float(metrics[VAL_LOSS]):.4f} (at step {self._validated})")
         taken = time.perf_counter() - self._start
         left = taken / (step - self._first) * (total - step)
         timing = f"{_duration(taken)} taken, about {_duration(left)} left"

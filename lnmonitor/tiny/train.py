@@ -15,6 +15,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lnmonitor.core.output.metric_names import VAL_LOSS
 from lnmonitor.tiny.data import CharDataModule
 from lnmonitor.tiny.module import TinyGPTModule
 from lnmonitor.tiny.progress import ProgressLines
@@ -82,9 +83,9 @@ def fit(
         warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     trainer.save_checkpoint(last, weights_only=False)  # full state: resumable
-    val_loss = trainer.callback_metrics.get("val/loss")
+    val_loss = trainer.callback_metrics.get(VAL_LOSS)
     if val_loss is None or trainer.global_step % recipe.val_every:
-        val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
+        val_loss = trainer.validate(module, datamodule=data, verbose=False)[0][VAL_LOSS]
     return FitResult(
         val_loss=float(val_loss), log_dir=Path(log_dir), checkpoint=last, steps=trainer.global_step
     )

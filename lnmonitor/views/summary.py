@@ -23,6 +23,7 @@ import numpy as np
 from lnmonitor.core.findings.reader import KINDS, TALL_AT_START, long_form
 from lnmonitor.core.output.metric_names import (
     INVARIANCE_CASES,
+    VAL_LOSS,
     baseline_metric,
     health_metric,
     invariance_metric,
@@ -236,7 +237,7 @@ def comparison_lines(runs: Mapping[str, Curves]) -> list[str]:
         final = rungs[-1] if rungs else ""
         steps = [s for t, pts in curves.items() if parse(t) for s, _ in pts]
         base = last(curves, baseline_metric("median", final))
-        loss = next((last(curves, t) for t in ("val/loss", "val_loss", "validation/loss") if t in curves),
+        loss = next((last(curves, t) for t in (VAL_LOSS, "val_loss", "validation/loss") if t in curves),
                     math.nan)
         rows.append((
             name, str(max(steps)) if steps else "-",

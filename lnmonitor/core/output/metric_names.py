@@ -21,9 +21,9 @@ import re
 from typing import NamedTuple
 
 __all__ = [
-    "CATEGORY_ORDER", "FAMILIES", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES", "INVARIANCE_LAYOUT",
-    "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "Family", "Metric", "baseline_metric", "family_of",
-    "finite_metrics",
+    "CATEGORY_ORDER", "FAMILIES", "FINAL", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES",
+    "INVARIANCE_LAYOUT", "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "TRAIN_LOSS", "VAL_LOSS",
+    "Family", "Metric", "baseline_metric", "family_of", "final_metric", "finite_metrics",
     "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
     "run_metric", "unsplit",
 ]
@@ -33,6 +33,11 @@ INVARIANCE = f"{PREFIX}/invariance"
 PROBE = f"{PREFIX}/probe"
 # transformers.Trainer's TensorBoard and W&B integrations put this before every training log
 TRAINER_SPLIT = "train"
+
+# the tiny recipe's losses (its LightningModule logs them), and the prefix of an experiment's
+# headline figures of a finished run (final/<key>, lnmonitor.experiments.eps.run.log_final)
+TRAIN_LOSS, VAL_LOSS = "train/loss", "val/loss"
+FINAL = "final"
 
 # the final-norm invariance cases, logged as lnmonitor/invariance/<case>/...
 INVARIANCE_CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
@@ -87,6 +92,12 @@ def health_metric(kind: str) -> str:
     return f"{PREFIX}/health/{kind}"
 
 
+def final_metric(key: str) -> str:
+    """``final/<key>``: an eps-comparison run's headline figure, logged once at its last step
+    (``final/attenuation``, ``final/val_loss``, ...)."""
+    return f"{FINAL}/{key}"
+
+
 def hist_metric(statistic: str, norm: str) -> str:
     """``lnmonitor/hist/<statistic>/<norm>``: a histogram (``share``, ``sigma``)."""
     return f"{PREFIX}/hist/{statistic}/{norm}"
@@ -94,7 +105,7 @@ def hist_metric(statistic: str, norm: str) -> str:
 
 class Metric(NamedTuple):
     """A logged name read back: ``group`` says which builder made it (``norm``, ``ladder``,
-    ``baseline``, ``invariance``, ``probe``, ``health``, ``hist``, ``run``), ``statistic`` what
+    ``baseline``, ``invariance``, ``probe``, ``health``, ``hist``, ``run``, ``final``), ``statistic`` what
     it measures, and ``name`` of what: the norm, the stack (``""``: the model's ladder), the
     invariance case (``""``: the sweep), the probe's block or norm (``""``: none)."""
 
@@ -111,7 +122,7 @@ class Metric(NamedTuple):
 _BUILD = {
     "norm": per_norm, "ladder": ladder_metric, "baseline": baseline_metric, "invariance": invariance_metric,
     "probe": probe_metric, "health": lambda kind, _: health_metric(kind), "hist": hist_metric,
-    "run": lambda name, _: run_metric(name),
+    "run": lambda name, _: run_metric(name), "final": lambda key, _: final_metric(key),
 }
 _GROUPS = {"share_baseline": "baseline", "invariance": "invariance", "probe": "probe", "health": "health",
            "hist": "hist"}
@@ -126,8 +137,11 @@ def unsplit(tag: str) -> str:
 
 def parse(tag: str) -> Metric | None:
     """The :class:`Metric` a logged name stands for (also under a transformers.Trainer's
-    split, see :func:`unsplit`), or None when it is not lnmonitor's."""
+    split, see :func:`unsplit`; an experiment's ``final/<key>`` too), or None when it is not
+    lnmonitor's."""
     name = unsplit(tag)
+    if name.startswith(f"{FINAL}/"):
+        return Metric("final", name[len(FINAL) + 1:])
     if not name.startswith(f"{PREFIX}/"):
         return None
     parts = name[len(PREFIX) + 1:].split("/")

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lnmonitor.core.output.files import read_json
+from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS
 
 __all__ = ["BUDGETS", "RECORD_SETS", "at", "delay", "delays", "main", "markdown", "reach", "rows",
            "signed_delay", "smooth"]
@@ -112,7 +113,7 @@ def _read(folder: Path, eps: str, name: str) -> tuple[tuple[int, list[tuple[int,
     return tuple(out.items())
 
 
-def delays(folder: Path, budgets: Sequence[int] = BUDGETS, curve: str = "val/loss",
+def delays(folder: Path, budgets: Sequence[int] = BUDGETS, curve: str = VAL_LOSS,
            points: int = 1) -> dict[int, dict[int, tuple[float, float]]]:
     """``{budget: {seed: (signed delay, nats gap at the budget)}}`` over the paired seeds of
     ``folder`` (eps 1e-5 and 0.1), on ``curve`` smoothed over ``points`` logged values, for the
@@ -145,7 +146,7 @@ def rows(sets: dict[str, Path] = RECORD_SETS, budgets: Sequence[int] = BUDGETS) 
     out = []
     for name, folder in sets.items():
         val = delays(folder, budgets)
-        train = delays(folder, budgets, "train/loss", SMOOTH)
+        train = delays(folder, budgets, TRAIN_LOSS, SMOOTH)
         for budget, by_seed in val.items():
             steps = [d for d, _ in by_seed.values()]
             out.append({"configuration": name, "budget": budget + 1, "seeds": sorted(by_seed),

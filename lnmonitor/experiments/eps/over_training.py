@@ -16,13 +16,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lnmonitor.core.output.metric_names import per_norm
+from lnmonitor.core.output.metric_names import VAL_LOSS, per_norm
 from lnmonitor.experiments.eps.statistics import interval
 from lnmonitor.experiments.eps.store import eps_label, record_final, record_rungs
 
 __all__ = ["curve_mean", "first_below_half", "ladder_ends", "loss_gap", "markdown"]
 
-VAL_LOSS = "val/loss"
 
 
 def _curve(record: dict, tag: str) -> dict[int, float]:

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
+from lnmonitor.core.output.metric_names import VAL_LOSS
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps.over_training import markdown as over_training
 from lnmonitor.experiments.eps.report_figures import (
@@ -318,7 +319,7 @@ def write_report(out: Path, results: dict) -> Path:
     out = Path(out)
     records = records_of(results)
     eps_values = [float(e) for e in results["grid"]["eps"]]
-    curves = {p: [tuple(point) for point in (r.get("curves") or {}).get("val/loss", [])]
+    curves = {p: [tuple(point) for point in (r.get("curves") or {}).get(VAL_LOSS, [])]
               for p, r in records.items()}
     figures = {
         "val_loss": figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lnmonitor.core.output.files import atomic_write_json
+from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS, final_metric, parse
 from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps.grid import Experiment, experiment_config
 
@@ -19,7 +20,6 @@ __all__ = [
     "FINAL_METRICS", "HPARAM_FIELDS", "NORM_WINDOWS", "RunInterrupted", "check_checkpoint", "log_final",
     "record_measurement", "remeasure_run", "remeasured", "run_one", "write_hparams_session",
 ]
-from lnmonitor.core.output.metric_names import parse
 from lnmonitor.experiments.eps.store import (
     RECORD_FORMAT,
     RECORD_NAME,
@@ -128,7 +128,6 @@ def _headline(m) -> dict:
 
 HPARAM_FIELDS = ("eps", "seed", "norm", "init", "decay", "width", "depth", "heads", "context", "max_steps",
                  "batch_size", "lr", "weight_decay", "grad_clip")
-FINAL_PREFIX = "final"
 # Headline figures of a run record, logged as ``final/<key>`` scalars at the last step.
 FINAL_METRICS = (
     "val_loss", "scale_slope", "scale_constant", "dloss_scale_3", "dloss_scale_0.01", "out_residual_scale_3",
@@ -150,7 +149,7 @@ def write_hparams_session(logger, recipe: Recipe, monitor: bool) -> None:
 
     params = {k: getattr(recipe, k) for k in HPARAM_FIELDS}
     params["monitors"] = bool(monitor)
-    names = [f"{FINAL_PREFIX}/{k}" for k in FINAL_METRICS] + ["val/loss"]
+    names = [final_metric(k) for k in FINAL_METRICS] + [VAL_LOSS]
     writer = logger.experiment._get_file_writer()
     for proto in session_protos(params, names):
         writer.add_summary(proto)
@@ -160,7 +159,7 @@ def write_hparams_session(logger, recipe: Recipe, monitor: bool) -> None:
 def log_final(logger, record: dict) -> None:
     """The run's headline figures as ``final/<key>`` scalars at its last step."""
     metrics = {
-        f"{FINAL_PREFIX}/{k}": float(v) for k, v in record["headline"].items()
+        final_metric(k): float(v) for k, v in record["headline"].items()
         if v is not None and math.isfinite(v)
     }
     logger.log_metrics(metrics, step=record["steps"])
@@ -252,7 +251,7 @@ def run_one(
 
 # What a record keeps of the training logs: the losses and, per norm, what the ladder and
 # the eps question read (a report then needs no event file).
-CURVES = ("val/loss", "train/loss")
+CURVES = (VAL_LOSS, TRAIN_LOSS)
 NORM_CURVES = ("eps_over_var", "transmission", "inv_sigma", "rms")
 
 
