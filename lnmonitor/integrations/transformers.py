@@ -235,6 +235,8 @@ class LNMonitorCallback(TrainerCallback):
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
+        if self._after is None:  # no training began through on_train_begin: nothing to do
+            return
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
         held = set(self.findings.holding) if self.findings is not None else set()
 
