@@ -43,3 +43,10 @@ def test_the_dump_holds_every_door_and_is_the_same_twice(tmp_path):
         steps = dump[door]["values"][part]
         assert steps and all(steps.values()), (door, part)
     assert any("lnmonitor summary" in line for line in dump["loop"]["said"])
+
+
+def test_compare_names_each_printed_line_that_changed():
+    tool = _tool()
+    before = {"loop": {"values": {}, "said": ["a", "b"]}}
+    after = {"loop": {"values": {}, "said": ["a", "c", "d"]}}
+    assert tool.compare(before, after) == ["/loop/said[1]: 'b' -> 'c'", "/loop/said[2]: None -> 'd'"]

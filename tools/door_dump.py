@@ -150,6 +150,11 @@ def compare(before: dict, after: dict) -> list[str]:
                     differences.append(f"{where}/{key}: only {'after' if key in b else 'before'}")
                 else:
                     walk(a[key], b[key], f"{where}/{key}")
+        elif isinstance(a, list) and isinstance(b, list):  # lines printed: line by line
+            for i in range(max(len(a), len(b))):
+                line_a, line_b = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+                if line_a != line_b:
+                    differences.append(f"{where}[{i}]: {line_a!r} -> {line_b!r}")
         elif a != b:
             differences.append(f"{where}: {a!r} -> {b!r}")
 

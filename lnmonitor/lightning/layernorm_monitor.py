@@ -271,7 +271,7 @@ class LayerNormMonitor(MonitorCallback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
         if self._after_step is not None:
-            self._after_step.end(self._image_writer(trainer), f"{model_class(pl_module)}, end of fit")
+            self._after_step.end(self._image_writer(trainer), f"{model_class(pl_module)}, end of training")
 
     def shut(self) -> None:
         self._stop()
