@@ -294,7 +294,7 @@ class LNMonitorCallback(TrainerCallback):
         batch = first_samples(kwargs.get("train_dataloader"), self.probe_size, pad=pad, say=say, warn=warn)
         if batch is not None:
             self.voice.warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
-                                      "from, so the invariance probe runs on the first training rows.")
+                                           "from, so the invariance probe runs on the first training rows.")
         return batch
 
     def _start_probe(self, trainer, model, kwargs) -> None:
