@@ -483,6 +483,14 @@ def first_paired(warmup: int) -> int:
     return warmup + 1 if warmup % 2 else warmup + 2
 
 
+
+def _update(model, optimizer, recipe) -> None:
+    """The recipe's optimizer step, as its fit takes it: clip, step, clear the gradients."""
+    if recipe.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
 def loop_cell(width: int, depth: int, steps: int, args) -> Cell:
     """Measure one cell without Lightning.  A ``TinyGPT`` (4 heads, the main table's context
     and batch, one fixed batch of random tokens) is stepped in a plain loop as the recipe
@@ -516,10 +524,7 @@ def loop_cell(width: int, depth: int, steps: int, args) -> Cell:
             result = meter.result()
             if result is not None:
                 result.metrics()
-        if recipe.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _update(model, optimizer, recipe)
         sync()
         times.append(time.perf_counter() - t0)
     if meter.off_reason:
@@ -807,10 +812,7 @@ def small_row(label: str, width: int, depth: int, batch: int, context: int, args
         loss.backward()
         if monitor is not None:
             monitor.stop()
-        if recipe.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _update(model, optimizer, recipe)
 
     order = list(loops)
     times: dict[str, list[tuple[int, float]]] = {c: [] for c in order}
