@@ -111,13 +111,13 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     for r in recs:
         per_norm_rows[r.norm] += r.rows
     sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
-    sums[:, 0] = _to_device(per_norm_rows, device)
+    # the host's counts in one copy: each norm's rows, and the rows that may lack a target
+    host = [[per_norm_rows[i], rows.without_target.get(i, 0.0)] for i in range(n)]
+    sums[:, 0::5] = _to_device(host, device)
     for index, parts in rows.bypass.items():
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
         sums[index, 3] = pads
-    for index, count in rows.without_target.items():
-        sums[index, 5] = count
     if fingerprint:
         prints = fingerprints(data, counts, [r.norm for r in recs], n)
         flat[layout.max_end :].copy_(prints.view(torch.float32))  # the float64 bits, as two float32
