@@ -219,15 +219,12 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     value_edges = bin_edges(layout, "value")
     var_lo, var_hi = _bounds(-maxes[2], maxes[1], value_edges)
     ms_lo, ms_hi = _bounds(-maxes[4], maxes[3], value_edges)
-    # var and ms share the value bins: their medians in one pass, over the bins either occupies
-    spans = [s for s in (_span(-maxes[2], maxes[1]), _span(-maxes[4], maxes[3])) if s[1] > s[0]]
-    a, b = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (0, 0)
-    values = np.concatenate((hist[:, sb + a : sb + b], hist[:, sb + lb + a : sb + lb + b]))
+    (v0, v1), (m0, m1) = _span(-maxes[2], maxes[1]), _span(-maxes[4], maxes[3])
+    var_c, ms_c = hist[:, sb + v0 : sb + v1], hist[:, sb + lb + m0 : sb + lb + m1]
     with np.errstate(invalid="ignore", over="ignore"):
         q_share = hist_quantiles(share_c, bin_edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[0])
-        q_values = hist_quantiles(values, value_edges[a : b + 1], (0.5,), np.concatenate((var_lo, ms_lo)),
-                                  np.concatenate((var_hi, ms_hi)))
-    q_var, q_ms = q_values[:n], q_values[n:]
+        q_var = hist_quantiles(var_c, value_edges[v0 : v1 + 1], (0.5,), var_lo, var_hi)
+        q_ms = hist_quantiles(ms_c, value_edges[m0 : m1 + 1], (0.5,), ms_lo, ms_hi)
     share_rows = share_c.sum(1, dtype=np.float64)
     out = []
     for i in range(n):
