@@ -1,4 +1,4 @@
-"""benchmarks/row_stats_ab.py: a revision's row_stats against the working tree's, on one step."""
+"""benchmarks/row_stats_ab.py and hook_split.py: the fixed part against a revision, the hooks split."""
 
 from __future__ import annotations
 
@@ -15,3 +15,12 @@ def test_it_compares_the_working_tree_with_a_revision_like_for_like(capsys):
     assert module.main(["--rev", "HEAD", "--widths", "32", "--pairs", "3"]) == 0
     out = capsys.readouterr().out
     assert "| 32 | `histogram_rows` |" in out and "| 32 | `read` |" in out
+
+
+def test_the_hook_split_reports_dispatch_and_arithmetic(capsys):
+    path = BENCH.parent / "hook_split.py"
+    spec = importlib.util.spec_from_file_location("hook_split", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--shapes", "16,1,2", "--pairs", "2"]) == 0
+    assert "| 16 x 1, 2 |" in capsys.readouterr().out
