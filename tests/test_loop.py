@@ -351,3 +351,15 @@ def test_beside_a_layernorm_monitor_the_invariance_monitor_probes_the_meters_fin
     fit(gpt(), loader(8, 4), [monitor, invariance], 2)
     assert invariance._prober.meter is monitor.meter and invariance._prober.final_norm == monitor.meter.final
     assert not any(n.name.startswith("model.blocks.0.") for n in invariance._prober.norms)
+
+
+
+def test_a_final_norm_the_invariance_monitor_names_is_probed_though_the_ladder_leaves_it_out():
+    """The doors with one meter refuse a named final norm that include/exclude leave out; in
+    Lightning the invariance monitor names its own, and the probe measures it all the same."""
+    monitor = LayerNormMonitor(every_n_steps=1, exclude="model.lnf")
+    invariance = FinalNormInvarianceMonitor(every_n_steps=1, final_norm="model.lnf",
+                                            probe_batch=(tokens(2, seed=9),) * 2)
+    fit(gpt(), loader(8, 4), [monitor, invariance], 2)
+    assert invariance.off_reason is None and invariance._prober.final_norm == "model.lnf"
+    assert invariance.last_result is not None

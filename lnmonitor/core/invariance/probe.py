@@ -73,6 +73,8 @@ class InvarianceProbe:
         self.meter = meter
         if norms is None:
             norms = meter.norms if meter is not None else find_norms(model)
+            if final_norm is not None and all(n.name != final_norm for n in norms):
+                norms = find_norms(model)  # a final norm named outright is probed, measured or not
         self.norms = list(norms)
         self.checked = False
         self.last: InvarianceResult | None = None  # the last point (see point())
