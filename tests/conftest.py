@@ -181,7 +181,8 @@ def check_against_reference(logged: dict, ref: dict[str, dict]) -> None:
 
 def assert_close_history(a: list[dict], b: list[dict], exact: bool = False) -> None:
     """Two monitors' histories agree: same steps and keys, values within the histograms'
-    resolution (or exactly)."""
+    resolution (or exactly).  Two empty histories are no agreement: a monitor that went off logs none."""
+    assert a and b, "a history to compare is empty"
     assert [h["step"] for h in a] == [h["step"] for h in b]
     for ha, hb in zip(a, b, strict=True):
         assert ha.keys() == hb.keys()

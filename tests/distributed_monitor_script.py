@@ -88,6 +88,15 @@ class ShardedGPT(TinyGPTModule):
     sequence_parallel_norms = True
     loss_parallel = False  # the head's logits sharded over the vocabulary (torchtitan's loss_parallel)
 
+    def configure_optimizers(self):
+        # AdamW's plain loop: a tensor-parallel plan leaves some parameters plain tensors beside the
+        # DTensors, which the multi-tensor (foreach) AdamW, CUDA's default, refuses to mix (the plain
+        # loop is CPU's default: the CPU runs are unchanged)
+        config = super().configure_optimizers()
+        for group in (config["optimizer"] if isinstance(config, dict) else config).param_groups:
+            group["foreach"] = False
+        return config
+
     def configure_model(self) -> None:
         if self.device_mesh is None:  # not under ModelParallelStrategy
             return
@@ -222,7 +231,7 @@ def main() -> None:
             json.dump({"history": monitor.history, "collectives": Counting.collectives,
                        "invariance": invariance.history, "disabled": invariance.disabled_reason,
                        "rows": rows, "world": trainer.world_size, "steps": trainer.global_step,
-                       "off": monitor.meter.off_reason}, f)
+                       "off": monitor.off_reason or monitor.meter.off_reason}, f)
 
 
 if __name__ == "__main__":

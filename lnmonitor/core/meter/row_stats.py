@@ -32,8 +32,9 @@ from lnmonitor.core.meter.step_rows import StepRows
 __all__ = ["RowStats", "histogram_rows", "read"]
 
 
-def _to_device(values: list, device: torch.device) -> Tensor:
-    t = torch.tensor(values, dtype=torch.float32)
+def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``values`` on ``device``: from pinned memory, without waiting, on a CUDA device."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -69,11 +70,8 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     if len(recs) == 1:
         nid = torch.full((m,), recs[0].norm, dtype=torch.long, device=device)
     else:
-        ids = torch.tensor([r.norm for r in recs], dtype=torch.long)
-        reps = torch.tensor(counts, dtype=torch.long)
-        if device.type == "cuda":
-            ids, reps = ids.pin_memory().to(device, True), reps.pin_memory().to(device, True)
-        nid = torch.repeat_interleave(ids.to(device), reps.to(device), output_size=m)
+        ids, reps = _to_device([r.norm for r in recs], device, torch.long), _to_device(counts, device, torch.long)
+        nid = torch.repeat_interleave(ids, reps, output_size=m)
     share, share_ok, _, _, stat_ok = row_values(data, d, layer)
 
     sb, vb = layout.share_bins, layout.value_bins
