@@ -17,6 +17,7 @@ from conftest import (
     char_data,
     events,
     fit,
+    free_port,
     gpt,
     loader,
     monitor,
@@ -252,3 +253,31 @@ def test_the_sweep_runs_at_the_end_and_the_cadence_runs_the_cases(sweep_every, t
     want[4] = 14 if sweep_every else 7 + 9
     assert {s: passes.passes.get(s, 0) for s in (0, 2, 4)} == want
     assert {s: passes.whole.get(s, 0) for s in (0, 2, 4)} == {0: 3, 2: 1, 4: 1 if sweep_every else 2}
+
+
+def test_an_fsdp1_model_turns_the_probe_off_saying_why_and_the_ladder_goes_on():
+    """FSDP1 units (Lightning's FSDPStrategy wraps each block so) gather their weights only inside
+    the wrapper's forward, and the probe's passes call the LightningModule: the probe refuses, once,
+    naming what to use instead; the fit and LayerNormMonitor go on.  (Lightning's FSDPStrategy needs
+    CUDA: tests/test_cuda.py runs it; here real FSDP1 units on one gloo process.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from lnmonitor.lightning.invariance_monitor import FSDP1_REFUSED
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        module = gpt(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FSDP's note: NO_SHARD on a world of one
+            for i, block in enumerate(module.model.blocks):
+                module.model.blocks[i] = FullyShardedDataParallel(block, device_id=torch.device("cpu"))
+        mon = monitor()
+        inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+                                         probe_batch=windows(2))
+        trainer, caught = fit(module, loader(8, 4), [mon, inv], 2)
+    finally:
+        dist.destroy_process_group()
+    assert trainer.global_step == 2 and len(mon.history) == 2
+    assert inv.disabled_reason == FSDP1_REFUSED and inv.history == []
+    assert sum(FSDP1_REFUSED in w for w in caught) == 1

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "measuring",
-    "model_class", "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
+    "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "fsdp1",
+    "measuring", "model_class", "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
 ]
 
 # the attribute a wrapper whose forward is a plain call of the model keeps it in, by class name:
@@ -182,8 +182,13 @@ def sharded(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters distributed across ranks (a ``DTensor``: FSDP2's
     ``fully_shard``, tensor parallelism; or FSDP1), so that its forward is a collective every
     rank must join."""
-    return (any(_distributed(p) for p in module.parameters())
-            or any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()))
+    return any(_distributed(p) for p in module.parameters()) or fsdp1(module)
+
+
+def fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds an FSDP1 unit (``FullyShardedDataParallel``: Lightning's
+    ``FSDPStrategy``), whose units gather their parameters only inside the root's forward."""
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
 
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:
