@@ -3,7 +3,8 @@
 The fixed part of a measured step (``stop()``'s histograms and ``result()``'s read, about 3 ms
 whatever the width, docs/performance.md) moves by tenths of a millisecond, far inside what this
 shared machine's load does to whole steps or to runs taken in turn.  So this loads
-``lnmonitor/core/meter/row_stats.py`` as it was at a git revision beside the working tree's, gives
+``lnmonitor/core/meter/row_stats.py`` (with the quantiles of ``lnmonitor/core/maths/histograms.py``)
+as they were at a git revision beside the working tree's, gives
 both the same measured step's rows (a TinyGPT of depth 4, batch 32 x context 64), checks they
 compute the same vector and statistics, and times :func:`histogram_rows` and :func:`read` of the two
 in alternating order, pair by pair.  Reported: medians, and the median of the pairwise ratios
@@ -32,19 +33,29 @@ from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "lnmonitor/core/meter/row_stats.py"
+HISTOGRAMS = "lnmonitor/core/maths/histograms.py"
+
+
+def _load(rev: str, path: str, name: str, replace: tuple[str, str] | None = None):
+    """The module at ``path`` as it was at ``rev``, loaded as ``name``."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                            text=True).stdout
+    if replace:
+        source = source.replace(*replace)
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def old_module(rev: str):
-    """``row_stats`` as it was at ``rev``."""
-    source = subprocess.run(["git", "show", f"{rev}:{MODULE}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "row_stats_old.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("row_stats_old", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["row_stats_old"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """``row_stats`` as it was at ``rev``, reading with the histograms' quantiles as they were then."""
+    _load(rev, HISTOGRAMS, "histograms_old")
+    return _load(rev, MODULE, "row_stats_old",
+                 ("from lnmonitor.core.maths.histograms import", "from histograms_old import"))
 
 
 def step_rows(width: int):

@@ -67,3 +67,22 @@ def test_vectorised_quantiles_equal_the_reference():
                 assert math.isnan(got[i, j]) and math.isnan(ref)
             else:
                 assert got[i, j] == pytest.approx(ref, rel=1e-12, abs=1e-15)
+
+
+def test_histograms_of_different_spans_read_together_read_as_apart():
+    """stack_histograms pads the narrower spans with empty bins: every quantile is the same to
+    the bit as read from each span on its own (an empty row too, and an infinite last edge)."""
+    rng = np.random.default_rng(5)
+    edges = H.Layout(1).value_edges()
+    wide = rng.integers(0, 9, size=(3, 40)).astype(np.float32)
+    narrow = rng.integers(0, 9, size=(3, 7)).astype(np.float32)
+    narrow[1] = 0
+    wide_edges, narrow_edges = edges[16200:16241], edges[-8:]  # the last span ends at inf
+    lo, hi = np.zeros(6), np.full(6, np.inf)
+    with np.errstate(invalid="ignore"):
+        together = H.hist_quantiles(*H.stack_histograms([(wide, wide_edges), (narrow, narrow_edges)]),
+                                    (0.5, 0.9), lo, hi)
+        apart = np.concatenate((H.hist_quantiles(wide, wide_edges, (0.5, 0.9), lo[:3], hi[:3]),
+                                H.hist_quantiles(narrow, narrow_edges, (0.5, 0.9), lo[3:], hi[3:])))
+    np.testing.assert_array_equal(together, apart)
+    assert np.isnan(together[4]).all() and np.isfinite(together[:3]).all()

@@ -61,6 +61,7 @@ __all__ = [
     "hist_quantile",
     "hist_quantiles",
     "merge",
+    "stack_histograms",
 ]
 
 SHARE_BINS = 4096
@@ -139,7 +140,8 @@ def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:
     total = cum[:, -1:]
     offset = np.concatenate(([0.0], np.cumsum(total[:, 0] + 1.0)[:-1]))[:, None]
     j = np.searchsorted((cum + offset).ravel(), (values + offset).ravel(), side="left")
-    return np.clip(j.reshape(values.shape) - (np.arange(n) * width)[:, None], 0, width - 1)
+    j = j.reshape(values.shape) - (np.arange(n) * width)[:, None]
+    return np.minimum(np.maximum(j, 0), width - 1)
 
 
 def hist_quantiles(
@@ -150,9 +152,10 @@ def hist_quantiles(
     hi: np.ndarray,
 ) -> np.ndarray:
     """:func:`hist_quantile` for many histograms at once (vectorised over rows):
-    ``counts`` is ``(n, bins)``, ``edges`` ``(bins + 1,)``, ``lo``/``hi`` ``(n,)``;
-    returns ``(n, len(qs))``, nan for empty histograms.  Only the span of bins occupied
-    in some row is accumulated."""
+    ``counts`` is ``(n, bins)``, ``edges`` ``(bins + 1,)`` shared by every row or ``(n, bins + 1)``
+    one per row (histograms of different spans read together: :func:`stack_histograms`),
+    ``lo``/``hi`` ``(n,)``; returns ``(n, len(qs))``, nan for empty histograms.  Only the span
+    of bins occupied in some row is accumulated."""
     counts = np.asarray(counts)
     n = counts.shape[0]
     cols = np.flatnonzero(counts.any(axis=0))
@@ -160,7 +163,8 @@ def hist_quantiles(
         return np.full((n, len(qs)), np.nan)
     first, stop = int(cols[0]), int(cols[-1]) + 1
     counts = counts[:, first:stop].astype(np.float64)
-    edges = np.asarray(edges, dtype=np.float64)[first : stop + 1]
+    edges = np.asarray(edges, dtype=np.float64)
+    edges = edges[first : stop + 1] if edges.ndim == 1 else edges[:, first : stop + 1]
     cum = np.cumsum(counts, axis=1)
     total = cum[:, -1:]
     last = np.maximum(total - 1, 0)
@@ -169,22 +173,43 @@ def hist_quantiles(
     t = pos - r0
     r1 = np.minimum(r0 + 1, last)
     lo, hi = np.asarray(lo, dtype=np.float64)[:, None], np.asarray(hi, dtype=np.float64)[:, None]
+    row = np.arange(n)[:, None]
 
     # both order statistics' bins in one search
-    i0, i1 = np.split(_batched_searchsorted(cum, np.concatenate((r0, r1), 1) + 0.5), 2, axis=1)
+    both = _batched_searchsorted(cum, np.concatenate((r0, r1), 1) + 0.5)
+    k = r0.shape[1]
 
     def order_stat(r: np.ndarray, i: np.ndarray) -> np.ndarray:
-        ci = np.take_along_axis(counts, i, 1)
-        before = np.take_along_axis(cum, i, 1) - ci
-        frac = np.clip((r - before + 0.5) / np.maximum(ci, 1.0), 0.0, 1.0)
-        width = edges[i + 1] - edges[i]
-        v = edges[i] + frac * np.where(np.isfinite(width), width, 0.0)
+        ci = counts[row, i]
+        before = cum[row, i] - ci
+        frac = np.minimum(np.maximum((r - before + 0.5) / np.maximum(ci, 1.0), 0.0), 1.0)
+        bottom, top = (edges[i], edges[i + 1]) if edges.ndim == 1 else (edges[row, i], edges[row, i + 1])
+        width = top - bottom
+        v = bottom + frac * np.where(np.isfinite(width), width, 0.0)
         return np.minimum(np.maximum(v, lo), hi)
 
-    v0 = order_stat(r0, i0)
+    v0 = order_stat(r0, both[:, :k])
     with np.errstate(invalid="ignore"):
-        out = np.where(t > 0, (1 - t) * v0 + t * order_stat(r1, i1), v0)
+        out = np.where(t > 0, (1 - t) * v0 + t * order_stat(r1, both[:, k:]), v0)
     return np.where(total > 0, out, np.nan)
+
+
+def stack_histograms(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Histograms of different spans as the rows of one ``(counts, edges)`` pair for
+    :func:`hist_quantiles`: each part is ``(counts (n_i, bins_i), edges (bins_i + 1,))``; the
+    narrower ones are padded on the right with empty bins (their last edge repeated), which no
+    quantile reads."""
+    width = max(c.shape[1] for c, _ in parts)
+    counts = np.zeros((sum(c.shape[0] for c, _ in parts), width), dtype=np.float64)
+    edges = np.empty((counts.shape[0], width + 1), dtype=np.float64)
+    at = 0
+    for c, e in parts:
+        k, bins = c.shape
+        counts[at : at + k, :bins] = c
+        edges[at : at + k, : bins + 1] = e
+        edges[at : at + k, bins + 1 :] = e[-1]
+        at += k
+    return counts, edges
 
 
 _EDGES: dict = {}

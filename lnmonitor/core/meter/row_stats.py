@@ -24,6 +24,7 @@ from lnmonitor.core.maths.histograms import (
     bin_edges,
     hist_quantile,
     hist_quantiles,
+    stack_histograms,
 )
 from lnmonitor.core.maths.reductions import row_values
 from lnmonitor.core.maths.replicas import fingerprints
@@ -221,8 +222,10 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
     var_c, ms_c = hist[:, sb + v0 : sb + v1], hist[:, sb + lb + m0 : sb + lb + m1]
     with np.errstate(invalid="ignore", over="ignore"):
         q_share = hist_quantiles(share_c, bin_edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[0])
-        q_var = hist_quantiles(var_c, value_edges[v0 : v1 + 1], (0.5,), var_lo, var_hi)
-        q_ms = hist_quantiles(ms_c, value_edges[m0 : m1 + 1], (0.5,), ms_lo, ms_hi)
+        # var and ms in one read: their occupied spans are alike (ms = var + mean^2)
+        values = stack_histograms([(var_c, value_edges[v0 : v1 + 1]), (ms_c, value_edges[m0 : m1 + 1])])
+        q_values = hist_quantiles(*values, (0.5,), np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)))
+    q_var, q_ms = q_values[:n], q_values[n:]
     share_rows = share_c.sum(1, dtype=np.float64)
     out = []
     for i in range(n):
