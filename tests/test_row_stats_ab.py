@@ -1,4 +1,4 @@
-"""benchmarks/row_stats_ab.py and hook_split.py: the fixed part against a revision, the hooks split."""
+"""The step's benchmarks that compare code side by side: row_stats_ab, hook_split, hooks_ab, defer_ab."""
 
 from __future__ import annotations
 
@@ -23,4 +23,22 @@ def test_the_hook_split_reports_dispatch_and_arithmetic(capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--shapes", "16,1,2", "--pairs", "2"]) == 0
+    assert "| 16 x 1, 2 |" in capsys.readouterr().out
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hooks_are_compared_with_a_revision_like_for_like(capsys):
+    assert _bench("hooks_ab").main(["--rev", "HEAD", "--shapes", "16,1,2", "--pairs", "2"]) == 0
+    assert "| 16 x 1, 2 |" in capsys.readouterr().out
+
+
+def test_the_deferred_taps_leave_the_rows_the_hooks_leave(capsys):
+    # the deferred tap's rows equal the hooks' to the bit and the batched one's to rounding, or main exits
+    assert _bench("defer_ab").main(["--shapes", "16,1,2", "--pairs", "2"]) == 0
     assert "| 16 x 1, 2 |" in capsys.readouterr().out

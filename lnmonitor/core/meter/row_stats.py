@@ -71,8 +71,8 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     if len(recs) == 1:
         nid = torch.full((m,), recs[0].norm, dtype=torch.long, device=device)
     else:
-        ids, reps = _to_device([r.norm for r in recs], device, torch.long), _to_device(counts, device, torch.long)
-        nid = torch.repeat_interleave(ids, reps, output_size=m)
+        ids = _to_device([r.norm for r in recs], device, torch.long)
+        nid = torch.repeat_interleave(ids, _to_device(counts, device, torch.long), output_size=m)
     share, share_ok, _, _, stat_ok = row_values(data, d, layer)
 
     sb, vb = layout.share_bins, layout.value_bins
@@ -224,7 +224,8 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
         q_share = hist_quantiles(share_c, bin_edges(layout, "share"), (0.5, 0.9), np.zeros(n), maxes[0])
         # var and ms in one read: their occupied spans are alike (ms = var + mean^2)
         values = stack_histograms([(var_c, value_edges[v0 : v1 + 1]), (ms_c, value_edges[m0 : m1 + 1])])
-        q_values = hist_quantiles(*values, (0.5,), np.concatenate((var_lo, ms_lo)), np.concatenate((var_hi, ms_hi)))
+        q_values = hist_quantiles(*values, (0.5,), np.concatenate((var_lo, ms_lo)),
+                                  np.concatenate((var_hi, ms_hi)))
     q_var, q_ms = q_values[:n], q_values[n:]
     share_rows = share_c.sum(1, dtype=np.float64)
     out = []
