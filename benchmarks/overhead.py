@@ -53,12 +53,14 @@ The small rows (``--small``): the shapes a new user's first runs have, stepped i
 with the plain-loop door (``LoopMonitor``), as nanoGPT's ``train.py`` steps: nanoGPT's smallest
 shape (a TinyGPT of 2 layers, width 64, 4 heads, batch 12, context 64: nanoGPT's own model
 differs in biases and dropout) and the tiny model (4 layers) at widths 64 and 128 (batch and
-context of the main table).  Per row, three loops of the same model (a copy of one
+context of the main table).  Per row, four loops of the same model (a copy of one
 initialisation) on the same batches, interleaved step by step in rotated order: ``plain``,
-``every`` (``LoopMonitor(every_n_steps=1)``, no probe, pictures or summary) and ``defaults``
-(``LoopMonitor()`` with its defaults, no probe batch: it measures step 0 and then every 50th).
+``every`` (``LoopMonitor(every_n_steps=1)``, no probe, pictures or summary), ``defaults``
+(``LoopMonitor()`` with its defaults, no probe batch: it measures step 0 and then every 50th)
+and ``quiet`` (the defaults with ``findings=False``: no every-step growth watch).
 Reported: the measured step against a plain one (medians), the defaults amortised over 50
-steps (``(t_defaults_unmeasured + (t_every - t_plain) / 50) / t_plain``), the import time of
+steps (``(t_defaults_unmeasured + (t_every - t_plain) / 50) / t_plain``), the same with
+``findings=False`` (the every-step watch's share is the difference), the import time of
 the loop door after torch (median of 3 fresh interpreters) and the peak bytes of one
 measured step against one plain step (as below).
 
@@ -748,6 +750,7 @@ class SmallRow:
     plain_ms: float = math.nan
     every_ms: float = math.nan
     defaults_idle_ms: float = math.nan
+    quiet_idle_ms: float = math.nan
     plain_peak_mb: float = math.nan
     every_peak_mb: float = math.nan
 
@@ -758,6 +761,11 @@ class SmallRow:
     @property
     def defaults(self) -> float:
         return (self.defaults_idle_ms + (self.every_ms - self.plain_ms) / LN_CADENCE) / self.plain_ms
+
+    @property
+    def quiet(self) -> float:
+        """The defaults with ``findings=False``: no every-step growth watch."""
+        return (self.quiet_idle_ms + (self.every_ms - self.plain_ms) / LN_CADENCE) / self.plain_ms
 
 
 def import_seconds(runs: int = 3) -> float:
@@ -800,9 +808,11 @@ def small_row(label: str, width: int, depth: int, batch: int, context: int, args
                                   images=False, summary=False, keep_history=False)
         elif config == "defaults":
             monitor = LoopMonitor(model, max_steps=steps)
+        elif config == "quiet":
+            monitor = LoopMonitor(model, max_steps=steps, findings=False)
         return model, optimizer, monitor
 
-    loops = {config: build(config, args.steps) for config in ("plain", "every", "defaults")}
+    loops = {config: build(config, args.steps) for config in ("plain", "every", "defaults", "quiet")}
 
     def step(config: str, i: int) -> None:
         model, optimizer, monitor = loops[config]
@@ -819,7 +829,7 @@ def small_row(label: str, width: int, depth: int, batch: int, context: int, args
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the doors' notes (no writer, no probe batch)
         for i in range(args.steps):
-            rotated = order[i % 3:] + order[:i % 3]
+            rotated = order[i % len(order):] + order[:i % len(order)]
             for config in rotated:
                 t0 = time.perf_counter()
                 step(config, i)
@@ -834,7 +844,8 @@ def small_row(label: str, width: int, depth: int, batch: int, context: int, args
 
     row = SmallRow(label, width, depth, batch, context, args.steps,
                    plain_ms=median_ms("plain", lambda i: True), every_ms=median_ms("every", lambda i: True),
-                   defaults_idle_ms=median_ms("defaults", lambda i: i % LN_CADENCE and i != args.steps - 1))
+                   defaults_idle_ms=median_ms("defaults", lambda i: i % LN_CADENCE and i != args.steps - 1),
+                   quiet_idle_ms=median_ms("quiet", lambda i: i % LN_CADENCE and i != args.steps - 1))
     if args.memory:  # fresh loops, two steps each before the one recorded
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -852,13 +863,13 @@ def small_table(rows: list[SmallRow], import_s: float, args) -> list[str]:
         f"### Small models, plain loop (LoopMonitor), {args.steps} steps, {args.warmup} untimed, "
         f"{torch.get_num_threads()} threads",
         "",
-        "| shape | plain step | measured step | every step | defaults (amortised) | import (loop door) "
-        "| peak, plain / measured |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | plain step | measured step | every step | defaults (amortised) | defaults, findings off "
+        "| import (loop door) | peak, plain / measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(f"| {r.label} | {r.plain_ms:.1f} ms | {r.every_ms:.1f} ms | {r.every:.2f}x | "
-                   f"{r.defaults:.3f}x | {import_s:.2f} s "
+                   f"{r.defaults:.3f}x | {r.quiet:.3f}x | {import_s:.2f} s "
                    f"| {r.plain_peak_mb:.1f} / {r.every_peak_mb:.1f} MB |")
     return out
 
