@@ -1,4 +1,4 @@
-"""The step's benchmarks that compare code side by side: row_stats_ab, hook_split, hooks_ab, defer_ab."""
+"""The step's benchmarks that compare side by side: row_stats_ab, hook_split, hooks_ab, defer_ab, idle_step."""
 
 from __future__ import annotations
 
@@ -42,3 +42,9 @@ def test_the_deferred_taps_leave_the_rows_the_hooks_leave(capsys):
     # the deferred tap's rows equal the hooks' to the bit and the batched one's to rounding, or main exits
     assert _bench("defer_ab").main(["--shapes", "16,1,2", "--pairs", "2"]) == 0
     assert "| 16 x 1, 2 |" in capsys.readouterr().out
+
+
+def test_the_idle_step_is_timed_at_the_defaults_and_with_findings_off(capsys):
+    assert _bench("idle_step").main(["--shapes", "16,1,2", "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| 16 x 1, 2 |" in out and out.count("x) |") == 2  # both doors timed

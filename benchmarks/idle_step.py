@@ -1,0 +1,91 @@
+"""What an unmeasured step costs at the defaults, in the training loop itself.
+
+``findings_cost.py`` times the every-step growth watch's own work alone, in a tight loop, where its
+operators and their data stay in the caches.  Inside a training step they do not: the same few
+reductions run between the model's own operators.  So this steps three copies of one TinyGPT on the
+same batches, a step each in turn (each in each place of the turn equally often): ``plain``, the
+plain-loop door at its defaults (``LoopMonitor(model)``: the every-step growth watch and the
+findings' read of it) and the same with ``findings=False`` (no watch), and reports, over the steps
+neither door measures (not every 50th), the median of each door's extra time over the plain step of
+its turn, and that against the plain step.
+
+    python benchmarks/idle_step.py --shapes 64,2,12 64,4,32 128,4,32 --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import itertools
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from lnmonitor.integrations.loop import LoopMonitor
+from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+CONFIGS = ("plain", "defaults", "findings off")
+
+
+def row(width: int, depth: int, batch: int, steps: int) -> str:
+    torch.manual_seed(0)
+    base = TinyGPT(GPTConfig(vocab_size=65, width=width, depth=depth, heads=4, context=64))
+    batches = torch.randint(65, (8, batch, 65))
+    models = {c: copy.deepcopy(base) for c in CONFIGS}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")  # the doors' notes: no writer, no probe batch
+        doors = {"defaults": LoopMonitor(models["defaults"], images=False, summary=False),
+                 "findings off": LoopMonitor(models["findings off"], images=False, summary=False,
+                                             findings=False)}
+    orders = list(itertools.permutations(CONFIGS))
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):  # the doors' notes
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            x = batches[i % len(batches)]
+            for config in orders[i % len(orders)]:
+                model, door = models[config], doors.get(config)
+                t = time.perf_counter()
+                if door is not None:
+                    door.start(i)
+                model(x[:, :-1], x[:, 1:])[1].backward()
+                if door is not None:
+                    door.stop()
+                took = time.perf_counter() - t
+                model.zero_grad(set_to_none=True)
+                if i % 50:  # neither door measures this step
+                    times[config].append(took)
+    plain = statistics.median(times["plain"])
+    extra = {c: statistics.median(a - b for a, b in zip(times[c], times["plain"], strict=True))
+             for c in CONFIGS[1:]}
+    return (f"| {width} x {depth}, {batch} | {plain * 1e3:.2f} ms | +{extra['defaults'] * 1e6:.0f} us "
+            f"({1 + extra['defaults'] / plain:.4f}x) | +{extra['findings off'] * 1e6:.0f} us "
+            f"({1 + extra['findings off'] / plain:.4f}x) |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["64,2,12", "64,4,32", "128,4,32"],
+                        help="width,depth,batch of each TinyGPT (context 64)")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{args.steps} steps a door, torch threads {args.threads}; forward and backward, no optimizer\n")
+    print("| width x depth, batch | plain step | defaults, unmeasured step | findings off, unmeasured step |")
+    print("|---|---:|---:|---:|")
+    for shape in args.shapes:
+        width, depth, batch = (int(v) for v in shape.split(","))
+        print(row(width, depth, batch, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
