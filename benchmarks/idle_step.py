@@ -7,9 +7,11 @@ same batches, a step each in turn (each in each place of the turn equally often)
 plain-loop door at its defaults (``LoopMonitor(model)``: the every-step growth watch and the
 findings' read of it) and the same with ``findings=False`` (no watch), and reports, over the steps
 neither door measures (not every 50th), the median of each door's extra time over the plain step of
-its turn, and that against the plain step.
+its turn, and that against the plain step.  ``--parts`` adds two doors whose watch keeps its
+hooks but does nothing in them, and whose watch computes but is never read, to split the watch's
+cost into its hooks' dispatch, its reductions and the end-of-step read.
 
-    python benchmarks/idle_step.py --shapes 64,2,12 64,4,32 128,4,32 --steps 600
+    python benchmarks/idle_step.py --shapes 64,2,12 64,4,32 128,4,32 --steps 600 [--parts]
 """
 
 from __future__ import annotations
@@ -26,25 +28,54 @@ import warnings
 
 import torch
 
+import lnmonitor.core.meter.meter as meter_module
+from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 CONFIGS = ("plain", "defaults", "findings off")
+PARTS = ("watch: hooks only", "watch: no read")
 
 
-def row(width: int, depth: int, batch: int, steps: int) -> str:
+class HooksOnly(GrowthWatch):
+    """The watch's two hooks, doing nothing: their dispatch alone."""
+
+    def _on_first(self, module, args) -> None:
+        return None
+
+    def _on_last(self, module, args) -> None:
+        return None
+
+
+class NoRead(GrowthWatch):
+    """The watch's hooks and reductions; the step's value never read (no host read, no findings)."""
+
+    def take(self, step: int) -> None:
+        self._max = self._first = None
+        return None
+
+
+def _door(model, config: str) -> LoopMonitor:
+    watch = {"watch: hooks only": HooksOnly, "watch: no read": NoRead}.get(config, GrowthWatch)
+    meter_module.GrowthWatch = watch  # the class the meter builds its watch from
+    try:
+        return LoopMonitor(model, images=False, summary=False, findings=config != "findings off")
+    finally:
+        meter_module.GrowthWatch = GrowthWatch
+
+
+def row(width: int, depth: int, batch: int, steps: int, parts: bool) -> str:
     torch.manual_seed(0)
     base = TinyGPT(GPTConfig(vocab_size=65, width=width, depth=depth, heads=4, context=64))
     batches = torch.randint(65, (8, batch, 65))
-    models = {c: copy.deepcopy(base) for c in CONFIGS}
+    configs = CONFIGS + (PARTS if parts else ())
+    models = {c: copy.deepcopy(base) for c in configs}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")  # the doors' notes: no writer, no probe batch
-        doors = {"defaults": LoopMonitor(models["defaults"], images=False, summary=False),
-                 "findings off": LoopMonitor(models["findings off"], images=False, summary=False,
-                                             findings=False)}
-    orders = list(itertools.permutations(CONFIGS))
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        doors = {c: _door(models[c], c) for c in configs[1:]}
+    orders = list(itertools.permutations(configs))
+    times: dict[str, list[float]] = {c: [] for c in configs}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):  # the doors' notes
         warnings.simplefilter("ignore")
@@ -64,10 +95,9 @@ def row(width: int, depth: int, batch: int, steps: int) -> str:
                     times[config].append(took)
     plain = statistics.median(times["plain"])
     extra = {c: statistics.median(a - b for a, b in zip(times[c], times["plain"], strict=True))
-             for c in CONFIGS[1:]}
-    return (f"| {width} x {depth}, {batch} | {plain * 1e3:.2f} ms | +{extra['defaults'] * 1e6:.0f} us "
-            f"({1 + extra['defaults'] / plain:.4f}x) | +{extra['findings off'] * 1e6:.0f} us "
-            f"({1 + extra['findings off'] / plain:.4f}x) |")
+             for c in configs[1:]}
+    return f"| {width} x {depth}, {batch} | {plain * 1e3:.2f} ms | " + " | ".join(
+        f"+{extra[c] * 1e6:.0f} us ({1 + extra[c] / plain:.4f}x)" for c in configs[1:]) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,14 +106,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="width,depth,batch of each TinyGPT (context 64)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", action="store_true", help="also the watch's parts (see above)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{args.steps} steps a door, torch threads {args.threads}; forward and backward, no optimizer\n")
-    print("| width x depth, batch | plain step | defaults, unmeasured step | findings off, unmeasured step |")
-    print("|---|---:|---:|---:|")
+    columns = ["defaults", "findings off"] + (list(PARTS) if args.parts else [])
+    print("| width x depth, batch | plain step | " + " | ".join(columns) + " |")
+    print("|---|---:|" + "---:|" * len(columns))
     for shape in args.shapes:
         width, depth, batch = (int(v) for v in shape.split(","))
-        print(row(width, depth, batch, args.steps))
+        print(row(width, depth, batch, args.steps, args.parts))
     return 0
 
 
