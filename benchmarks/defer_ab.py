@@ -16,18 +16,15 @@ activation-sized tensors per norm until the step ends.
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import statistics
 import sys
-import time
 
 import torch
 
 from lnmonitor.core.maths.reductions import layernorm_backward_raw
-from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from hook_split import in_turns, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
 
 
 class DeferredTap(NormTap):
@@ -80,32 +77,16 @@ class BatchedTap(DeferredTap):
 
 
 def compare(width: int, depth: int, batch: int, pairs: int) -> str:
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=65, width=width, depth=depth, heads=4, context=64))
-    x = torch.randint(0, 65, (batch, 65))
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None, watch_growth=False)
-    meter.start()  # the role-finding step, once, as a fit's first measured step
-    model(x[:, :-1], x[:, 1:])[1].backward()
-    meter.stop()
-    meter.result()
-    model.zero_grad(set_to_none=True)
+    model, x, meter = measured_model(width, depth, batch)
     own = meter._tap
     taps = {"in the hook": NormTap(own.norms), "deferred": DeferredTap(own.norms),
             "batched": BatchedTap(own.norms)}
 
-    def step(mode: str):
-        t = time.perf_counter()
-        rows = None
-        if mode != "plain":
-            meter._tap = taps[mode]
-            meter.start()
-        model(x[:, :-1], x[:, 1:])[1].backward()
-        if mode != "plain":
-            meter._unhook()
-            rows = meter._tap.collect()
-        took = time.perf_counter() - t
-        model.zero_grad(set_to_none=True)
-        return took, rows
+    def step(mode: str) -> tuple[float, object]:
+        if mode == "plain":
+            return timed_step(model, x, None)
+        meter._tap = taps[mode]
+        return timed_step(model, x, meter, collect_timed=True)  # the deferred work runs in collect()
 
     now, later, stacked = step("in the hook")[1], step("deferred")[1], step("batched")[1]
     if not (torch.equal(now.data, later.data) and now.records == later.records):
@@ -114,33 +95,21 @@ def compare(width: int, depth: int, batch: int, pairs: int) -> str:
             and now.records == stacked.records):
         raise SystemExit("the batched tap leaves other rows")
     modes = ("plain", "in the hook", "deferred", "batched")
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    orders = list(itertools.permutations(modes))
-    for i in range(pairs):
-        for mode in orders[i % len(orders)]:
-            times[mode].append(step(mode)[0])
+    plain, extra = in_turns(lambda mode: step(mode)[0], modes, pairs)
     meter._tap = own
-    extra = {m: statistics.median(a - b for a, b in zip(times[m], times["plain"], strict=True))
-             for m in modes[1:]}
-    return (f"| {width} x {depth}, {batch} | {statistics.median(times['plain']) * 1e3:.1f} ms | "
-            f"+{extra['in the hook'] * 1e3:.2f} ms | +{extra['deferred'] * 1e3:.2f} ms "
-            f"({extra['deferred'] / extra['in the hook']:.2f}x) | +{extra['batched'] * 1e3:.2f} ms "
-            f"({extra['batched'] / extra['in the hook']:.2f}x) |")
+    hook = extra["in the hook"]
+    return (f"| {width} x {depth}, {batch} | {plain * 1e3:.1f} ms | +{hook * 1e3:.2f} ms | "
+            f"+{extra['deferred'] * 1e3:.2f} ms ({extra['deferred'] / hook:.2f}x) | "
+            f"+{extra['batched'] * 1e3:.2f} ms ({extra['batched'] / hook:.2f}x) |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["64,2,12", "128,4,32"],
-                        help="width,depth,batch of each TinyGPT (context 64)")
-    parser.add_argument("--pairs", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = shapes_parser(__doc__, 300).parse_args(argv)
+    shapes = shapes_of(args)
     print(f"{args.pairs} turns, torch threads {args.threads}\n")
     print("| width x depth, batch | forward + backward | in the hook | deferred | batched |")
     print("|---|---:|---:|---:|---:|")
-    for shape in args.shapes:
-        width, depth, batch = (int(v) for v in shape.split(","))
+    for width, depth, batch in shapes:
         print(compare(width, depth, batch, args.pairs))
     return 0
 

@@ -15,19 +15,14 @@ on both sides reads 0.94x to 1.08x: this machine's noise floor for the ratio.  `
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import statistics
 import sys
-import time
 
 import torch
 
-from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from hook_split import in_turns, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
 from row_stats_ab import _load  # noqa: E402  (the loader of a module as it was at a revision)
 
 TAPS = "lnmonitor/core/meter/taps.py"
@@ -42,65 +37,37 @@ def old_tap_class(rev: str):
 
 
 def compare(old_cls, width: int, depth: int, batch: int, pairs: int) -> str:
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=65, width=width, depth=depth, heads=4, context=64))
-    x = torch.randint(0, 65, (batch, 65))
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None, watch_growth=False)
-    meter.start()  # the role-finding step, once, as a fit's first measured step
-    model(x[:, :-1], x[:, 1:])[1].backward()
-    meter.stop()
-    meter.result()
-    model.zero_grad(set_to_none=True)
+    model, x, meter = measured_model(width, depth, batch)
     own = meter._tap
     taps = {"new": NormTap(own.norms), "old": old_cls(own.norms)}  # both fresh, alike
 
-    def step(mode: str):
-        t = time.perf_counter()
-        if mode != "plain":
-            meter._tap = taps[mode]
-            meter.start()
-        model(x[:, :-1], x[:, 1:])[1].backward()
-        took = time.perf_counter() - t
-        rows = None
-        if mode != "plain":
-            meter._unhook()
-            rows = meter._tap.collect()
-        model.zero_grad(set_to_none=True)
-        return took, rows
+    def step(mode: str) -> tuple[float, object]:
+        if mode == "plain":
+            return timed_step(model, x, None)
+        meter._tap = taps[mode]
+        return timed_step(model, x, meter)
 
     new_rows, old_rows = step("new")[1], step("old")[1]
     if not (torch.equal(new_rows.data, old_rows.data) and new_rows.records == old_rows.records):
         raise SystemExit("the two taps leave different rows: not a like-for-like change")
-    modes = ("plain", "old", "new")
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    orders = list(itertools.permutations(modes))  # each mode in each place equally often
-    for i in range(pairs):
-        for mode in orders[i % len(orders)]:
-            times[mode].append(step(mode)[0])
+    plain, extra = in_turns(lambda mode: step(mode)[0], ("plain", "old", "new"), pairs)
     meter._tap = own
-    extra = {m: statistics.median(a - b for a, b in zip(times[m], times["plain"], strict=True))
-             for m in modes[1:]}
-    return (f"| {width} x {depth}, {batch} | {statistics.median(times['plain']) * 1e3:.1f} ms | "
+    return (f"| {width} x {depth}, {batch} | {plain * 1e3:.1f} ms | "
             f"+{extra['old'] * 1e3:.2f} ms | +{extra['new'] * 1e3:.2f} ms | "
             f"{extra['new'] / extra['old']:.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = shapes_parser(__doc__, 400)
     parser.add_argument("--rev", required=True, help="the git revision to compare the working tree with")
-    parser.add_argument("--shapes", nargs="+", default=["64,2,12", "128,4,32"],
-                        help="width,depth,batch of each TinyGPT (context 64)")
-    parser.add_argument("--pairs", type=int, default=400)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    shapes = shapes_of(args)
     old_cls = old_tap_class(args.rev)
     print(f"the taps at {args.rev} (old) against the working tree (new), {args.pairs} pairs, "
           f"torch threads {args.threads}\n")
     print("| width x depth, batch | forward + backward | hooks, old | hooks, new | new / old |")
     print("|---|---:|---:|---:|---:|")
-    for shape in args.shapes:
-        width, depth, batch = (int(v) for v in shape.split(","))
+    for width, depth, batch in shapes:
         print(compare(old_cls, width, depth, batch, args.pairs))
     return 0
 

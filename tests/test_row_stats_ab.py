@@ -1,4 +1,4 @@
-"""The step's benchmarks that compare side by side: row_stats_ab, hook_split, hooks_ab, defer_ab, idle_step."""
+"""The benchmarks that compare side by side: row_stats_ab, hook_split, hooks_ab, defer_ab, idle_step."""
 
 from __future__ import annotations
 
