@@ -8,6 +8,7 @@ on two cores.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -231,6 +232,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def fsdp1_units(blocks: torch.nn.ModuleList):
+    """Each of ``blocks`` wrapped, in place, in a real FSDP1 unit (``FullyShardedDataParallel`` with
+    the original parameters, as Lightning's ``FSDPStrategy`` wraps blocks; it needs CUDA, these run
+    on one gloo process)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FSDP's note: NO_SHARD on a world of one
+            for i, block in enumerate(blocks):
+                blocks[i] = FullyShardedDataParallel(block, device_id=torch.device("cpu"),
+                                                     use_orig_params=True)
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_script(name: str, out, processes: int) -> dict:

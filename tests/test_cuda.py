@@ -24,8 +24,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from test_distributed import run as run_script
 
 from lnmonitor import LayerNormMonitor
+from lnmonitor.core.invariance.points import FSDP1_REFUSED
 from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
-from lnmonitor.lightning.invariance_monitor import FSDP1_REFUSED
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]

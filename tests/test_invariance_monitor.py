@@ -17,7 +17,7 @@ from conftest import (
     char_data,
     events,
     fit,
-    free_port,
+    fsdp1_units,
     gpt,
     loader,
     monitor,
@@ -32,6 +32,7 @@ from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor
 from lnmonitor.core.invariance.final_norm import final_norm_bypass
+from lnmonitor.core.invariance.points import FSDP1_REFUSED
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
 from lnmonitor.tiny import TinyGPTModule
 
@@ -260,24 +261,13 @@ def test_an_fsdp1_model_turns_the_probe_off_saying_why_and_the_ladder_goes_on():
     the wrapper's forward, and the probe's passes call the LightningModule: the probe refuses, once,
     naming what to use instead; the fit and LayerNormMonitor go on.  (Lightning's FSDPStrategy needs
     CUDA: tests/test_cuda.py runs it; here real FSDP1 units on one gloo process.)"""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from lnmonitor.lightning.invariance_monitor import FSDP1_REFUSED
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        module = gpt(2)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # FSDP's note: NO_SHARD on a world of one
-            for i, block in enumerate(module.model.blocks):
-                module.model.blocks[i] = FullyShardedDataParallel(block, device_id=torch.device("cpu"))
+    module = gpt(2)
+    with fsdp1_units(module.model.blocks):
         mon = monitor()
         inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
                                          probe_batch=windows(2))
         trainer, caught = fit(module, loader(8, 4), [mon, inv], 2)
-    finally:
-        dist.destroy_process_group()
     assert trainer.global_step == 2 and len(mon.history) == 2
+    assert [s.rows > 0 for s in mon.last_row_stats] == [True] * len(NORMS)  # every norm measured
     assert inv.disabled_reason == FSDP1_REFUSED and inv.history == []
     assert sum(FSDP1_REFUSED in w for w in caught) == 1

@@ -7,10 +7,11 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import fit, gpt, loader
+from conftest import fit, fsdp1_units, gpt, loader
 from lightning.pytorch import Callback
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.core.invariance.points import FSDP1_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
@@ -213,6 +214,20 @@ def test_a_probe_that_fails_is_said_once_and_training_goes_on():
     assert sum("invariance probe is off" in str(w.message) for w in caught) == 1
     assert [h["step"] for h in monitor.history] == [0, 1, 2]  # the ladder went on
     assert "KeyError" in monitor.invariance_off
+
+
+def test_an_fsdp1_model_turns_the_loop_doors_probe_off_saying_why_and_the_ladder_goes_on():
+    # the same refusal as the Lightning door's (Fabric's FSDPStrategy wraps blocks in FSDP1 units)
+    model = tiny()
+    with fsdp1_units(model.blocks), pytest.warns(UserWarning, match="FSDP1 units") as caught:
+        monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
+                              probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
+        _train(monitor, model, 2)
+    assert monitor.invariance_off == FSDP1_REFUSED
+    assert sum(FSDP1_REFUSED in str(w.message) for w in caught) == 1
+    assert [h["step"] for h in monitor.history] == [0, 1]  # the ladder went on, every norm in it
+    assert all(f"lnmonitor/sigma/{name}" in monitor.history[-1] for name in (
+        "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "lnf"))
 
 
 # -- nanoGPT's shape (item 9) ------------------------------------------------------

@@ -20,8 +20,8 @@ from torch import nn
 
 from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.findings.reader import door_reader, reads_growth
-from lnmonitor.core.hooks import model_class, sharded
-from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
+from lnmonitor.core.hooks import fsdp1, model_class, sharded
+from lnmonitor.core.invariance.points import FSDP1_REFUSED, LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.invariance.results import PROBE_WINDOWS, InvarianceResult
@@ -300,9 +300,8 @@ class LoopMonitor:
                            "pass held-out rows (probe_batch=(x, y), or a dict of the model's inputs) to "
                            "have it.")
             return
-        if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-            self._points.off("the model is wrapped by FSDP1, and this door probes FSDP2 and tensor-parallel "
-                             "models only")
+        if fsdp1(model):
+            self._points.off(FSDP1_REFUSED)
             return
         rows = probe_batch(batch, size)
         self._every_rank = sharded(model) and dist.is_available() and dist.is_initialized()

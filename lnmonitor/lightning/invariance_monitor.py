@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnmonitor.core.hooks import fsdp1, sharded
-from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.invariance.points import FSDP1_REFUSED, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.core.invariance.results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
@@ -35,11 +35,6 @@ from lnmonitor.lightning.probe_loss import probe_loss
 from lnmonitor.views.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
-
-FSDP1_REFUSED = ("its probe cannot run on an FSDP1 model (Lightning's FSDPStrategy: FullyShardedDataParallel "
-                 "units gather their weights only inside the wrapper's forward, and the probe's passes call "
-                 "the LightningModule); LayerNormMonitor is not affected. Use ModelParallelStrategy "
-                 "(FSDP2's fully_shard) or DDP to probe the final norm.")
 
 
 class FinalNormInvarianceMonitor(MonitorCallback):

@@ -27,7 +27,7 @@ from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance.results import InvarianceResult
 from lnmonitor.core.monitor.shared import Voice, off_message, where
 
-__all__ = ["LOSS_FN_ADVICE", "InvariancePoints"]
+__all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "InvariancePoints"]
 
 _log = logging.getLogger("lnmonitor")
 
@@ -38,6 +38,13 @@ LOSS_FN_ADVICE = (
     "GPT(x, y) reads y as input_pos), pass loss_fn=lambda model, batch: <the loss or (logits, loss)>, "
     "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
+
+# why a door's probe is off for an FSDP1 model (core.hooks.fsdp1): its units gather their weights only
+# inside the root's forward, and the probe's passes call the model itself
+FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Lightning's and Fabric's "
+                 "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
+                 "the probe's passes call the model itself; the ladder is not affected. Shard with FSDP2 "
+                 "(fully_shard, Lightning's ModelParallelStrategy) or use DDP to probe the final norm.")
 
 
 class InvariancePoints:
