@@ -24,7 +24,7 @@ from lnmonitor.core.maths.reductions import layernorm_backward_raw
 from lnmonitor.core.meter.taps import NormTap
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from hook_split import in_turns, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
+from side_by_side import in_turns, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
 
 
 class DeferredTap(NormTap):

@@ -22,8 +22,7 @@ import torch
 from lnmonitor.core.meter.taps import NormTap
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from hook_split import in_turns, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
-from row_stats_ab import _load  # noqa: E402  (the loader of a module as it was at a revision)
+from side_by_side import in_turns, load_at_revision, measured_model, shapes_of, shapes_parser, timed_step  # noqa: E402
 
 TAPS = "lnmonitor/core/meter/taps.py"
 REDUCTIONS = "lnmonitor/core/maths/reductions.py"
@@ -31,8 +30,8 @@ REDUCTIONS = "lnmonitor/core/maths/reductions.py"
 
 def old_tap_class(rev: str):
     """``NormTap`` as it was at ``rev``, with the reductions as they were then."""
-    _load(rev, REDUCTIONS, "reductions_old")
-    return _load(rev, TAPS, "taps_old", ("from lnmonitor.core.maths.reductions import",
+    load_at_revision(rev, REDUCTIONS, "reductions_old")
+    return load_at_revision(rev, TAPS, "taps_old", ("from lnmonitor.core.maths.reductions import",
                                          "from reductions_old import")).NormTap
 
 

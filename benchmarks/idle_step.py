@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,9 @@ import lnmonitor.core.meter.meter as meter_module
 from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import shape  # noqa: E402
 
 CONFIGS = ("plain", "defaults", "findings off")
 PARTS = ("watch: hooks only", "watch: no read")
@@ -102,7 +106,7 @@ def row(width: int, depth: int, batch: int, steps: int, parts: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["64,2,12", "64,4,32", "128,4,32"],
+    parser.add_argument("--shapes", nargs="+", default=[(64, 2, 12), (64, 4, 32), (128, 4, 32)], type=shape,
                         help="width,depth,batch of each TinyGPT (context 64)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--threads", type=int, default=1)
@@ -113,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["defaults", "findings off"] + (list(PARTS) if args.parts else [])
     print("| width x depth, batch | plain step | " + " | ".join(columns) + " |")
     print("|---|---:|" + "---:|" * len(columns))
-    for shape in args.shapes:
-        width, depth, batch = (int(v) for v in shape.split(","))
+    for width, depth, batch in args.shapes:
         print(row(width, depth, batch, args.steps, args.parts))
     return 0
 

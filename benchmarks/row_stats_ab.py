@@ -16,11 +16,8 @@ in alternating order, pair by pair.  Reported: medians, and the median of the pa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,31 +28,18 @@ from lnmonitor.core.meter import row_stats as new
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import load_at_revision  # noqa: E402
+
 MODULE = "lnmonitor/core/meter/row_stats.py"
 HISTOGRAMS = "lnmonitor/core/maths/histograms.py"
 
 
-def _load(rev: str, path: str, name: str, replace: tuple[str, str] | None = None):
-    """The module at ``path`` as it was at ``rev``, loaded as ``name``."""
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
-    if replace:
-        source = source.replace(*replace)
-    file = Path(tempfile.mkdtemp()) / f"{name}.py"
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def old_module(rev: str):
     """``row_stats`` as it was at ``rev``, reading with the histograms' quantiles as they were then."""
-    _load(rev, HISTOGRAMS, "histograms_old")
-    return _load(rev, MODULE, "row_stats_old",
-                 ("from lnmonitor.core.maths.histograms import", "from histograms_old import"))
+    load_at_revision(rev, HISTOGRAMS, "histograms_old")
+    return load_at_revision(rev, MODULE, "row_stats_old",
+                            ("from lnmonitor.core.maths.histograms import", "from histograms_old import"))
 
 
 def step_rows(width: int):

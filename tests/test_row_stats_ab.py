@@ -1,9 +1,11 @@
-"""The benchmarks that compare side by side: row_stats_ab, hook_split, hooks_ab, defer_ab, idle_step."""
+"""The benchmarks that compare side by side (row_stats_ab, hook_split, hooks_ab, defer_ab, idle_step)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "row_stats_ab.py"
 
@@ -48,3 +50,11 @@ def test_the_idle_step_is_timed_at_the_defaults_and_with_findings_off(capsys):
     assert _bench("idle_step").main(["--shapes", "16,1,2", "--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "| 16 x 1, 2 |" in out and out.count("x) |") == 2  # both doors timed
+
+
+def test_a_shape_that_is_not_three_integers_is_refused_saying_why(capsys):
+    for argv in (["--shapes", "64,2"], ["--shapes", "30,1,2"]):
+        with pytest.raises(SystemExit) as exit_:
+            _bench("defer_ab").main(argv)
+        assert exit_.value.code == 2
+    assert "is not width,depth,batch" in capsys.readouterr().err
