@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py (CPU, gloo) and tests/test_cuda.py (one GPU): fit a
 tiny GPT, or a transformers GPT-2 from a small config, with both monitors on ``devices``
 processes on one fixed global batch of 8 windows per step, and write rank zero's
-histories and the number of collectives as JSON.  ``STRATEGY`` is ``ddp``, ``fsdp1``
+histories and the number of merges over processes as JSON.  ``STRATEGY`` is ``ddp``, ``fsdp1``
 (Lightning's FSDPStrategy, every block wrapped), ``fsdp2`` (ModelParallelStrategy with
 ``fully_shard`` applied to every block and the model in ``configure_model``) or
 ``fsdp2-norms`` (the same, and every norm a unit of its own first: ``fully_shard(norm)``,
@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
+from lnmonitor.core.meter import meter as meter_module
 from lnmonitor.tiny.module import TinyGPTModule
 
 GLOBAL_BATCH, CONTEXT, STEPS = 8, 16, 2
@@ -58,17 +59,19 @@ class Data(L.LightningDataModule):
 
 
 class Counting(LayerNormMonitor):
-    collectives = 0
+    """Counts the measured steps merged over processes (each merge: three collectives)."""
+
+    merges = 0
 
     def setup(self, trainer, pl_module, stage):
         super().setup(trainer, pl_module, stage)
-        gather = trainer.strategy.all_gather
+        merge = meter_module.merge_processes
 
         def counted(*args, **kwargs):
-            Counting.collectives += 1
-            return gather(*args, **kwargs)
+            Counting.merges += 1
+            return merge(*args, **kwargs)
 
-        trainer.strategy.all_gather = counted
+        meter_module.merge_processes = counted
 
 
 class ShardedGPT(TinyGPTModule):
@@ -228,7 +231,7 @@ def main() -> None:
     if trainer.is_global_zero:
         rows = [s.rows for s in monitor.last_row_stats]
         with open(out, "w") as f:
-            json.dump({"history": monitor.history, "collectives": Counting.collectives,
+            json.dump({"history": monitor.history, "merges": Counting.merges,
                        "invariance": invariance.history, "disabled": invariance.disabled_reason,
                        "rows": rows, "world": trainer.world_size, "steps": trainer.global_step,
                        "off": monitor.off_reason or monitor.meter.off_reason}, f)

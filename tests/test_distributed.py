@@ -2,7 +2,7 @@
 with every norm a unit of its own, and under tensor parallelism (sequence-parallel norms,
 replicated norms, a 2-D FSDP2 x TP mesh on 4 processes; Lightning's ModelParallelStrategy and a
 plain loop with parallelize_module): the same statistics and roles as one process on the same
-global batch, one all_gather per logging step, and the invariance probe run by every rank of a
+global batch, one merge over processes per logging step, and the invariance probe run by every rank of a
 sharded model (its forward is a collective)."""
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def test_plain_loop_with_parallelize_module_matches_one_process(tmp_path):
 
 
 def assert_matches_one_process(many: dict, single: dict) -> None:
-    """Every row of the global batch counted once, one all_gather per logging step, and every
+    """Every row of the global batch counted once, one merge per logging step, and every
     logged figure of ``single`` within one histogram bin; the invariance monitor on at every point."""
-    assert many["collectives"] == 2  # one all_gather per logging step (two steps)
+    assert many["merges"] == 2  # one merge over processes per logging step (two steps)
     assert many["rows"] == single["rows"] == [8 * 16] * 5  # every row of the global batch, once
     assert_history_matches(many["history"], single["history"])
     assert many["disabled"] is None and single["disabled"] is None

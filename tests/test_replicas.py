@@ -1,5 +1,5 @@
-"""Rows that several processes hold alike count once in the merge (tensor parallelism's
-replicated activations), rows of their own add up (sequence parallelism, data parallelism)."""
+"""Rows that several processes hold alike are told apart by their fingerprints (tensor
+parallelism's replicated activations count once in the merge: tests/test_processes.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import pytest
 import torch
 from conftest import Net, run_tap
 
-from lnmonitor.core.maths import histograms as H
-from lnmonitor.core.maths.replicas import fingerprints
-from lnmonitor.core.meter import row_stats as R
+from lnmonitor.core.maths.replicas import fingerprints, replicated
 
 
 def _halves():
@@ -23,31 +21,14 @@ def _halves():
     return whole, a, b
 
 
-def test_a_replica_counts_once_and_rows_of_their_own_add_up():
+def test_a_process_drops_the_norms_an_earlier_process_holds_alike():
     whole, a, b = _halves()
-    layout = H.Layout(2)
-    fa, fb = (R.histogram_rows(r, layout, "cpu", fingerprint=True) for r in (a, b))
-    one = R.read(H.merge(R.histogram_rows(whole, layout, "cpu"), layout), layout)
-    # four processes: two tensor-parallel pairs, each pair holding the same rows
-    four = R.read(H.merge(torch.stack([fa, fa.clone(), fb, fb.clone()]), layout), layout)
-    for s1, s4 in zip(one, four, strict=True):
-        assert s4.rows == s1.rows == 40  # not 80
-        assert abs(s4.share_max - s1.share_max) < 1e-6
-        assert (s4.var_counts == s1.var_counts).all()
-        assert abs(s4.share_quantile(0.5) - s1.share_quantile(0.5)) <= 2 * H.SHARE_RESOLUTION
-    # a replica's merge is the one process's vector, to the bit (flat rows count no targets: nan)
-    alone = H.merge(fa, layout)
-    torch.testing.assert_close(H.merge(torch.stack([fa, fa.clone()]), layout), alone,
-                               rtol=0, atol=0, equal_nan=True)
-
-
-def test_without_fingerprints_every_process_counts():
-    whole, a, _ = _halves()
-    layout = H.Layout(2)
-    fa = R.histogram_rows(a, layout, "cpu")  # one process, or no fingerprint asked for
-    assert (fa[layout.max_end :] == 0).all()
-    two = R.read(H.merge(torch.stack([fa, fa.clone()]), layout), layout)
-    assert [s.rows for s in two] == [34, 34]
+    prints = torch.stack([fingerprints(r.data, [c.rows for c in r.records], [c.norm for c in r.records], 2)
+                          for r in (a, a, b, whole)])
+    prints[3, 1] = 0.0  # no fingerprint (one process, or a norm without rows): never a replica
+    prints = torch.cat((prints, prints[3:]))
+    assert [replicated(prints, rank).tolist() for rank in range(5)] == [
+        [False, False], [True, True], [False, False], [False, False], [True, False]]
 
 
 def test_fingerprints_tell_rows_apart_and_ignore_the_order_of_calls_of_other_norms():

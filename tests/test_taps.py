@@ -123,7 +123,7 @@ def test_skipped_rows_zero_and_nonfinite():
     rows = tap.collect()
     tap.detach()
     layout = H.Layout(1)
-    stats = R.read(H.merge(R.histogram_rows(rows, layout, "cpu"), layout), layout)[0]
+    stats = R.read(R.histogram_rows(rows, layout, "cpu")[: layout.max_end], layout)[0]
     assert stats.rows == 6
     assert stats.var_counts.sum() == 4  # nan row and constant row have no sigma
     # the zero-gradient row (finite input) has no gradient by construction: counted apart from
@@ -189,7 +189,7 @@ def test_autocast_statistics_in_float32_loss_scale_free_overflow_counted(dtype):
     plain, _ = run(1.0)
     scaled, seen = run(2.0**16)
     layout = H.Layout(len(norms))
-    stats = R.read(H.merge(R.histogram_rows(scaled, layout, "cpu"), layout), layout)
+    stats = R.read(R.histogram_rows(scaled, layout, "cpu")[: layout.max_end], layout)
     for i, info in enumerate(norms):
         x_in, g = seen[info.name]
         assert x_in.dtype == dtype and g.dtype == dtype  # the norm really ran in low precision

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from lnmonitor.core.findings.reader import FindingsReader, every_step, health
 
 if TYPE_CHECKING:
-    from lnmonitor.core.meter.meter import Gather, LadderMeter, LadderResult
+    from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 
 __all__ = ["AfterStep", "Log"]
 
@@ -68,15 +68,16 @@ class AfterStep:
             return self.log(step, reading.metrics, log)
         return False
 
-    def measured(self, step: int, log: Log, stop: Callable[[], object], *, gather: Gather | None = None,
-                 counts: bool = False, label: str | None = None, write_image=None, last: bool = False,
+    def measured(self, step: int, log: Log, stop: Callable[[], object], *, counts: bool = False,
+                 label: str | None = None, write_image=None, last: bool = False,
                  health_only: bool = False) -> dict[str, float] | None:
-        """Measured step ``step`` ended: unhook, merge (``gather``), read the findings and log.
-        Returns the metrics logged (None: nothing measured).  ``health_only``: the step was
-        measured for the findings alone (the door logs nothing else there): only what they raised
-        is logged, and no picture is drawn.  ``last``: the run's last step (it gets a picture)."""
+        """Measured step ``step`` ended: unhook, merge over processes (every process calls this
+        together), read the findings and log.  Returns the metrics logged (None: nothing
+        measured).  ``health_only``: the step was measured for the findings alone (the door logs
+        nothing else there): only what they raised is logged, and no picture is drawn.
+        ``last``: the run's last step (it gets a picture)."""
         self.meter.stop()
-        result = self.meter.result(gather, counts=counts, label=label or f"step {step}")
+        result = self.meter.result(merge=True, counts=counts, label=label or f"step {step}")
         if result is None:
             return None
         self.last_result = result

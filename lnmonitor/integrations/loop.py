@@ -255,8 +255,8 @@ class LoopMonitor:
 
     def _finish(self, step: int) -> dict[str, float] | None:
         last = self.max_steps is not None and step == self.max_steps - 1
-        return self._after.measured(step, self._emit, self._stop_run, gather=dist,
-                                    write_image=self._write_image, last=last)
+        return self._after.measured(step, self._emit, self._stop_run, write_image=self._write_image,
+                                    last=last)
 
     def _stop_run(self) -> None:
         """``on_finding`` asked to stop: the loop reads :attr:`should_stop`."""

@@ -12,8 +12,6 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-import torch.distributed as dist
-
 try:
     from transformers import Trainer, TrainerCallback
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
@@ -250,7 +248,7 @@ class LNMonitorCallback(TrainerCallback):
         if self._measuring is not None:
             self._measuring = None
             silent = self._silent  # measured for the findings alone: only what they raised is logged
-            metrics = self._after.measured(step, log, stop, gather=dist, write_image=self._image_writer(),
+            metrics = self._after.measured(step, log, stop, write_image=self._image_writer(),
                                            last=step >= state.max_steps, health_only=silent)
             if metrics is not None and not silent:
                 self._logged = step

@@ -50,8 +50,9 @@ class LayerNormMonitor(MonitorCallback):
     share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
     span{xhat} for RMSNorm); see docs/design.md.  The rows are counted in fixed-bin
     histograms (:mod:`lnmonitor.core.maths.histograms`: share resolved to 2.4e-4, sigma and rms to
-    0.39% relative, eps/var to 0.78%, over the whole float32 range), reduced across ranks
-    with one ``all_gather`` per logging step, and read on the host once.
+    0.39% relative, eps/var to 0.78%, over the whole float32 range), all-reduced across
+    ranks (their occupied bins alone: a fixed amount per rank, whatever the number of ranks),
+    and read on the host once.
 
     Args:
         every_n_steps: measure the steps whose index (``trainer.global_step`` before the
@@ -317,8 +318,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self._measuring = None
         first = after.positions  # the fit's first logged measured step: the roles are known
-        gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
-        metrics = after.measured(step, log, stop, gather=gather, counts=self.histograms,
+        metrics = after.measured(step, log, stop, counts=self.histograms,
                                  label=f"the measured step {step}", write_image=self._image_writer(trainer),
                                  last=step == self._last_step)
         if metrics is not None:

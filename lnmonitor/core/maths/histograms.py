@@ -27,11 +27,13 @@ A step's rows (see :mod:`lnmonitor.core.meter.step_rows`) become one flat float3
   ``var`` and ``ms`` histograms (so that reading them touches only the occupied span).
 
 Counts are exact up to 2^24 rows per bin per process and step.  Two vectors merge by
-adding the histogram and sum part and taking the maximum of the max part
-(:func:`merge`), so across DDP ranks the whole step is reduced with one
-``all_gather`` of this vector followed by a local sum/max on the device.  The vector
-ends with a fingerprint of each norm's rows (:mod:`lnmonitor.core.maths.replicas`), so that rows
-several processes hold alike (tensor parallelism's replicated activations) count once.
+adding the histogram and sum part and taking the maximum of the max part, so across
+processes a step is all-reduced (:mod:`lnmonitor.core.meter.processes`): the maxima first,
+which say which bins any process occupies (:func:`occupied`), then those bins and the sums
+alone, a fixed amount per rank whatever the number of processes.  The vector ends with a
+fingerprint of each norm's rows (:mod:`lnmonitor.core.maths.replicas`), so that rows several
+processes hold alike (tensor parallelism's replicated activations) count once
+(:func:`drop_norms`).
 :func:`hist_quantile` and :func:`hist_quantiles` read quantiles from the bins.
 """
 
@@ -42,10 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
-
-from lnmonitor.core.maths.replicas import drop_replicas
 
 __all__ = [
     "Layout",
@@ -60,7 +59,8 @@ __all__ = [
     "bin_edges",
     "hist_quantile",
     "hist_quantiles",
-    "merge",
+    "drop_norms",
+    "occupied",
     "stack_histograms",
 ]
 
@@ -118,19 +118,35 @@ class Layout:
         return (index << VALUE_SHIFT).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def merge(gathered: Tensor | np.ndarray, layout: Layout) -> Tensor:
-    """Merge step vectors stacked as ``(processes, size)`` (or one ``(size,)``) into one
-    vector of ``layout.max_end`` entries on the same device: histograms and sums add, maxima
-    take the maximum, and a norm's rows that a process holds exactly as an earlier one does
-    (the same fingerprint: a tensor-parallel rank's replicated activations) count once."""
-    g = torch.as_tensor(gathered)
-    if g.shape[-1] != layout.size:
-        raise ValueError(f"step vectors have {g.shape[-1]} entries, the layout {layout.size}")
-    g = g.reshape(-1, layout.size)
-    if g.shape[0] == 1:
-        return g[0, : layout.max_end]
-    g = drop_replicas(g, layout.n_norms, layout.hist_size, layout.sum_end, layout.max_end)
-    return torch.cat((g[:, : layout.sum_end].sum(0), g[:, layout.sum_end : layout.max_end].amax(0)))
+def drop_norms(flat: Tensor, layout: Layout, drop: Tensor) -> None:
+    """Take the norms where ``drop`` (``(n_norms,)`` bool) is True out of the step vector
+    ``flat``, in place: their histograms and sums zeroed, their maxima ``-inf``."""
+    keep = (~drop).to(flat.dtype)
+    flat[: layout.hist_size].view(layout.n_norms, -1).mul_(keep[:, None])
+    flat[layout.hist_size : layout.sum_end].view(layout.n_norms, -1).mul_(keep[:, None])
+    flat[layout.sum_end : layout.max_end].view(N_MAX, -1).masked_fill_(drop, -math.inf)
+
+
+def occupied(maxima: np.ndarray, layout: Layout) -> np.ndarray:
+    """The positions in a step vector of every bin that may hold a row, given the maxima
+    (``(N_MAX, n_norms)``, the vector's max part merged over every process), then every sum:
+    per norm, the share bins up to its maximum's and the ``var`` and ``ms`` bins between the
+    lowest and highest occupied.  Every other histogram bin is zero in every process's vector,
+    so adding these positions alone adds the vectors."""
+    maxima = np.asarray(maxima, dtype=np.float64).reshape(N_MAX, layout.n_norms)
+    parts = []
+    for norm in range(layout.n_norms):
+        base = norm * layout.per_norm
+        share_max, var_top, var_bottom, ms_top, ms_bottom = maxima[:, norm]
+        if math.isfinite(share_max):  # the share's bin, as histogram_rows takes it, and one more
+            top = int(np.float32(share_max) * np.float32(layout.share_bins))
+            parts.append(base + np.arange(min(top + 2, layout.share_bins)))
+        for offset, top, bottom in ((layout.share_bins, var_top, var_bottom),
+                                    (layout.share_bins + layout.value_bins, ms_top, ms_bottom)):
+            if math.isfinite(top):
+                parts.append(base + offset + np.arange(int(-bottom), int(top) + 1))
+    parts.append(np.arange(layout.hist_size, layout.sum_end))
+    return np.concatenate(parts)
 
 
 def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ with gradient accumulation are one measured step.  Padding rows are left out of 
 statistic (:class:`lnmonitor.core.meter.padding.RowMasks`).  A norm without gradient (frozen
 inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no share.
 ``stop()`` leaves the step's histograms on the device (no host sync);
-:meth:`~LadderMeter.result` merges it across processes (``gather``), reads it on the host
+:meth:`~LadderMeter.result` merges it across processes (``merge``), reads it on the host
 once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.meter.ladder.ladder_figures`.
 
@@ -27,7 +27,7 @@ statistics, figures, metrics)::
                           (maths.reductions), kept on the device
       -> step_rows.StepRows           rows: every call's rows of the step, finished together
     row_stats.histogram_rows          the rows of every norm as one flat vector of histograms
-      -> (gather, maths.histograms.merge: the one collective) -> row_stats.read
+      -> processes.merge_processes    all-reduced over processes (fixed bytes a rank) -> row_stats.read
       -> row_stats.RowStats           statistics: one per norm, the step's one host sync
     ladder.norm_figures / ladder_figures
       -> ladder.LadderFigures         figures: sigma, 1/sigma, shares, baselines, the ladder
@@ -50,12 +50,13 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
-from lnmonitor.core.maths.histograms import Layout, merge
+from lnmonitor.core.maths.histograms import Layout
 from lnmonitor.core.meter import messages
 from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figures
 from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
+from lnmonitor.core.meter.processes import merge_processes, several_processes
 from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.monitor.shared import Voice, off_message
@@ -64,11 +65,7 @@ from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
 from lnmonitor.core.output.metric_names import finite_metrics
 
-__all__ = ["Gather", "LadderMeter", "LadderResult"]
-
-Gather = Callable[[Tensor], Tensor]
-"""``gather(t)``: ``t`` of every process stacked along a new first dimension (Lightning's
-``trainer.strategy.all_gather``); or pass the ``torch.distributed`` module itself."""
+__all__ = ["LadderMeter", "LadderResult"]
 
 
 @dataclass
@@ -237,7 +234,7 @@ class LadderMeter:
             fewest = min(rows.calls.values())
             self.reused = {self.norms[i].name for i, c in rows.calls.items() if c > fewest}
         self._refuse(rows.refused)
-        self._pending = histogram_rows(rows, self.layout, _device(self.model), _several_processes())
+        self._pending = histogram_rows(rows, self.layout, _device(self.model), several_processes())
 
     def abort(self) -> None:
         """End a measured step early (an exception, the end of training): no hook, no row left."""
@@ -289,20 +286,21 @@ class LadderMeter:
 
     # -- the numbers -------------------------------------------------------------------
 
-    def result(self, gather: Gather | None = None, *, counts: bool = False,
+    def result(self, merge: bool = False, *, counts: bool = False,
                label: str = "the measured step") -> LadderResult | None:
         """The last measured step's numbers, or None when there is none (off, or not measured).
 
-        ``gather``: merge across processes (every process must call this together);
+        ``merge``: merge over every process of ``torch.distributed``'s default group
+        (:func:`~lnmonitor.core.meter.processes.merge_processes`: every process must call this
+        together; with one process it does nothing);
         ``counts``: keep the histograms in the row statistics; ``label`` names the step in
         messages (e.g. ``"step 120"``).
         """
         flat, self._pending = self._pending, None
         if flat is None:
             return None
-        if gather is not None:
-            flat = _gather(flat, gather)
-        row_stats = read(merge(flat, self.layout), self.layout, counts=counts)
+        flat = merge_processes(flat, self.layout) if merge else flat[: self.layout.max_end]
+        row_stats = read(flat, self.layout, counts=counts)
         if not self.roles_known:
             self._assign_roles(row_stats)
             self._watch_ladder()
@@ -411,7 +409,7 @@ class LadderMeter:
         """Hook the first and last rung of the model's ladder for the every-step growth (not in
         one of several processes: see :meth:`take_growth`)."""
         rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
-        if self.watch_growth and len(rungs) >= 2 and not _several_processes():
+        if self.watch_growth and len(rungs) >= 2 and not several_processes():
             modules = {info.name: info.module for info in self.norms}
             self._watch.attach(modules[rungs[0]], modules[rungs[-1]])
 
@@ -439,20 +437,3 @@ class LadderMeter:
 def _device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _several_processes() -> bool:
-    """Whether this process is one of several (``torch.distributed`` initialised, world > 1)."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _gather(flat: Tensor, gather) -> Tensor:
-    """``flat`` of every process, stacked: ``gather`` is a function, or ``torch.distributed``."""
-    if hasattr(gather, "all_gather"):  # torch.distributed: all_gather works on every backend (gloo too)
-        if not (gather.is_available() and gather.is_initialized()) or gather.get_world_size() == 1:
-            return flat
-        parts = [torch.empty_like(flat) for _ in range(gather.get_world_size())]
-        gather.all_gather(parts, flat.contiguous())
-        return torch.stack(parts)
-    return gather(flat)

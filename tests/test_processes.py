@@ -1,0 +1,143 @@
+"""lnmonitor.core.meter.processes: a step merged over real gloo processes equals one process
+holding every process's rows (replicas once, rows of their own added), without any process
+holding another's vector: what a rank receives does not grow with the number of processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import Net, free_port, run_tap
+
+from lnmonitor.core.maths import histograms as H
+from lnmonitor.core.maths.replicas import replicated
+from lnmonitor.core.meter import row_stats as R
+from lnmonitor.core.meter.processes import merge_processes
+from lnmonitor.core.meter.step_rows import StepRows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ranks import Metered  # noqa: E402  (benchmarks/ranks.py's meter of the collectives)
+
+LAYOUT = H.Layout(2)
+
+
+def _rows():
+    """The rows of one batch of 40, of its two parts (17 and 23), and of a step with none."""
+    torch.manual_seed(1)
+    model = Net(24, "layer")
+    x = torch.randn(40, 6)
+    _, whole, _ = run_tap(model, x)
+    model.zero_grad()
+    _, a, _ = run_tap(model, x[:17])
+    _, b, _ = run_tap(model, x[17:])
+    return whole, a, b, StepRows(None, [], [], {})
+
+
+def _stacked_reference(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The merge's definition on vectors held together: each process's replicas dropped, the
+    histograms and sums added, the maxima taken."""
+    prints = torch.stack([v[LAYOUT.max_end :].clone().view(torch.float64) for v in vectors])
+    kept = []
+    for rank, v in enumerate(vectors):
+        v = v.clone()
+        H.drop_norms(v, LAYOUT, replicated(prints, rank))
+        kept.append(v)
+    g = torch.stack(kept)
+    return torch.cat((g[:, : LAYOUT.sum_end].sum(0), g[:, LAYOUT.sum_end : LAYOUT.max_end].amax(0)))
+
+
+def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        merged, received = {}, {}
+        for name, vectors in cases.items():
+            with Metered() as metered:
+                merged[name] = merge_processes(vectors[rank].clone(), LAYOUT).clone()
+            received[name] = metered.received
+        if rank == 0:
+            torch.save((merged, received), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    whole, a, b, none = _rows()
+    fa, fb, fn = (R.histogram_rows(r, LAYOUT, "cpu", fingerprint=True) for r in (a, b, none))
+    plain_a = R.histogram_rows(a, LAYOUT, "cpu")  # no fingerprint: every process counts
+    cases = {
+        # two tensor-parallel pairs, each holding the same rows
+        "pairs": [fa, fa.clone(), fb, fb.clone()],
+        # data parallelism with a rank that measured nothing
+        "own rows": [fa, fb, fn, fn.clone()],
+        "no fingerprints": [plain_a, plain_a.clone(), plain_a.clone(), plain_a.clone()],
+    }
+    out = tmp_path_factory.mktemp("merge") / "merged.pt"
+    mp.spawn(_worker, args=(4, free_port(), cases, str(out)), nprocs=4, join=True)
+    merged, received = torch.load(out)
+    whole_vector = R.histogram_rows(whole, LAYOUT, "cpu")[: LAYOUT.max_end]
+    return merged, cases, whole_vector, received
+
+
+@pytest.mark.parametrize("case", ["pairs", "own rows", "no fingerprints"])
+def test_the_merge_over_processes_is_its_definition_to_the_bit(four_processes, case):
+    merged, cases, _, _ = four_processes
+    torch.testing.assert_close(merged[case], _stacked_reference(cases[case]), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("case", ["pairs", "own rows"])
+def test_replicas_count_once_and_rows_of_their_own_add_up_to_one_batch(four_processes, case):
+    merged, _, whole, _ = four_processes
+    for s1, s4 in zip(R.read(whole, LAYOUT), R.read(merged[case], LAYOUT), strict=True):
+        assert s4.rows == s1.rows == 40  # not 80
+        assert (s4.var_counts == s1.var_counts).all() and (s4.share_counts == s1.share_counts).all()
+        assert abs(s4.share_max - s1.share_max) < 1e-6  # the parts round apart from the whole
+        assert abs(s4.share_quantile(0.5) - s1.share_quantile(0.5)) <= 2 * H.SHARE_RESOLUTION
+
+
+def test_without_fingerprints_every_process_counts(four_processes):
+    merged, _, _, _ = four_processes
+    assert [s.rows for s in R.read(merged["no fingerprints"], LAYOUT)] == [4 * 17, 4 * 17]
+
+
+def test_a_rank_receives_its_occupied_bins_not_the_other_vectors(four_processes):
+    _, cases, _, received = four_processes
+    vector = 4 * LAYOUT.size
+    for name, vectors in cases.items():
+        maxima = torch.stack([v[LAYOUT.sum_end : LAYOUT.max_end] for v in vectors]).amax(0)
+        packed = 4 * len(H.occupied(maxima.numpy(), LAYOUT))
+        # the fingerprints (8 bytes a norm and process), the maxima, the packed bins and sums
+        assert received[name] == 8 * 4 * LAYOUT.n_norms + 4 * H.N_MAX * LAYOUT.n_norms + packed, name
+        assert received[name] < vector / 10  # where the all_gather received four whole vectors
+
+
+def test_one_process_merges_to_its_own_vector():
+    _, a, _, _ = _rows()
+    flat = R.histogram_rows(a, LAYOUT, "cpu")
+    torch.testing.assert_close(merge_processes(flat.clone(), LAYOUT), flat[: LAYOUT.max_end],
+                               rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_occupied_bins_hold_every_count_and_few_others():
+    whole, a, b, _ = _rows()
+    vectors = [R.histogram_rows(r, LAYOUT, "cpu") for r in (whole, a, b)]
+    maxima = torch.stack([v[LAYOUT.sum_end : LAYOUT.max_end] for v in vectors]).amax(0)
+    at = H.occupied(maxima.numpy(), LAYOUT)
+    outside = np.ones(LAYOUT.max_end, dtype=bool)
+    outside[at] = False
+    outside[LAYOUT.sum_end :] = False  # the maxima travel apart
+    for v in vectors:
+        assert (v[: LAYOUT.max_end].numpy()[outside] == 0).all()
+    assert len(at) < LAYOUT.sum_end / 20  # a few hundred bins of 139,264
+    # a step without rows sends its sums alone
+    empty = R.histogram_rows(StepRows(None, [], [], {}), LAYOUT, "cpu")
+    sums_alone = H.occupied(empty[LAYOUT.sum_end : LAYOUT.max_end].numpy(), LAYOUT)
+    assert (sums_alone == np.arange(LAYOUT.hist_size, LAYOUT.sum_end)).all()
