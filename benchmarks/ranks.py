@@ -17,7 +17,7 @@ measured steps.  ``--rev REV`` measures the library as it was at a git revision 
 working tree's (the same model, batches and steps), so a change is read beside the code before
 it.  docs/performance.md ("Past one machine") has the figures and the cost model built on them.
 
-    python benchmarks/ranks.py                       # 2, 4, 8 and 16 processes, depth 40
+    python benchmarks/ranks.py                       # 2, 4, 8 and 16 processes, depth 24
     python benchmarks/ranks.py --rev 13d5213         # the same, on the library before the merge
 """
 
@@ -192,7 +192,7 @@ def table(rows: list[dict], label: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--depth", type=int, default=40, help="blocks (2 norms each, and the final)")
+    p.add_argument("--depth", type=int, default=24, help="blocks (2 norms each, and the final)")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--context", type=int, default=16)
     p.add_argument("--batch", type=int, default=2, help="sequences a rank")

@@ -1,5 +1,6 @@
 """The monitors under DDP on two CPU processes (gloo): every statistic covers the rows of
-both ranks, merged with one collective per logging step; rank zero logs.
+both ranks, merged over the processes at each logging step (a fixed amount per rank); rank
+zero logs.
 
     python examples/ddp_cpu.py --steps 100
 """
