@@ -254,9 +254,9 @@ def fsdp1_units(blocks: torch.nn.ModuleList):
         dist.destroy_process_group()
 
 
-def run_script(name: str, out, processes: int) -> dict:
-    """``tests/<name>`` in one process, or in ``processes`` under torchrun (gloo, one thread
-    each), writing its JSON to ``out``; returns what it wrote (the script's stderr on failure)."""
+def run_script(name: str, out, processes: int, *args) -> dict:
+    """``tests/<name> out *args`` in one process, or in ``processes`` under torchrun (gloo, one
+    thread each), writing its JSON to ``out``; returns what it wrote (the script's stderr on failure)."""
     import json
     import os
     import subprocess
@@ -271,8 +271,8 @@ def run_script(name: str, out, processes: int) -> dict:
         env.pop(key, None)
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
               f"--master_port={free_port()}"] if processes > 1 else [sys.executable]
-    proc = subprocess.run([*launch, str(script), str(out)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([*launch, str(script), str(out), *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(out).read_text())
 

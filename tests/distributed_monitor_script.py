@@ -10,7 +10,9 @@ tensor parallelism over all ``DEVICES`` with sequence-parallel norms (DTensor in
 along the sequence), ``tp-replicated`` the same without sequence parallelism (every norm's input
 the same on every rank), ``fsdp2-tp`` a 2-D mesh: ``DEVICES // 2`` data-parallel ranks, each
 FSDP2 over a tensor-parallel pair laid out as ``tp`` (with one device, ``tp`` lays the model out
-on a mesh of one rank: DTensor activations without a partner).
+on a mesh of one rank: DTensor activations without a partner); ``deepspeed2`` and ``deepspeed3`` are
+Lightning's ``DeepSpeedStrategy`` at ZeRO stage 2 and 3 (on the CPU without its CUDA check:
+:func:`deepspeed`).
 
 Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu|cuda] [tiny|gpt2]
 """
@@ -18,6 +20,7 @@ Usage: python tests/distributed_monitor_script.py STRATEGY DEVICES OUT.json [cpu
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
@@ -188,6 +191,26 @@ class GPT2(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def deepspeed(stage: int, accelerator: str):
+    """Lightning's ``DeepSpeedStrategy`` at ZeRO ``stage``, every parameter partitioned at stage 3
+    (``stage3_param_persistence_threshold`` 0).  On the CPU (gloo) without its one CUDA check:
+    Lightning refuses any accelerator but CUDA in ``setup_environment`` ("The DeepSpeed strategy is
+    only supported on CUDA GPUs"), before any callback runs; DeepSpeed's own CPU accelerator does the rest."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        def setup_environment(self) -> None:  # no CUDA check
+            DDPStrategy.setup_environment(self)
+
+    config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True}
+    if accelerator == "cpu":
+        # devices with an index (cpu:0, cpu:1): DeepSpeed's engine and Lightning read the local rank from it
+        devices = [torch.device("cpu", i) for i in range(int(os.environ.get("WORLD_SIZE", "2")))]
+        return CPUDeepSpeed(config=config, process_group_backend="gloo", parallel_devices=devices)
+    return DeepSpeedStrategy(config=config)
+
+
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     accelerator = sys.argv[4] if len(sys.argv) > 4 else "cpu"
@@ -214,6 +237,8 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         chosen = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    elif strategy.startswith("deepspeed"):
+        chosen = deepspeed(int(strategy[-1]), accelerator)
     elif strategy == "fsdp1":
         from lightning.pytorch.strategies import FSDPStrategy
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lnmonitor.core import zero3
+
 __all__ = [
     "STREAM_NODES", "flat64", "is_dtensor", "laid_out", "layout", "local", "summed", "unsharded",
     "unsupported", "whole",
@@ -74,9 +76,10 @@ def whole(t: object) -> object:
 
 def unsharded(t: Tensor) -> Tensor:
     """A tensor a module holds (a norm's gain or bias), whole: ``t`` itself, or a sharded
-    ``DTensor`` gathered, detached (a collective every rank joins: FSDP2 holds a norm that is its
-    own unit sharded again when its forward hooks run)."""
-    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t
+    ``DTensor`` or a partitioned ZeRO-3 parameter gathered, detached (a collective every rank
+    joins: FSDP2 holds a norm that is its own unit sharded again when its forward hooks run,
+    ZeRO-3 one whose parameters it partitioned again: :func:`lnmonitor.core.zero3.whole`)."""
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else zero3.whole(t)
 
 
 def flat64(t: Tensor | None) -> Tensor | None:

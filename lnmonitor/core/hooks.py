@@ -28,15 +28,18 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors, zero3
+
 __all__ = [
     "WRAPPER_NAMES", "Hooks", "compiled", "eager", "eval_mode", "float64_state", "float64_twin", "fsdp1",
     "measuring", "model_class", "restored", "sharded", "unknown_wrapper", "unmeasured", "unwrap", "user_name",
 ]
 
 # the attribute a wrapper whose forward is a plain call of the model keeps it in, by class name:
-# Fabric's module (whose own forward adds precision and device moves), (Distributed)DataParallel
+# Fabric's module (whose own forward adds precision and device moves), (Distributed)DataParallel,
+# DeepSpeed's engine (ZeRO-3 gathers parameters in hooks on the model's own modules)
 _OUTER_WRAPPERS = {"_FabricModule": "_forward_module", "DistributedDataParallel": "module",
-                   "DataParallel": "module"}
+                   "DataParallel": "module", "DeepSpeedEngine": "module"}
 # what wrappers inside a model add to its qualified names: Fabric's module, torch.compile's
 # OptimizedModule, FSDP1's units, activation checkpointing's wrapper
 WRAPPER_NAMES = frozenset({"_forward_module", "_orig_mod", "_fsdp_wrapped_module",
@@ -180,9 +183,9 @@ def compiled(module: nn.Module) -> bool:
 
 def sharded(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters distributed across ranks (a ``DTensor``: FSDP2's
-    ``fully_shard``, tensor parallelism; or FSDP1), so that its forward is a collective every
-    rank must join."""
-    return any(_distributed(p) for p in module.parameters()) or fsdp1(module)
+    ``fully_shard``, tensor parallelism; FSDP1; DeepSpeed ZeRO-3), so that its forward is a
+    collective every rank must join."""
+    return any(_distributed(p) for p in module.parameters()) or fsdp1(module) or zero3.holds(module)
 
 
 def fsdp1(module: nn.Module) -> bool:
@@ -193,13 +196,11 @@ def fsdp1(module: nn.Module) -> bool:
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:
     """Float64 copies of ``module``'s floating-point parameters and buffers (on their
-    device), by qualified name; a sharded ``DTensor`` is gathered first (a collective:
-    every rank must call this together)."""
+    device), by qualified name; a sharded ``DTensor`` or a partitioned ZeRO-3 parameter is
+    gathered first (a collective: every rank must call this together)."""
     state = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if _distributed(t):
-            t = t.full_tensor()
-        t = t.detach()
+        t = dtensors.unsharded(t).detach()
         state[name] = t.to(torch.float64) if t.is_floating_point() else t
     return state
 
@@ -225,9 +226,9 @@ def float64_twin(module: nn.Module) -> Callable[..., object]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside Fabric's ``_FabricModule`` and ``DistributedDataParallel`` (nested
-    too: Fabric's DDP), which the user calls but whose forward only passes the call on.
-    Calling it runs the user's model without the wrapper's collectives (DDP's buffer
+    """The model inside Fabric's ``_FabricModule``, ``DistributedDataParallel`` and DeepSpeed's
+    ``DeepSpeedEngine`` (nested too: Fabric's DDP), which the user calls but whose forward only
+    passes the call on.  Calling it runs the user's model without the wrapper's collectives (DDP's buffer
     broadcast) or precision.  ``torch.compile``'s and FSDP's wrappers stay (the model runs
     through them); :func:`user_name` takes their part out of the names."""
     while (attr := _OUTER_WRAPPERS.get(type(model).__name__)) and isinstance(getattr(model, attr, None),

@@ -50,8 +50,8 @@ class LoopMonitor:
     training and the end-of-training summary.
 
     Args:
-        model: the module you call: the model, or Fabric's, DDP's or ``torch.compile``'s
-            wrapper of it; norms are named as the model inside names them.
+        model: the module you call: the model, or Fabric's, DDP's, DeepSpeed's engine or
+            ``torch.compile``'s wrapper of it; norms are named as the model inside names them.
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (the metrics as one event per
             step, the custom-scalars layout, and the pictures ``lnmonitor/ladder`` and
             ``lnmonitor/ladder_over_training``), a function ``write(metrics, step)``, or None

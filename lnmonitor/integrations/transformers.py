@@ -24,7 +24,7 @@ from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.findings.reader import door_reader, reads_growth, state_from_health
 from lnmonitor.core.hooks import model_class, sharded
 from lnmonitor.core.invariance.loss_contract import default_loss
-from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.invariance.points import SHARDED_REFUSED, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
@@ -109,8 +109,9 @@ class LNMonitorCallback(TrainerCallback):
 
     Every event runs inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
-    a failing integration is dropped with one warning.  Under FSDP the invariance probe is off
-    (said once): the doors probe a sharded model only through Lightning.
+    a failing integration is dropped with one warning.  Under FSDP and DeepSpeed ZeRO-3 the
+    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.points.SHARDED_REFUSED`);
+    the Lightning and plain-loop doors probe a sharded model on every process.
     """
 
     refusals = (arguments.ArgumentError, NormSelectionError)
@@ -299,7 +300,7 @@ class LNMonitorCallback(TrainerCallback):
         if not self._main:
             return  # the main process probes, alone
         if sharded(model):
-            self._points.off("the model is sharded (FSDP), and this door probes only unsharded models")
+            self._points.off(SHARDED_REFUSED)
             return
         batch = self._probe_rows(trainer, model, kwargs)
         labels = (getattr(trainer, "label_names", None) if trainer is not None else None) or ["labels"]

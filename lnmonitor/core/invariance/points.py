@@ -27,7 +27,7 @@ from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance.results import InvarianceResult
 from lnmonitor.core.monitor.shared import Voice, off_message, where
 
-__all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "InvariancePoints"]
+__all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "SHARDED_REFUSED", "InvariancePoints"]
 
 _log = logging.getLogger("lnmonitor")
 
@@ -45,6 +45,14 @@ FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Ligh
                  "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
                  "the probe's passes call the model itself; the ladder is not affected. Shard with FSDP2 "
                  "(fully_shard, Lightning's ModelParallelStrategy) or use DDP to probe the final norm.")
+
+# why the transformers.Trainer door's probe is off for a sharded model (core.hooks.sharded): it probes on
+# the main process alone, and such a model's forward gathers its parameters from every process
+SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP, DeepSpeed ZeRO-3), so "
+                   "its forward is a collective every process must join, and this door probes on the main "
+                   "process alone; the ladder is not affected. To probe the final norm, train with DDP or "
+                   "DeepSpeed ZeRO-2, or use LoopMonitor (lnmonitor.integrations.loop), which probes a "
+                   "sharded model on every process.")
 
 
 class InvariancePoints:

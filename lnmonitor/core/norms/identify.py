@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core import dtensors
+from lnmonitor.core import dtensors, zero3
 from lnmonitor.core.hooks import float64_twin, unmeasured
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms.registry import NormSpec, candidates, norm_eps, registry_version
@@ -137,7 +137,7 @@ def identify(module: nn.Module) -> NormSpec | str | None:
     best: tuple[float, NormSpec] | None = None
     cache: dict = {}
     failure = None
-    with unmeasured():
+    with unmeasured(), zero3.gathered(module):  # a ZeRO-3 norm's parameters whole: a collective
         for spec in specs:
             # no epsilon attribute on a module found by its name: measure what it applies
             measured = spec.eps is None and not declared
