@@ -10,7 +10,10 @@ measuring every step, and for each measured step measures, on every rank:
 * the peak extra memory while the step is merged and read: glibc's bytes in use
   (``mallinfo2``), sampled after every torch operator, less what was in use when it began;
 * the merge's time (``meter.result``: collectives, host copy, read), on steps timed without
-  the dispatch mode.
+  the dispatch mode;
+* then, on as many unmeasured steps, the every-step growth's cost: ``meter.take_growth``, which
+  of several processes all-reduces one maximum a step and reads it a step later (how many steps
+  gave a reading, and its median time beside a step's forward and backward).
 
 The table gives the largest rank's figures (bytes are the same on every rank), medians over the
 measured steps.  ``--rev REV`` measures the library as it was at a git revision instead of the
@@ -118,7 +121,7 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
     config = GPTConfig(vocab_size=65, width=args.width, depth=args.depth, heads=2, context=args.context)
     model = TinyGPT(config)
     ddp = DistributedDataParallel(model)
-    meter = LadderMeter(ddp, say=lambda _: None, warn=lambda *_: None, watch_growth=False)
+    meter = LadderMeter(ddp, say=lambda _: None, warn=lambda *_: None)
     merge = {"merge": True} if "merge" in inspect.signature(meter.result).parameters else {"gather": dist}
     batches = torch.Generator().manual_seed(1 + rank)
     received, extra, seconds, collectives = [], [], [], 0
@@ -140,9 +143,21 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
             meter.result(**merge)
             if step:
                 seconds.append(time.perf_counter() - t)
+    step_seconds, take_seconds, read = [], [], 0
+    for step in range(2 * args.steps):  # unmeasured steps: the every-step growth's cost
+        x = torch.randint(0, 65, (args.batch, args.context + 1), generator=batches)
+        t = time.perf_counter()
+        ddp(x[:, :-1], x[:, 1:])[1].backward()
+        model.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        read += meter.take_growth(step) is not None
+        step_seconds.append(t1 - t)
+        take_seconds.append(time.perf_counter() - t1)
+    meter.close()
     return dict(norms=len(meter.norms), received=statistics.median(received),
                 extra=statistics.median(extra), merge_ms=1e3 * statistics.median(seconds),
-                collectives=collectives, vector=4 * meter.layout.size)
+                collectives=collectives, vector=4 * meter.layout.size, growth_read=read,
+                take_us=1e6 * statistics.median(take_seconds), step_ms=1e3 * statistics.median(step_seconds))
 
 
 def _free_port() -> int:
@@ -160,9 +175,11 @@ def measure(processes: int, args: argparse.Namespace, library: str | None) -> di
         mp.spawn(_worker, args=(processes, _free_port(), args, library, str(out)), nprocs=processes,
                  join=True)
         ranks = json.loads(out.read_text())
-    keys = ("received", "extra", "merge_ms")
-    return {"processes": processes, "norms": ranks[0]["norms"], "collectives": ranks[0]["collectives"],
-            "vector": ranks[0]["vector"], **{k: max(r[k] for r in ranks) for k in keys}}
+    keys = ("received", "extra", "merge_ms", "take_us", "step_ms")
+    first = ranks[0]
+    same = ("norms", "collectives", "vector", "growth_read")
+    return {"processes": processes, **{k: first[k] for k in same},
+            **{k: max(r[k] for r in ranks) for k in keys}}
 
 
 def library_at(rev: str, into: str) -> str:
@@ -176,16 +193,17 @@ def library_at(rev: str, into: str) -> str:
     return into
 
 
-def table(rows: list[dict], label: str) -> str:
+def table(rows: list[dict], label: str, steps: int) -> str:
     first = rows[0]
     lines = [f"{label}: {first['norms']} norms, a step vector of {first['vector'] / KIB:,.0f} KiB a rank",
              "| processes | received per rank (KiB) | vs the first | peak extra memory (KiB) | merge (ms)"
-             " | collectives |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             " | collectives | every-step growth read | its cost a step (us) | a step (ms) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["received"] / first["received"]
         lines.append(f"| {r['processes']} | {r['received'] / KIB:,.1f} | {ratio:.2f}x"
-                     f" | {r['extra'] / KIB:,.0f} | {r['merge_ms']:.2f} | {r['collectives']} |")
+                     f" | {r['extra'] / KIB:,.0f} | {r['merge_ms']:.2f} | {r['collectives']}"
+                     f" | {r['growth_read']} of {2 * steps} | {r['take_us']:,.0f} | {r['step_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -212,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         library = library_at(args.rev, tmp) if args.rev else None
         rows = [measure(p, args, library) for p in args.processes]
-    print(table(rows, f"lnmonitor at {args.rev}" if args.rev else "lnmonitor (working tree)"))
+    print(table(rows, f"lnmonitor at {args.rev}" if args.rev else "lnmonitor (working tree)", args.steps))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -4,6 +4,7 @@ holding another's vector: what a rank receives does not grow with the number of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -141,3 +142,62 @@ def test_the_occupied_bins_hold_every_count_and_few_others():
     empty = R.histogram_rows(StepRows(None, [], [], {}), LAYOUT, "cpu")
     sums_alone = H.occupied(empty[LAYOUT.sum_end : LAYOUT.max_end].numpy(), LAYOUT)
     assert (sums_alone == np.arange(LAYOUT.hist_size, LAYOUT.sum_end)).all()
+
+
+def _growth_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A meter on each process, its own batches: step 0 measured (the roles, merged), steps 1-5
+    watched; at step 3 process 1's watch fails (its first rung called on integers), so both stop."""
+    from lnmonitor.core.meter.growth_watch import GrowthWatch
+    from lnmonitor.core.meter.meter import LadderMeter
+    from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(vocab_size=65, width=16, depth=2, heads=2, context=8))
+        meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+        batches = torch.Generator().manual_seed(1 + rank)
+        with meter.step():
+            model(*_windows(batches, 3))[1].backward()
+        meter.result(merge=True)
+        rungs = {n.name: n.module for n in meter.norms}
+        own = GrowthWatch()  # this process's own growth, as one process would take it
+        own.attach(rungs[meter.rungs()[0]], rungs[meter.rungs()[-1]])
+        local, readings = [], []
+        for step in range(1, 6):
+            if (rank, step) == (1, 3):  # integer rows: the watch's hook raises (and the norm too)
+                with contextlib.suppress(RuntimeError):
+                    model.blocks[0].ln1(torch.zeros(2, 16, dtype=torch.long))
+            model(*_windows(batches, 2 + step))[1].backward()
+            local.append(own.take(step))
+            readings.append(meter.take_growth(step))
+        own.detach()
+        hooked = bool(model.blocks[0].ln1._forward_pre_hooks)  # the meter's watch still on
+        meter.close()
+        every: list = [None] * world
+        dist.all_gather_object(every, (local, readings, hooked))
+        if rank == 0:
+            torch.save(every, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _windows(generator, batch: int):
+    x = torch.randint(0, 65, (batch, 9), generator=generator)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_the_every_step_growth_is_the_largest_over_processes_and_all_stop_together(tmp_path):
+    out = tmp_path / "growth.pt"
+    mp.spawn(_growth_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    (local0, read0, hooked0), (local1, read1, hooked1) = torch.load(out)
+    assert read0 == read1  # the same on every process
+    assert read0[0] is None  # step 1: nothing read yet
+    for step in (1, 2):  # read a step later: the larger of the two processes' own growth
+        taken = read0[step]
+        assert taken[0] == step
+        assert taken[1] == pytest.approx(max(local0[step - 1][1], local1[step - 1][1]), rel=1e-6)
+    assert local1[2] is None  # process 1's watch failed at step 3 ...
+    assert read0[3] == (3, pytest.approx(local0[2][1], rel=1e-6))  # ... so step 3 is process 0's
+    assert read0[4] is None and not hooked0 and not hooked1  # and both stopped together

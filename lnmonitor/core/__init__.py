@@ -5,7 +5,8 @@ roles, the final norm), ``meter`` (one measured step from the hooks to the figur
 final-norm invariance probe), ``findings`` (what the numbers mean for the run), ``probes`` (the
 structural probes), ``output`` (the logged names, writers, files) and ``monitor`` (what every
 door shares below the measurement: the guard, the argument checks); ``kinds``, ``hooks``,
-``torch_internals`` and ``dtensors`` (tensor-parallel activations) are what every part uses;
+``torch_internals``, ``dtensors`` (tensor-parallel activations) and ``zero3`` (DeepSpeed ZeRO-3's
+partitioned parameters) are what every part uses;
 ``settings`` (the ladder's settings every door shares, one name each) and ``after_step`` (the
 post-step sequence every door runs: metrics, findings, logging, pictures, summary) stand on top
 of them all.  Importing this package imports nothing."""

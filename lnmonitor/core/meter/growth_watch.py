@@ -13,7 +13,9 @@ Forwards without gradient (validation, probes) and forwards inside
 :func:`~lnmonitor.core.hooks.unmeasured` are not training steps and are not watched.  The
 value differs from the meter's ``growth`` of the same step by the histograms' resolution (the
 meter reads its median from a histogram, this one is exact) and by padding rows (the meter
-leaves them out; the watch has no mask).  Imports torch only.
+leaves them out; the watch has no mask).  Of several processes, each watches its own rows (a
+tensor-parallel ``DTensor``'s local rows) and the meter takes the step's largest over them
+(:class:`~lnmonitor.core.meter.processes.StepMaximum`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import Hooks, measuring
 
 __all__ = ["GrowthWatch", "row_rms"]
@@ -42,6 +45,14 @@ def _median_row_norm(x: Tensor) -> Tensor:
     if x.dtype == torch.float64:  # vector_norm refuses to narrow
         return torch.linalg.vector_norm(x.detach(), dim=-1).median().float()
     return torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32).median()
+
+
+def _rows(args: tuple) -> Tensor | None:
+    """The stream a norm reads, as whole rows: a tensor-parallel ``DTensor``'s local rows (each
+    process judges its own; None where a process holds part of every row)."""
+    if not (args and isinstance(args[0], Tensor)) or dtensors.unsupported(args[0]):
+        return None
+    return dtensors.local(args[0])
 
 
 class GrowthWatch:
@@ -89,16 +100,28 @@ class GrowthWatch:
         return hook
 
     def _on_first(self, module: nn.Module, args: tuple) -> None:
-        if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and measuring():
-            self._first, self._first_width = _median_row_norm(args[0]), args[0].shape[-1]
+        stream = _rows(args)
+        if stream is not None and torch.is_grad_enabled() and measuring():
+            self._first, self._first_width = _median_row_norm(stream), stream.shape[-1]
 
     def _on_last(self, module: nn.Module, args: tuple) -> None:
         first, self._first = self._first, None
-        if first is None or not (args and isinstance(args[0], Tensor)):
+        stream = _rows(args)
+        if first is None or stream is None:
             return
-        ratio = _median_row_norm(args[0]) / first
-        self._widths = math.sqrt(self._first_width / args[0].shape[-1])  # a Python float, no kernel
+        ratio = _median_row_norm(stream) / first
+        self._widths = math.sqrt(self._first_width / stream.shape[-1])  # a Python float, no kernel
         self._max = ratio if self._max is None else torch.maximum(self._max, ratio)
+
+    def _close(self) -> Tensor | None:
+        value, self._max, self._first = self._max, None, None
+        return value
+
+    def close(self) -> Tensor | None:
+        """Close a step without reading it: its growth as a 0-dim tensor on the device (the
+        widths applied there), or None (no training forward ran through both rungs since)."""
+        value = self._close()
+        return None if value is None else value * self._widths
 
     def take(self, step: int) -> tuple[int, float] | None:
         """Close step ``step``: ``(step, growth)`` of the latest step whose value has reached the
@@ -108,7 +131,7 @@ class GrowthWatch:
         if self.error is not None:
             self.detach()
             return None
-        value, self._max, self._first = self._max, None, None
+        value = self._close()
         if value is not None:
             if value.device.type == "cpu":
                 return step, float(value) * self._widths

@@ -56,7 +56,7 @@ from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figures
 from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
-from lnmonitor.core.meter.processes import merge_processes, several_processes
+from lnmonitor.core.meter.processes import StepMaximum, merge_processes, several_processes
 from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.monitor.shared import Voice, off_message
@@ -173,6 +173,7 @@ class LadderMeter:
         self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         self._watch = GrowthWatch()  # the ladder's growth on every step, once the roles are known
+        self._across: StepMaximum | None = None  # of several processes: its maximum over them
         self.watch_growth = watch_growth
         said = measured_eps_message(owner, self.norms)
         if said:
@@ -247,24 +248,44 @@ class LadderMeter:
         """The end of training: :meth:`abort`, and the every-step growth's hooks removed."""
         self.abort()
         self._watch.detach()
+        if self._across is not None:
+            self._across.finish()
 
     def take_growth(self, step: int) -> tuple[int, float] | None:
         """Close optimizer step ``step`` for the every-step growth
         (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`): ``(step, growth)`` of the latest
         step whose value has reached the host, or None (no ladder watched yet, no training
-        forward since the last call, or a copy still on its way from an accelerator).  One of
-        several processes gets None: each sees its own batches, and a finding (and a stop) must be
-        the same on every rank, so there the growth is judged on the measured steps' merged rows."""
+        forward since the last call, or a copy still on its way from an accelerator).  Of several
+        processes (each sees its own batches), every process must call this at every step: the
+        growth is the step's largest over them, read a step later
+        (:class:`~lnmonitor.core.meter.processes.StepMaximum`), so that a finding (and a stop) is
+        the same on every rank."""
+        if self._across is not None:
+            return self._take_across(step)
         if self.off_reason is not None:
             self._watch.detach()
             return None
         taken = self._watch.take(step)
+        self._said_watch_error()
+        return taken
+
+    def _take_across(self, step: int) -> tuple[int, float] | None:
+        """:meth:`take_growth` of one of several processes: a process that can no longer watch
+        (off, or a hook's error) says so to the others, and all stop together."""
+        stop = self.off_reason is not None or self._watch.error is not None
+        value = None if stop else self._watch.close()
+        taken = self._across.close(step, value, stop, _device(self.model))
+        if self._across.stopped:
+            self._watch.detach()
+            self._said_watch_error()
+        return taken
+
+    def _said_watch_error(self) -> None:
         error = self._watch.error
         if error is not None:
             self._warn("growth-watch", f"{self.owner}: the every-step growth stopped: its hook could not "
                                        f"read the stream ({type(error).__name__}: {error}); the findings "
                                        "read the growth on measured steps from here.")
-        return taken
 
     def _unhook(self) -> None:
         self._tap.detach()
@@ -406,12 +427,13 @@ class LadderMeter:
             self._warn("one-rung", short)
 
     def _watch_ladder(self) -> None:
-        """Hook the first and last rung of the model's ladder for the every-step growth (not in
-        one of several processes: see :meth:`take_growth`)."""
+        """Hook the first and last rung of the model's ladder for the every-step growth (of
+        several processes, every one at the same step: the roles come from the merged rows)."""
         rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
-        if self.watch_growth and len(rungs) >= 2 and not several_processes():
+        if self.watch_growth and len(rungs) >= 2:
             modules = {info.name: info.module for info in self.norms}
             self._watch.attach(modules[rungs[0]], modules[rungs[-1]])
+            self._across = StepMaximum() if several_processes() else None
 
     def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
         """The role decision by stack, stacks in forward order (the model's ladder is the one

@@ -23,6 +23,9 @@ merged step syncs twice.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch import distributed as dist
@@ -30,7 +33,7 @@ from torch import distributed as dist
 from lnmonitor.core.maths.histograms import Layout, drop_norms, occupied
 from lnmonitor.core.maths.replicas import replicated
 
-__all__ = ["merge_processes", "several_processes"]
+__all__ = ["StepMaximum", "merge_processes", "several_processes"]
 
 # torch 2.13 renamed all_gather_into_tensor (still there, deprecated)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -57,3 +60,58 @@ def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
     dist.all_reduce(packed)
     flat.index_copy_(0, at, packed)
     return flat[: layout.max_end]
+
+
+class StepMaximum:
+    """A number every optimizer step, its maximum over every process, read one step later.
+
+    Every process calls :meth:`close` at the end of every step, in the same order: it reads the
+    previous step's all-reduce (issued a step ago, so done by now: on a GPU the wait is for that
+    point of the stream, not the current one), then, unless some process asked to stop there,
+    all-reduces this step's value and stop flag by maximum without waiting (8 bytes a process
+    and step, docs/performance.md).  So every process reads the same maximum at the same step,
+    and all stop together, one step after the first asks to.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[int, Tensor, Callable[[], object]] | None = None
+        self.stopped = False
+
+    def close(self, step: int, value: Tensor | None, stop: bool,
+              device: torch.device) -> tuple[int, float] | None:
+        """Close ``step`` with ``value`` (a 0-dim tensor, or None: nothing this step) and
+        ``stop`` (this process will send nothing more); ``(step, maximum)`` of the step read
+        (None: none, or nothing was sent that step by any process)."""
+        read = self._read()
+        if self.stopped:
+            return read
+        sent = torch.tensor([-math.inf, float(stop)], device=device)
+        if value is not None:
+            sent[0] = value.to(device)
+        work = dist.all_reduce(sent, op=dist.ReduceOp.MAX, async_op=True)
+        if sent.is_cuda:  # the stream waits for the reduction, and the host for a pinned copy
+            work.wait()
+            host = torch.empty(2, pin_memory=True)
+            host.copy_(sent, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (step, host, event.synchronize)
+        else:
+            self._pending = (step, sent, work.wait)
+        return read
+
+    def _read(self) -> tuple[int, float] | None:
+        if self._pending is None:
+            return None
+        (step, values, wait), self._pending = self._pending, None
+        wait()
+        maximum, stop = values.tolist()
+        self.stopped = stop > 0
+        return (step, maximum) if math.isfinite(maximum) else None
+
+    def finish(self) -> None:
+        """The end of training: the last reduction waited for (every process calls this)."""
+        if self._pending is not None:
+            self._pending[2]()
+            self._pending = None
+        self.stopped = True

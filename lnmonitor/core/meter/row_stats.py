@@ -46,7 +46,8 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     """The flat float32 vector of one process's rows, on ``device`` (the rows' own
     device when there are rows), no host sync.  ``fingerprint``: fill in each norm's
     fingerprint (:func:`~lnmonitor.core.maths.replicas.fingerprints`; zeros otherwise), which
-    :func:`merge` needs to count rows held alike by several processes once.
+    :func:`~lnmonitor.core.meter.processes.merge_processes` needs to count rows held alike by
+    several processes once.
 
     Few, cheap operators (this runs every measured step): the three histograms take one
     ``index_add_`` whose weight is 1 for a row with a value and 0 for one without (whose index
