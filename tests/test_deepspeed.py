@@ -13,6 +13,8 @@ probe it on every rank; the Trainer door, which probes on the main process, refu
 from __future__ import annotations
 
 import importlib.util
+import os
+from unittest import mock
 
 import pytest
 from conftest import run_script
@@ -152,6 +154,8 @@ def test_lightning_refuses_its_deepspeed_strategy_on_the_cpu_before_any_callback
                         logger=False, enable_checkpointing=False, callbacks=monitors,
                         default_root_dir=tmp_path)
     module = TinyGPTModule("abcdefgh", width=16, depth=1, heads=2, context=8, max_steps=1)
-    with pytest.raises(RuntimeError, match="The DeepSpeed strategy is only supported on CUDA GPUs but "
-                                           "`CPUAccelerator` is used"):
+    # Lightning's environment setup leaves MASTER_ADDR, MASTER_PORT and LOCAL_RANK behind, which
+    # would make a later Trainer in this process start a process group: the environment restored
+    refused = "The DeepSpeed strategy is only supported on CUDA GPUs but `CPUAccelerator` is used"
+    with mock.patch.dict(os.environ), pytest.raises(RuntimeError, match=refused):
         trainer.fit(module)
