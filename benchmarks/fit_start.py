@@ -198,7 +198,7 @@ def _lightning_fit_start(model, tmp: str) -> float:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
     module, callback = Module(model), LayerNormMonitor()
     trainer = L.Trainer(max_steps=1000, logger=TensorBoardLogger(tmp, name="lightning"), callbacks=[callback],
@@ -238,6 +238,9 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
                 "first": runs[0][k]} for k in keys}
 
 
+QUIET = ("lightning.pytorch", "lightning.fabric")  # their notes about the Trainer, muted while timing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[80, 126],
@@ -267,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     CLOCK[0] = CLOCKS[args.clock]
     restore = [TIMERS.wrap(meter_module, "choose_norms", "choose_norms"),
                TIMERS.wrap(LadderMeter, "_assign_roles", "_assign_roles")]
+    levels = {name: logging.getLogger(name).level for name in QUIET}
     try:
         return run(args)
-    finally:  # the library and torch's threads as they were: a test calls main() in pytest's process
+    finally:  # the library, torch's threads and the loggers as they were: a test calls main() in pytest's
         for undo in restore:
             undo()
         torch.set_num_threads(threads)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def run(args: argparse.Namespace) -> int:
