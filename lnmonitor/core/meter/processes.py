@@ -85,9 +85,11 @@ class StepMaximum:
         read = self._read()
         if self.stopped:
             return read
-        sent = torch.tensor([-math.inf, float(stop)], device=device)
-        if value is not None:
-            sent[0] = value.to(device)
+        sent = torch.full((2,), -math.inf, device=device)  # filled on the device: no host copy
+        if stop:
+            sent[1] = 1.0
+        elif value is not None:
+            sent[0] = value
         work = dist.all_reduce(sent, op=dist.ReduceOp.MAX, async_op=True)
         if sent.is_cuda:  # the stream waits for the reduction, and the host for a pinned copy
             work.wait()
