@@ -361,3 +361,16 @@ def run_tap(model, x, dtype=None):
     for h in handles:
         h.remove()
     return norms, tap.collect(), captured
+
+
+def whole_and_parts():
+    """The tap's rows of a ``Net(24, "layer")`` on one batch of 40 and on its two parts (17 and
+    23 rows), as two processes holding one part each would measure them."""
+    torch.manual_seed(1)
+    model = Net(24, "layer")
+    x = torch.randn(40, 6)
+    _, whole, _ = run_tap(model, x)
+    model.zero_grad()
+    _, a, _ = run_tap(model, x[:17])
+    _, b, _ = run_tap(model, x[17:])
+    return whole, a, b

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import Net, free_port, run_tap
+from conftest import free_port, whole_and_parts
 
 from lnmonitor.core.maths import histograms as H
 from lnmonitor.core.maths.replicas import replicated
@@ -30,14 +30,7 @@ LAYOUT = H.Layout(2)
 
 def _rows():
     """The rows of one batch of 40, of its two parts (17 and 23), and of a step with none."""
-    torch.manual_seed(1)
-    model = Net(24, "layer")
-    x = torch.randn(40, 6)
-    _, whole, _ = run_tap(model, x)
-    model.zero_grad()
-    _, a, _ = run_tap(model, x[:17])
-    _, b, _ = run_tap(model, x[17:])
-    return whole, a, b, StepRows(None, [], [], {})
+    return (*whole_and_parts(), StepRows(None, [], [], {}))
 
 
 def _stacked_reference(vectors: list[torch.Tensor]) -> torch.Tensor:

@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Net, run_tap
+from conftest import whole_and_parts
 
 from lnmonitor.core.maths.replicas import fingerprints, replicated
 
 
-def _halves():
-    torch.manual_seed(1)
-    model = Net(24, "layer")
-    x = torch.randn(40, 6)
-    _, whole, _ = run_tap(model, x)
-    model.zero_grad()
-    _, a, _ = run_tap(model, x[:17])
-    _, b, _ = run_tap(model, x[17:])
-    return whole, a, b
-
-
 def test_a_process_drops_the_norms_an_earlier_process_holds_alike():
-    whole, a, b = _halves()
+    whole, a, b = whole_and_parts()
     prints = torch.stack([fingerprints(r.data, [c.rows for c in r.records], [c.norm for c in r.records], 2)
                           for r in (a, a, b, whole)])
     prints[3, 1] = 0.0  # no fingerprint (one process, or a norm without rows): never a replica
@@ -32,7 +21,7 @@ def test_a_process_drops_the_norms_an_earlier_process_holds_alike():
 
 
 def test_fingerprints_tell_rows_apart_and_ignore_the_order_of_calls_of_other_norms():
-    whole, a, b = _halves()
+    whole, a, b = whole_and_parts()
     recs = [r.norm for r in a.records]
     counts = [r.rows for r in a.records]
     fa = fingerprints(a.data, counts, recs, 2)
