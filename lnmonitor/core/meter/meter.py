@@ -257,8 +257,8 @@ class LadderMeter:
         step whose value has reached the host, or None (no ladder watched yet, no training
         forward since the last call, or a copy still on its way from an accelerator).  Of several
         processes (each sees its own batches), every process must call this at every step: the
-        growth is the step's largest over them, read a step later
-        (:class:`~lnmonitor.core.meter.processes.StepMaximum`), so that a finding (and a stop) is
+        growth is the step's largest over them (:class:`~lnmonitor.core.meter.processes.StepMaximum`:
+        on a GPU read a step later), so that a finding (and a stop) is
         the same on every rank."""
         if self._across is not None:
             return self._take_across(step)

@@ -63,18 +63,19 @@ def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
 
 
 class StepMaximum:
-    """A number every optimizer step, its maximum over every process, read one step later.
+    """A number every optimizer step, its maximum over every process.
 
-    Every process calls :meth:`close` at the end of every step, in the same order: it reads the
-    previous step's all-reduce (issued a step ago, so done by now: on a GPU the wait is for that
-    point of the stream, not the current one), then, unless some process asked to stop there,
-    all-reduces this step's value and stop flag by maximum without waiting (8 bytes a process
-    and step, docs/performance.md).  So every process reads the same maximum at the same step,
-    and all stop together, one step after the first asks to.
+    Every process calls :meth:`close` at the end of every step, in the same order: one
+    all-reduce by maximum of the step's value and a stop flag (8 bytes a process and step,
+    docs/performance.md).  On the CPU (gloo) it is read at once; on a GPU the reduction is
+    queued on the collective's stream and the host reads a pinned copy of it one step later,
+    without waiting for the stream.  So every process reads the same maximum at the same step,
+    and all stop together at the step the first asks to (on a GPU, the step after).  No
+    collective is left in flight between two calls.
     """
 
     def __init__(self) -> None:
-        self._pending: tuple[int, Tensor, Callable[[], object]] | None = None
+        self._pending: tuple[int, Tensor, Callable[[], object]] | None = None  # a GPU's copy
         self.stopped = False
 
     def close(self, step: int, value: Tensor | None, stop: bool,
@@ -90,16 +91,15 @@ class StepMaximum:
             sent[1] = 1.0
         elif value is not None:
             sent[0] = value
-        work = dist.all_reduce(sent, op=dist.ReduceOp.MAX, async_op=True)
-        if sent.is_cuda:  # the stream waits for the reduction, and the host for a pinned copy
-            work.wait()
-            host = torch.empty(2, pin_memory=True)
-            host.copy_(sent, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (step, host, event.synchronize)
-        else:
-            self._pending = (step, sent, work.wait)
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # on a GPU the current stream waits, not the host
+        if not sent.is_cuda:
+            self._pending = (step, sent, _done)
+            return self._read()
+        host = torch.empty(2, pin_memory=True)
+        host.copy_(sent, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (step, host, event.synchronize)
         return read
 
     def _read(self) -> tuple[int, float] | None:
@@ -112,8 +112,10 @@ class StepMaximum:
         return (step, maximum) if math.isfinite(maximum) else None
 
     def finish(self) -> None:
-        """The end of training: the last reduction waited for (every process calls this)."""
-        if self._pending is not None:
-            self._pending[2]()
-            self._pending = None
+        """The end of training: nothing more is sent, and a GPU's last copy is waited for."""
+        self._read()
         self.stopped = True
+
+
+def _done() -> None:
+    """A CPU reduction's value is there when it returns: nothing to wait for."""
