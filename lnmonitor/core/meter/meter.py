@@ -258,15 +258,14 @@ class LadderMeter:
         forward since the last call, or a copy still on its way from an accelerator).  Of several
         processes (each sees its own batches), every process must call this at every step: the
         growth is the step's largest over them (:class:`~lnmonitor.core.meter.processes.StepMaximum`:
-        on a GPU read a step later), so that a finding (and a stop) is
-        the same on every rank."""
+        on a GPU read a step later), so that a finding (and a stop) is the same on every rank."""
         if self._across is not None:
             return self._take_across(step)
         if self.off_reason is not None:
             self._watch.detach()
             return None
         taken = self._watch.take(step)
-        self._said_watch_error()
+        self._say_watch_error()
         return taken
 
     def _take_across(self, step: int) -> tuple[int, float] | None:
@@ -277,10 +276,10 @@ class LadderMeter:
         taken = self._across.close(step, value, stop, _device(self.model))
         if self._across.stopped:
             self._watch.detach()
-            self._said_watch_error()
+            self._say_watch_error()
         return taken
 
-    def _said_watch_error(self) -> None:
+    def _say_watch_error(self) -> None:
         error = self._watch.error
         if error is not None:
             self._warn("growth-watch", f"{self.owner}: the every-step growth stopped: its hook could not "

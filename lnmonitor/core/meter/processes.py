@@ -19,6 +19,9 @@ machine", has the measured bytes and the cost model).  The counts are integers b
 the merged histograms are exact whatever order the reduction adds them in.  The maxima come to
 the host once, to pack the bins: with :func:`~lnmonitor.core.meter.row_stats.read`'s copy, a
 merged step syncs twice.
+
+:class:`StepMaximum` gives every process the maximum of one number a step (the every-step
+growth's), so that a finding and a stop are the same on every rank.
 """
 
 from __future__ import annotations
