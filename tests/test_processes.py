@@ -34,13 +34,16 @@ def _rows():
 
 
 def _stacked_reference(vectors: list[torch.Tensor]) -> torch.Tensor:
-    """The merge's definition on vectors held together: each process's replicas dropped, the
-    histograms and sums added, the maxima taken."""
+    """The merge's definition on vectors held together: each process's replicated norms'
+    histograms and sums left out, the rest added, the maxima taken (a replica's are its
+    original's)."""
     prints = torch.stack([v[LAYOUT.max_end :].clone().view(torch.float64) for v in vectors])
     kept = []
     for rank, v in enumerate(vectors):
+        keep = (~replicated(prints, rank)).float()[:, None]
         v = v.clone()
-        H.drop_norms(v, LAYOUT, replicated(prints, rank))
+        v[: LAYOUT.hist_size].view(LAYOUT.n_norms, -1).mul_(keep)
+        v[LAYOUT.hist_size : LAYOUT.sum_end].view(LAYOUT.n_norms, -1).mul_(keep)
         kept.append(v)
     g = torch.stack(kept)
     return torch.cat((g[:, : LAYOUT.sum_end].sum(0), g[:, LAYOUT.sum_end : LAYOUT.max_end].amax(0)))
@@ -107,7 +110,7 @@ def test_a_rank_receives_its_occupied_bins_not_the_other_vectors(four_processes)
     vector = 4 * LAYOUT.size
     for name, vectors in cases.items():
         maxima = torch.stack([v[LAYOUT.sum_end : LAYOUT.max_end] for v in vectors]).amax(0)
-        packed = 4 * len(H.occupied(maxima.numpy(), LAYOUT))
+        packed = 4 * len(H.occupied(maxima.numpy(), LAYOUT)[0])
         # the fingerprints (8 bytes a norm and process), the maxima, the packed bins and sums
         assert received[name] == 8 * 4 * LAYOUT.n_norms + 4 * H.N_MAX * LAYOUT.n_norms + packed, name
         assert received[name] < vector / 10  # where the all_gather received four whole vectors
@@ -124,16 +127,22 @@ def test_the_occupied_bins_hold_every_count_and_few_others():
     whole, a, b, _ = _rows()
     vectors = [R.histogram_rows(r, LAYOUT, "cpu") for r in (whole, a, b)]
     maxima = torch.stack([v[LAYOUT.sum_end : LAYOUT.max_end] for v in vectors]).amax(0)
-    at = H.occupied(maxima.numpy(), LAYOUT)
+    at, norms = H.occupied(maxima.numpy(), LAYOUT)
     outside = np.ones(LAYOUT.max_end, dtype=bool)
     outside[at] = False
     outside[LAYOUT.sum_end :] = False  # the maxima travel apart
     for v in vectors:
         assert (v[: LAYOUT.max_end].numpy()[outside] == 0).all()
     assert len(at) < LAYOUT.sum_end / 20  # a few hundred bins of 139,264
+    for norm in range(LAYOUT.n_norms):  # each position named with the norm whose part holds it
+        mine = at[norms == norm]
+        in_hist = (mine >= norm * LAYOUT.per_norm) & (mine < (norm + 1) * LAYOUT.per_norm)
+        sums = LAYOUT.hist_size + norm * H.N_SUMS
+        assert (in_hist | ((mine >= sums) & (mine < sums + H.N_SUMS))).all()
+        assert (mine >= sums).sum() == H.N_SUMS
     # a step without rows sends its sums alone
     empty = R.histogram_rows(StepRows(None, [], [], {}), LAYOUT, "cpu")
-    sums_alone = H.occupied(empty[LAYOUT.sum_end : LAYOUT.max_end].numpy(), LAYOUT)
+    sums_alone, _ = H.occupied(empty[LAYOUT.sum_end : LAYOUT.max_end].numpy(), LAYOUT)
     assert (sums_alone == np.arange(LAYOUT.hist_size, LAYOUT.sum_end)).all()
 
 

@@ -32,8 +32,7 @@ processes a step is all-reduced (:mod:`lnmonitor.core.meter.processes`): the max
 which say which bins any process occupies (:func:`occupied`), then those bins and the sums
 alone, a fixed amount per rank whatever the number of processes.  The vector ends with a
 fingerprint of each norm's rows (:mod:`lnmonitor.core.maths.replicas`), so that rows several
-processes hold alike (tensor parallelism's replicated activations) count once
-(:func:`drop_norms`).
+processes hold alike (tensor parallelism's replicated activations) count once.
 :func:`hist_quantile` and :func:`hist_quantiles` read quantiles from the bins.
 """
 
@@ -44,7 +43,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch import Tensor
 
 __all__ = [
     "Layout",
@@ -59,7 +57,6 @@ __all__ = [
     "bin_edges",
     "hist_quantile",
     "hist_quantiles",
-    "drop_norms",
     "occupied",
     "stack_histograms",
 ]
@@ -118,21 +115,12 @@ class Layout:
         return (index << VALUE_SHIFT).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def drop_norms(flat: Tensor, layout: Layout, drop: Tensor) -> None:
-    """Take the norms where ``drop`` (``(n_norms,)`` bool) is True out of the step vector
-    ``flat``, in place: their histograms and sums zeroed, their maxima ``-inf``."""
-    keep = (~drop).to(flat.dtype)
-    flat[: layout.hist_size].view(layout.n_norms, -1).mul_(keep[:, None])
-    flat[layout.hist_size : layout.sum_end].view(layout.n_norms, -1).mul_(keep[:, None])
-    flat[layout.sum_end : layout.max_end].view(N_MAX, -1).masked_fill_(drop, -math.inf)
-
-
-def occupied(maxima: np.ndarray, layout: Layout) -> np.ndarray:
+def occupied(maxima: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """The positions in a step vector of every bin that may hold a row, given the maxima
-    (``(N_MAX, n_norms)``, the vector's max part merged over every process), then every sum:
-    per norm, the share bins up to its maximum's and the ``var`` and ``ms`` bins between the
-    lowest and highest occupied.  Every other histogram bin is zero in every process's vector,
-    so adding these positions alone adds the vectors."""
+    (``(N_MAX, n_norms)``, the vector's max part merged over every process), then every sum,
+    and the norm each position belongs to: per norm, the share bins up to its maximum's and the
+    ``var`` and ``ms`` bins between the lowest and highest occupied.  Every other histogram bin
+    is zero in every process's vector, so adding these positions alone adds the vectors."""
     maxima = np.asarray(maxima, dtype=np.float64).reshape(N_MAX, layout.n_norms)
     parts = []
     for norm in range(layout.n_norms):
@@ -145,8 +133,10 @@ def occupied(maxima: np.ndarray, layout: Layout) -> np.ndarray:
                                     (layout.share_bins + layout.value_bins, ms_top, ms_bottom)):
             if math.isfinite(top):
                 parts.append(base + offset + np.arange(int(-bottom), int(top) + 1))
-    parts.append(np.arange(layout.hist_size, layout.sum_end))
-    return np.concatenate(parts)
+    hist = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    sums = np.arange(layout.hist_size, layout.sum_end)
+    norms = np.concatenate((hist // layout.per_norm, (sums - layout.hist_size) // N_SUMS))
+    return np.concatenate((hist, sums)), norms
 
 
 def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -50,9 +50,12 @@ def _median_row_norm(x: Tensor) -> Tensor:
 def _rows(args: tuple) -> Tensor | None:
     """The stream a norm reads, as whole rows: a tensor-parallel ``DTensor``'s local rows (each
     process judges its own; None where a process holds part of every row)."""
-    if not (args and isinstance(args[0], Tensor)) or dtensors.unsupported(args[0]):
+    if not (args and isinstance(args[0], Tensor)):
         return None
-    return dtensors.local(args[0])
+    stream = args[0]
+    if not dtensors.is_dtensor(stream):  # the usual case, checked once on every step's forward
+        return stream
+    return None if dtensors.unsupported(stream) else stream.to_local()
 
 
 class GrowthWatch:

@@ -6,7 +6,7 @@ group leave each of them the vector one process would have built from every proc
 
 1. the rows' fingerprints, ``n_norms`` float64 a process, all-gathered: a norm whose rows an
    earlier process holds alike (tensor parallelism's replicated activations) is left out of
-   this process's vector (:func:`~lnmonitor.core.maths.replicas.replicated`).  The only part
+   what this process sends (:func:`~lnmonitor.core.maths.replicas.replicated`).  The only part
    that grows with the number of processes P: 8 bytes a norm and a process;
 2. the maxima (``N_MAX`` a norm), all-reduced by maximum: the exact extremes, and which bins
    of each histogram any process occupies;
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch import distributed as dist
 
-from lnmonitor.core.maths.histograms import Layout, drop_norms, occupied
+from lnmonitor.core.maths.histograms import Layout, occupied
 from lnmonitor.core.maths.replicas import replicated
 
 __all__ = ["StepMaximum", "merge_processes", "several_processes"]
@@ -55,11 +55,11 @@ def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
     prints = flat[layout.max_end :].clone().view(torch.float64)  # a copy: float64-aligned
     every = prints.new_empty(dist.get_world_size() * layout.n_norms)  # gloo: the concatenation
     _all_gather(every, prints)
-    drop_norms(flat, layout, replicated(every.view(-1, layout.n_norms), dist.get_rank()))
-    maxima = flat[layout.sum_end : layout.max_end]
+    kept = ~replicated(every.view(-1, layout.n_norms), dist.get_rank())
+    maxima = flat[layout.sum_end : layout.max_end]  # a replica's are its original's: no need to drop
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    at = torch.from_numpy(occupied(maxima.cpu().numpy(), layout)).to(flat.device)
-    packed = flat[at]
+    at, norm = (torch.from_numpy(a).to(flat.device) for a in occupied(maxima.cpu().numpy(), layout))
+    packed = flat[at].mul_(kept[norm])  # a replicated norm's bins and sums sent as zeros
     dist.all_reduce(packed)
     flat.index_copy_(0, at, packed)
     return flat[: layout.max_end]
@@ -96,8 +96,7 @@ class StepMaximum:
             sent[0] = value
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # on a GPU the current stream waits, not the host
         if not sent.is_cuda:
-            self._pending = (step, sent, _done)
-            return self._read()
+            return self._take(step, sent)
         host = torch.empty(2, pin_memory=True)
         host.copy_(sent, non_blocking=True)
         event = torch.cuda.Event()
@@ -106,10 +105,14 @@ class StepMaximum:
         return read
 
     def _read(self) -> tuple[int, float] | None:
+        """A GPU's copy of the previous step, once its event has passed."""
         if self._pending is None:
             return None
         (step, values, wait), self._pending = self._pending, None
         wait()
+        return self._take(step, values)
+
+    def _take(self, step: int, values: Tensor) -> tuple[int, float] | None:
         maximum, stop = values.tolist()
         self.stopped = stop > 0
         return (step, maximum) if math.isfinite(maximum) else None
@@ -119,6 +122,3 @@ class StepMaximum:
         self._read()
         self.stopped = True
 
-
-def _done() -> None:
-    """A CPU reduction's value is there when it returns: nothing to wait for."""
