@@ -127,19 +127,18 @@ def test_the_occupied_bins_hold_every_count_and_few_others():
     whole, a, b, _ = _rows()
     vectors = [R.histogram_rows(r, LAYOUT, "cpu") for r in (whole, a, b)]
     maxima = torch.stack([v[LAYOUT.sum_end : LAYOUT.max_end] for v in vectors]).amax(0)
-    at, norms = H.occupied(maxima.numpy(), LAYOUT)
+    at, starts = H.occupied(maxima.numpy(), LAYOUT)
     outside = np.ones(LAYOUT.max_end, dtype=bool)
     outside[at] = False
     outside[LAYOUT.sum_end :] = False  # the maxima travel apart
     for v in vectors:
         assert (v[: LAYOUT.max_end].numpy()[outside] == 0).all()
     assert len(at) < LAYOUT.sum_end / 20  # a few hundred bins of 139,264
-    for norm in range(LAYOUT.n_norms):  # each position named with the norm whose part holds it
-        mine = at[norms == norm]
-        in_hist = (mine >= norm * LAYOUT.per_norm) & (mine < (norm + 1) * LAYOUT.per_norm)
-        sums = LAYOUT.hist_size + norm * H.N_SUMS
-        assert (in_hist | ((mine >= sums) & (mine < sums + H.N_SUMS))).all()
-        assert (mine >= sums).sum() == H.N_SUMS
+    assert len(at) == starts[-1] + LAYOUT.n_norms * H.N_SUMS  # the bins, then every sum
+    for norm in range(LAYOUT.n_norms):  # each norm's bins between its start and the next
+        mine = at[starts[norm] : starts[norm + 1]]
+        assert len(mine) and (mine // LAYOUT.per_norm == norm).all()
+    assert (at[starts[-1] :] == np.arange(LAYOUT.hist_size, LAYOUT.sum_end)).all()
     # a step without rows sends its sums alone
     empty = R.histogram_rows(StepRows(None, [], [], {}), LAYOUT, "cpu")
     sums_alone, _ = H.occupied(empty[LAYOUT.sum_end : LAYOUT.max_end].numpy(), LAYOUT)

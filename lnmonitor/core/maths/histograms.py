@@ -117,26 +117,28 @@ class Layout:
 
 def occupied(maxima: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """The positions in a step vector of every bin that may hold a row, given the maxima
-    (``(N_MAX, n_norms)``, the vector's max part merged over every process), then every sum,
-    and the norm each position belongs to: per norm, the share bins up to its maximum's and the
-    ``var`` and ``ms`` bins between the lowest and highest occupied.  Every other histogram bin
-    is zero in every process's vector, so adding these positions alone adds the vectors."""
+    (``(N_MAX, n_norms)``, the vector's max part merged over every process), norm after norm,
+    then every sum; and where each norm's bins start among them (``n_norms + 1`` offsets).  Per
+    norm: the share bins up to its maximum's and the ``var`` and ``ms`` bins between the lowest
+    and highest occupied.  Every other histogram bin is zero in every process's vector, so
+    adding these positions alone adds the vectors."""
     maxima = np.asarray(maxima, dtype=np.float64).reshape(N_MAX, layout.n_norms)
-    parts = []
+    parts, starts = [], [0]
     for norm in range(layout.n_norms):
         base = norm * layout.per_norm
         share_max, var_top, var_bottom, ms_top, ms_bottom = maxima[:, norm]
+        spans = []
         if math.isfinite(share_max):  # the share's bin, as histogram_rows takes it, and one more
-            top = int(np.float32(share_max) * np.float32(layout.share_bins))
-            parts.append(base + np.arange(min(top + 2, layout.share_bins)))
+            spans.append((0, min(int(np.float32(share_max) * np.float32(layout.share_bins)) + 2,
+                                 layout.share_bins)))
         for offset, top, bottom in ((layout.share_bins, var_top, var_bottom),
                                     (layout.share_bins + layout.value_bins, ms_top, ms_bottom)):
             if math.isfinite(top):
-                parts.append(base + offset + np.arange(int(-bottom), int(top) + 1))
-    hist = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    sums = np.arange(layout.hist_size, layout.sum_end)
-    norms = np.concatenate((hist // layout.per_norm, (sums - layout.hist_size) // N_SUMS))
-    return np.concatenate((hist, sums)), norms
+                spans.append((offset + int(-bottom), offset + int(top) + 1))
+        parts.extend(base + np.arange(lo, hi) for lo, hi in spans)
+        starts.append(starts[-1] + sum(hi - lo for lo, hi in spans))
+    parts.append(np.arange(layout.hist_size, layout.sum_end))
+    return np.concatenate(parts), np.asarray(starts)
 
 
 def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:

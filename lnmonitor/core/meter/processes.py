@@ -33,13 +33,10 @@ import torch
 from torch import Tensor
 from torch import distributed as dist
 
-from lnmonitor.core.maths.histograms import Layout, occupied
+from lnmonitor.core.maths.histograms import N_SUMS, Layout, occupied
 from lnmonitor.core.maths.replicas import replicated
 
 __all__ = ["StepMaximum", "merge_processes", "several_processes"]
-
-# torch 2.13 renamed all_gather_into_tensor (still there, deprecated)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def several_processes() -> bool:
@@ -53,15 +50,20 @@ def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
     if not several_processes():
         return flat[: layout.max_end]
     prints = flat[layout.max_end :].clone().view(torch.float64)  # a copy: float64-aligned
-    every = prints.new_empty(dist.get_world_size() * layout.n_norms)  # gloo: the concatenation
-    _all_gather(every, prints)
-    kept = ~replicated(every.view(-1, layout.n_norms), dist.get_rank())
+    every = prints.new_empty((dist.get_world_size(), layout.n_norms))
+    dist.all_gather(list(every.unbind(0)), prints)
+    replicas = replicated(every, dist.get_rank())
     maxima = flat[layout.sum_end : layout.max_end]  # a replica's are its original's: no need to drop
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    at, norm = (torch.from_numpy(a).to(flat.device) for a in occupied(maxima.cpu().numpy(), layout))
-    packed = flat[at].mul_(kept[norm])  # a replicated norm's bins and sums sent as zeros
+    at, starts = occupied(maxima.cpu().numpy(), layout)
+    index = torch.from_numpy(at).to(flat.device)
+    packed = flat[index]
+    sums = starts[-1]  # the sums follow the bins, N_SUMS a norm
+    for norm in torch.nonzero(replicas).flatten().tolist():  # sent as zeros: counted once
+        packed[starts[norm] : starts[norm + 1]] = 0.0
+        packed[sums + norm * N_SUMS : sums + (norm + 1) * N_SUMS] = 0.0
     dist.all_reduce(packed)
-    flat.index_copy_(0, at, packed)
+    flat.index_copy_(0, index, packed)
     return flat[: layout.max_end]
 
 
