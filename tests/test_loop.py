@@ -290,8 +290,8 @@ def test_under_fabric_ddp_the_names_and_numbers_are_one_processs(tmp_path):
 
 def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsys):
     """GPT-2 with labels: the last token of each sequence has no target, so every norm's row
-    there gets exactly zero gradient. Those rows are zero_grad_rows (one per sequence, said
-    once), and skipped_rows, the faults, is 0."""
+    there gets exactly zero gradient, as at the final norm. Those rows are zero_grad_rows (one per
+    sequence, said once), and skipped_rows, the faults, is 0."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -310,7 +310,7 @@ def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsy
             assert h[f"lnmonitor/zero_grad_rows/{name}"] == 6, name  # one per sequence
     for s in monitor.last_result.row_stats:
         assert s.share_rows == 6 * 15 and s.rows == 6 * 16
-    assert capsys.readouterr().err.count("carry no gradient by construction") == 1
+    assert capsys.readouterr().err.count("carry no gradient because their position has no target") == 1
 
 
 def test_the_loop_door_refuses_nonsense_and_survives_a_failing_writer():

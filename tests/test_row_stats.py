@@ -61,3 +61,23 @@ def test_histogram_rows_equals_a_per_norm_reference():
             assert maxes[1 + 2 * k, i] == np.max(bins[k][mine & stat], initial=-np.inf)
             assert maxes[2 + 2 * k, i] == np.max(-bins[k][mine & stat], initial=-np.inf)
         assert maxes[0, i] == np.max(share[mine & ok], initial=-np.inf)
+
+
+def test_rows_without_a_target_are_the_final_norms_rows_without_gradient():
+    """count_targets: a norm's rows without a target are its final norm's rows without gradient,
+    times its rows per final-norm row; every row of a frozen norm; nan where none lines up."""
+    def stats(rows, no_grad, pads=0):
+        return R.RowStats(rows=rows, share_rows=rows - no_grad - pads, share_median=0.5, share_p90=0.5,
+                          var_median=1.0, ms_median=1.0, share_max=0.5, layout=H.Layout(4), pad_rows=pads,
+                          no_grad_rows=no_grad)
+
+    # a block norm, a QK-norm's per-head rows (4 heads), the final norm, a frozen norm; 2 padding rows
+    found = R.count_targets([stats(34, 9, 2), stats(128, 30), stats(34, 6, 2), stats(32, 32)],
+                            [2, 2, 2, None], frozen={3})
+    assert [s.without_target for s in found] == [6.0, 24.0, 6.0, 32.0]
+    assert [s.vanished_grad_rows for s in found] == [3.0, 6.0, 0.0, 0.0]
+    assert [s.zero_grad_rows for s in found] == [6, 24, 6, 32]
+    # no final norm, or rows that are no whole multiple of its: not judged (nan), every row counted apart
+    unjudged = R.count_targets([stats(30, 4), stats(32, 3)], [None, 1])
+    assert all(math.isnan(s.vanished_grad_rows) for s in unjudged[:1]) and unjudged[0].zero_grad_rows == 4
+    assert math.isnan(R.count_targets([stats(30, 4), stats(32, 3)], [1, 1])[0].without_target)

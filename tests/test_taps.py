@@ -126,8 +126,8 @@ def test_skipped_rows_zero_and_nonfinite():
     stats = R.read(R.histogram_rows(rows, layout, "cpu")[: layout.max_end], layout)[0]
     assert stats.rows == 6
     assert stats.var_counts.sum() == 4  # nan row and constant row have no sigma
-    # the zero-gradient row (finite input) has no gradient by construction: counted apart from
-    # the faults, the nan row and the constant row
+    # the zero-gradient row (finite input) has no gradient: counted apart from the faults, the
+    # nan row and the constant row (whether its position had a target, the final norm tells)
     assert stats.share_rows == 3 and stats.zero_grad_rows == 1 and stats.skipped_rows == 2
     assert 0.0 <= stats.share_quantile(0.5) <= 1.0
 

@@ -126,9 +126,10 @@ class LayerNormMonitor(MonitorCallback):
     ``lnmonitor/skipped_rows/<norm>``           rows without a share that are faults
                                                 (non-finite gradient or input, constant
                                                 row), count: 0 on a healthy run
-    ``lnmonitor/zero_grad_rows/<norm>``         rows with no gradient by construction
-                                                (zero or rounding-level, finite input: a
-                                                causal LM's last token), count
+    ``lnmonitor/zero_grad_rows/<norm>``         rows with no gradient (zero or rounding-
+                                                level, finite input) where their position
+                                                has no target (label -100, a causal LM's
+                                                last token), count
     ``lnmonitor/share_baseline/median``         median share of a random direction for this
                                                 width and dead-subspace dimension
     ``lnmonitor/share_baseline/max``            median of the max of as many random rows as

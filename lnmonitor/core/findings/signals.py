@@ -28,8 +28,8 @@ SIGNALS = {
     "first_transmission": "eps/(var + eps) of the first rung",
     "final_share_p90": "90th percentile of the final norm's dead-plane share",
     "final_share_max": "largest dead-plane share of the final norm",
-    "vanished_share": "rows whose gradient vanished (beyond one per sequence) over the rows that should "
-                      "have had one, the largest over norms",
+    "vanished_share": "rows whose gradient vanished (where the final norm's row has one) over the rows "
+                      "that should have had one, the largest over norms",
 }
 
 def crosses(value: float, direction: str, threshold: float) -> bool:

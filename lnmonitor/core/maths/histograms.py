@@ -21,8 +21,8 @@ A step's rows (see :mod:`lnmonitor.core.meter.step_rows`) become one flat float3
   branch norms, ``|dL/dx|^2`` and ``|dL/dx - J^T dL/dy|^2`` at the norm's input (the part of
   the gradient that goes around the norm, :attr:`~lnmonitor.core.meter.row_stats.RowStats.bypass`),
   the padding rows the batch's row mask left out, and the rows with a finite input that
-  carry no gradient (zero or rounding-level ``|w|``, as a causal LM's last token, which has
-  no target), counted in the same ``index_add_`` as the histograms;
+  carry no gradient (zero or rounding-level ``|w|``, as at a position without a target),
+  counted in the same ``index_add_`` as the histograms;
 * per norm, the exact maximum share, and the lowest and highest occupied bin of the
   ``var`` and ``ms`` histograms (so that reading them touches only the occupied span).
 
@@ -69,8 +69,7 @@ VALUE_BINS = 1 << (31 - VALUE_SHIFT)  # every non-negative float32 bit pattern, 
 VAR_RESOLUTION = 2.0**-VALUE_MANTISSA_BITS
 SIGMA_RESOLUTION = math.sqrt(1.0 + VAR_RESOLUTION) - 1.0
 
-N_SUMS = 6  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows, rows without gradient,
-# rows that may lack a gradient by construction (one per sequence: its last token)
+N_SUMS = 5  # rows, |dL/dx|^2, |dL/dx - J^T dL/dy|^2, padding rows, rows without gradient
 N_MAX = 5  # share max; top var bin, -(bottom var bin), top ms bin, -(bottom ms bin): merged by max
 
 

@@ -128,22 +128,23 @@ def unmasked_message(owner: str, source: str | None, names: Sequence[str]) -> st
 
 
 def zero_grad_message(owner: str, zero: Sequence[tuple[str, int]]) -> str:
-    """Rows that carry no gradient by construction (each sequence's last token in a causal LM):
-    ``[(norm, rows), ...]``, the first named."""
+    """Rows without gradient because their position has no target: ``[(norm, rows), ...]``, the
+    first named."""
     (name, count), more = zero[0], " (and of other norms)" if len(zero) > 1 else ""
-    return (f"{owner}: {count} rows of {name}{more} carry no gradient by construction (an exactly "
-            "zero or rounding-level gradient with a finite input: each sequence's last token in a causal "
-            "LM, which has no target): they have no share and are counted in zero_grad_rows, not in "
-            "skipped_rows, which counts faults (non-finite or constant rows). Said once.")
+    return (f"{owner}: {count} rows of {name}{more} carry no gradient because their position has no "
+            "target (the final norm has none there either: a label of -100, e.g. a masked prompt or "
+            "a packing separator, or a causal LM's last token): they have no share and are counted in "
+            "zero_grad_rows, not in skipped_rows, which counts faults (non-finite or constant rows). "
+            "Said once.")
 
 
 def vanished_grad_message(owner: str, vanished: Sequence[tuple[str, int, int]]) -> str:
-    """Rows with a target whose gradient vanished: ``[(norm, rows, of rows), ...]``, the largest
-    share named."""
+    """Rows whose position had a target and whose gradient vanished: ``[(norm, rows, of rows),
+    ...]``, the largest share named."""
     name, count, rows = max(vanished, key=lambda v: v[1] / max(v[2], 1))
     more = f" (and rows of {len(vanished) - 1} other norms)" if len(vanished) > 1 else ""
-    return (f"{owner}: {count} of {rows} rows of {name}{more} lost their gradient beyond the one per "
-            "sequence a causal LM's last token lacks: rows with a target whose gradient vanished, a "
+    return (f"{owner}: {count} of {rows} rows of {name}{more} carry no gradient where the final norm's "
+            "rows at the same positions do (their position had a target): a gradient that vanished, a "
             "fault (saturated attention or activations, a collapsing stream), counted in "
             "vanished_grad_rows. Said once.")
 

@@ -57,7 +57,7 @@ from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figu
 from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
 from lnmonitor.core.meter.processes import StepMaximum, merge_processes, several_processes
-from lnmonitor.core.meter.row_stats import RowStats, histogram_rows, read
+from lnmonitor.core.meter.row_stats import RowStats, count_targets, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.monitor.shared import Voice, off_message
 from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
@@ -161,7 +161,7 @@ class LadderMeter:
         self._forward_only: set[int] = set()
         self._unmasked: set[int] = set()  # norms whose rows the step's padding mask did not fit
         self._ran_forward = False
-        self._said_zero_grad = False  # rows without gradient by construction: said once
+        self._said_zero_grad = False  # rows without gradient where there is no target: said once
         self.reused: set[str] = set()  # norms the forward calls more often than others: no rung
         # {norm: stack} (its residual stream), and the stack of the model's ladder: known with the roles
         self.stack_of: dict[str, str] = {}
@@ -334,12 +334,15 @@ class LadderMeter:
             self._warn("unmeasured", said)
             if len(unmeasured) == len(self.norms):
                 return None
-        self._say_conditions(row_stats)
-        norms = [norm_figures(info.name, info.kind, info.width, self.eps(i), s)
-                 for i, (info, s) in enumerate(zip(self.norms, row_stats, strict=True))]
         # one ladder per stack (an encoder-decoder's encoder and decoder), the model's apart
         stack_of_norm = {n.name: self.stack_of.get(n.name, self.main_stack) for n in self.norms}
         finals = {stack_of_norm[n.name]: n.name for n in self.norms if n.role == FINAL}
+        index = {n.name: i for i, n in enumerate(self.norms)}
+        final_of = [index.get(finals.get(stack_of_norm[n.name])) for n in self.norms]
+        row_stats = count_targets(row_stats, final_of, self._forward_only)
+        self._say_conditions(row_stats)
+        norms = [norm_figures(info.name, info.kind, info.width, self.eps(i), s)
+                 for i, (info, s) in enumerate(zip(self.norms, row_stats, strict=True))]
         ladders: dict[str, list[str]] = {}
         for name in self.rungs():
             ladders.setdefault(stack_of_norm[name], []).append(name)

@@ -10,7 +10,8 @@ step's flat float32 vector on the device (laid out by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from lnmonitor.core.maths.reductions import row_values
 from lnmonitor.core.maths.replicas import fingerprints
 from lnmonitor.core.meter.step_rows import StepRows
 
-__all__ = ["RowStats", "histogram_rows", "read"]
+__all__ = ["RowStats", "count_targets", "histogram_rows", "read"]
 
 
 def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -82,8 +83,8 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     weight = torch.empty((4, m), dtype=torch.float32, device=device)
     weight[0].copy_(share_ok.view(torch.uint8))
     weight[1:3].copy_(stat_ok.view(torch.uint8).expand(2, m))
-    # a row without gradient by construction (exactly or rounding-level zero |w|, finite input:
-    # a causal LM's last token) counts in its norm's sum of such rows, not as a fault
+    # a row without gradient (exactly or rounding-level zero |w|, finite input) counts in its
+    # norm's sum of such rows, not as a fault: whether its position had a target is read later
     torch.eq(data[3], 0.0, out=weight[3]).mul_(weight[1])
     index = torch.empty((4, m), dtype=torch.long, device=device)
     index[0].copy_(torch.mul(share, sb).clamp_(max=sb - 1))  # share: 0 where it has none
@@ -111,9 +112,7 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
     for r in recs:
         per_norm_rows[r.norm] += r.rows
     sums = flat[layout.hist_size : layout.sum_end].view(n, N_SUMS)
-    # the host's counts in one copy: each norm's rows, and the rows that may lack a target
-    host = [[per_norm_rows[i], rows.without_target.get(i, 0.0)] for i in range(n)]
-    sums[:, 0::5] = _to_device(host, device)
+    sums[:, 0] = _to_device(per_norm_rows, device)  # the host's counts in one copy: each norm's rows
     for index, parts in rows.bypass.items():
         sums[index, 1:3] = parts
     for index, pads in rows.pads.items():
@@ -145,7 +144,7 @@ class RowStats:
     bypass: float = math.nan  # |dL/dx - J^T dL/dy| / |dL/dx| at the input, when it was measured
     pad_rows: int = 0  # rows the batch's row mask marks as padding: in no statistic
     no_grad_rows: int = 0  # rows with a finite input and no gradient (zero or rounding-level |w|)
-    without_target: float = math.nan  # of those, how many construction allows (one per sequence)
+    without_target: float = math.nan  # rows at positions without a target (:func:`count_targets`)
     share_counts: np.ndarray | None = None
     var_counts: np.ndarray | None = None
 
@@ -158,18 +157,18 @@ class RowStats:
 
     @property
     def vanished_grad_rows(self) -> float:
-        """Rows without gradient beyond what construction allows (:attr:`without_target`, one
-        per sequence): rows with a target whose gradient vanished, a fault (collapse); nan where
-        the rows' sequences are unknown (a flat input)."""
+        """Rows without gradient beyond the rows without a target (:attr:`without_target`: where
+        the final norm has no gradient either): rows whose position had a target and whose
+        gradient vanished, a fault (collapse); nan where no final norm lines up with these rows."""
         if not math.isfinite(self.without_target):
             return math.nan
         return float(max(0.0, self.no_grad_rows - round(self.without_target)))
 
     @property
     def zero_grad_rows(self) -> int:
-        """Rows without gradient that construction allows (``lnmonitor/zero_grad_rows/<norm>``):
-        :attr:`no_grad_rows` less :attr:`vanished_grad_rows` (all of them where the sequences are
-        unknown)."""
+        """Rows without gradient because their position has no target
+        (``lnmonitor/zero_grad_rows/<norm>``): :attr:`no_grad_rows` less
+        :attr:`vanished_grad_rows` (all of them where no final norm lines up)."""
         vanished = self.vanished_grad_rows
         return self.no_grad_rows - (int(vanished) if math.isfinite(vanished) else 0)
 
@@ -245,9 +244,30 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
                 bypass=math.sqrt(sums[i, 2] / sums[i, 1]) if sums[i, 1] > 0 else math.nan,
                 pad_rows=int(round(sums[i, 3])),
                 no_grad_rows=int(round(sums[i, 4])),
-                without_target=float(sums[i, 5]),
                 share_counts=share_c[i] if counts else None,
                 var_counts=hist[i, sb : sb + lb] if counts else None,
             )
         )
+    return out
+
+
+def count_targets(stats: Sequence[RowStats], final_of: Sequence[int | None],
+                  frozen: Collection[int] = ()) -> list[RowStats]:
+    """``stats`` with each norm's :attr:`RowStats.without_target`, the rows at positions without a
+    target.  A final norm's row gets its gradient from its own position's loss alone, so its rows
+    without gradient are those positions (a label of -100: a masked prompt, a packing separator,
+    padding; a causal LM's last token); norm ``i`` has that many times the rows it has per row of
+    its final norm (``final_of[i]``, its stack's; per-head rows: one per head).  A ``frozen``
+    norm has no gradient by construction: every row.  nan where no final norm lines up (none, or
+    rows that are not a whole multiple of the final norm's)."""
+    out = []
+    for i, (s, final) in enumerate(zip(stats, final_of, strict=True)):
+        without = math.nan
+        if i in frozen:
+            without = float(s.rows - s.pad_rows)
+        elif final is not None:
+            mine, theirs = s.rows - s.pad_rows, stats[final].rows - stats[final].pad_rows
+            if theirs > 0 and mine % theirs == 0:
+                without = float(stats[final].no_grad_rows * (mine // theirs))
+        out.append(replace(s, without_target=without))
     return out

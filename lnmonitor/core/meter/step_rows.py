@@ -67,9 +67,7 @@ class StepRows:
     measured calls (a module the forward calls more than once is reused), and ``unmasked``
     holds the norms with a row mask that none of their calls' rows lined up with (every row
     measured), and ``refused`` maps a norm to why its ``DTensor`` rows could not be read
-    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows), and ``without_target`` maps
-    a norm index to the rows that may lack a gradient by construction (one per sequence of its
-    calls with gradient, every row of its calls without; nan where a call's rows were flat).
+    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows).
     """
 
     data: Tensor | None
@@ -83,7 +81,6 @@ class StepRows:
     calls: dict[int, int] = field(default_factory=dict)
     unmasked: set[int] = field(default_factory=set)
     refused: dict[int, str] = field(default_factory=dict)
-    without_target: dict[int, float] = field(default_factory=dict)
 
 
 def finish_calls(

@@ -47,7 +47,6 @@ raises into the user's backward: an error stops the tap for the step and is kept
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,7 +109,6 @@ class NormTap:
         self._unmasked: set[int] = set()
         self._refused: dict[int, str] = {}
         self._calls: dict[int, int] = {}
-        self._targets: dict[int, float] = {}  # rows per norm that may lack a gradient by construction
         self._pending: list[_Pending] = []
         self._workspace: list[Tensor] = []
 
@@ -169,13 +167,8 @@ class NormTap:
                 return
             self._calls[index] = self._calls.get(index, 0) + 1
             if not output.requires_grad:  # frozen inputs and gain: no gradient will come
-                self._targets[index] = self._targets.get(index, 0.0) + x.numel() / max(x.shape[-1], 1)
                 self._forward_rows(index, info, x)
                 return
-            # one row per sequence may lack a gradient by construction (its last token has no
-            # target in a causal LM); rows of a flat (rows, d) input cannot be told apart
-            sequences = float(x.shape[:-2].numel()) if x.ndim >= 3 else math.nan
-            self._targets[index] = self._targets.get(index, 0.0) + sequences
             saved = None
             if not packing and info.kind == "layer" and x is stream and not dtensors.is_dtensor(output):
                 saved = torch_internals.layernorm_saved_stats(output, x.numel() // max(x.shape[-1], 1))
@@ -343,10 +336,10 @@ class NormTap:
                 self.error = err
         rows = StepRows(data, records, self._order, dict(self._eps), self._bypass, self._resolution,
                         pads, self._forward_only, self._calls,
-                        {i for i in self._unmasked if i not in pads}, self._refused, self._targets)
+                        {i for i in self._unmasked if i not in pads}, self._refused)
         self._calls_kept, self._records, self._order = [], [], []
         self._seen, self._eps, self._bypass = set(), {}, {}
-        self._resolution, self._forward_only, self._calls, self._targets = {}, set(), {}, {}
+        self._resolution, self._forward_only, self._calls = {}, set(), {}
         self._unmasked, self._refused = set(), {}
         self._workspace = []
         self._bypass_step = False

@@ -179,7 +179,7 @@ LADDER_LAYOUT = {
         "max share vs random max": [
             "Multiline", [f"{PREFIX}/share_max/.*", f"{PREFIX}/share_baseline/max.*"]],
         "skipped rows (faults: non-finite or constant)": ["Multiline", [f"{PREFIX}/skipped_rows/.*"]],
-        "rows without gradient by construction": ["Multiline", [f"{PREFIX}/zero_grad_rows/.*"]],
+        "rows without a target (no gradient)": ["Multiline", [f"{PREFIX}/zero_grad_rows/.*"]],
         "rows whose gradient vanished (a fault)": ["Multiline", [f"{PREFIX}/vanished_grad_rows/.*"]],
     },
 }
@@ -257,12 +257,14 @@ FAMILIES = (
            "the same, one per norm, when the norms' widths or kinds differ", "0..1"),
     Family((_n("skipped_rows"),), "rows left out as faults: a non-finite gradient or input (a NaN, an fp16 "
            "overflow), a constant input row. 0 on a healthy run", "rows"),
-    Family((_n("zero_grad_rows"),), "rows with a finite input and no gradient by construction (exactly zero, "
-           "or below 1e-5 of the call's rms `|w|`), up to the rows that may lack a target: one per sequence "
-           "(a causal LM's last token), every row of a frozen norm's call. No share; said once", "rows"),
-    Family((_n("vanished_grad_rows"),), "rows without gradient beyond those: rows that had a target and "
-           "whose gradient vanished, a fault (a collapsing run; 0 on a healthy one), warned once; not logged "
-           "where the norm's rows came flat (no sequence to count targets by)", "rows"),
+    Family((_n("zero_grad_rows"),), "rows with a finite input and no gradient (exactly zero, or below 1e-5 "
+           "of the call's rms `|w|`) because their position has no target: up to the rows where the final "
+           "norm has no gradient either (a label of -100, a causal LM's last token), every row of a frozen "
+           "norm's call. No share; said once", "rows"),
+    Family((_n("vanished_grad_rows"),), "rows without gradient beyond those: rows whose position had a "
+           "target (the final norm's row there has a gradient) and whose gradient vanished, a fault (a "
+           "collapsing run; 0 on a healthy one), warned once; not logged where no final norm lines up with "
+           "the norm's rows", "rows"),
     Family((ladder_metric("attenuation"),), "`inv_sigma(first rung) / inv_sigma(last rung)`", "ratio"),
     Family((ladder_metric("growth"),), "`rms(last rung) / rms(first rung)`", "ratio"),
     Family((ladder_metric("attenuation", "<stack>"), ladder_metric("growth", "<stack>")),
