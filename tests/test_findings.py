@@ -555,7 +555,10 @@ def test_a_trainer_resumed_from_a_checkpoint_does_not_raise_a_finding_again(tmp_
     assert resumed_cb.findings.raised["stream_growth"].step == 1  # raised at step 1, before the checkpoint
 
     saved = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
-    changes = [{tag: 1.0, "step": 1}, {tag: 0.0, "step": 2}]
+    # the fit's start goes with the first change: a resumed fit judges from it
+    start = {"lnmonitor/ladder/growth": first_cb.findings.start[1]}
+    changes = [{tag: 1.0, **start, "step": 1}, {tag: 0.0, "step": 2}]
+    assert resumed_cb.findings.start == first_cb.findings.start
     assert [e for e in saved if tag in e] == changes
     assert [e for e in resumed.state.log_history if tag in e] == [*changes, {tag: 1.0, "step": 3}]
     assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]

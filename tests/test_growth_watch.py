@@ -187,12 +187,12 @@ def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
-    # the fit's first step was measured for the findings alone (its start and roles), not logged
+    # the fit's first step is measured and logged (its start and roles), the finding at step 3
     assert [(f.kind, f.step) for f in seen] == [("stream_growth", 3)] and len(_health(caught)) == 1
     tag = "lnmonitor/health/stream_growth"
     assert [e for e in trainer.state.log_history if tag in e][0] == {tag: 1.0, "step": 3}
     logged = [r["step"] for r in callback.history if "lnmonitor/ladder/growth" in r]
-    assert logged == [5, 9] and [r["step"] for r in callback.history][0] == 3
+    assert logged == [1, 5, 9] and [r["step"] for r in callback.history][:2] == [1, 3]
 
 
 def test_a_fine_tune_of_a_tall_ladder_says_its_height_once_and_raises_nothing(capsys):
@@ -224,67 +224,78 @@ def test_a_fine_tune_of_a_tall_ladder_says_its_height_once_and_raises_nothing(ca
 # ---------------------------------------------------------------------------
 
 
-def _zero_grad(model, x, y, hook=None):
+def _zero_grad(model, x, y, module=None, hook=None):
+    """Each norm's figures, what was warned and the vanished share of one measured step, with
+    ``hook`` as a forward pre-hook on ``module`` (None: none)."""
     warned = {}
     meter = LadderMeter(model, say=lambda _: None, warn=warned.setdefault)
-    handle = model.head.register_forward_pre_hook(hook) if hook else None
+    handle = module.register_forward_pre_hook(hook) if hook else None
     with meter.step():
         model(x, y)[1].backward()
     if handle:
         handle.remove()
     figures = meter.result().figures
-    return figures.by_name()["lnf"].stats, warned, step_signals(figures)["vanished_share"]
+    return figures.by_name(), warned, step_signals(figures)["vanished_share"]
 
 
-def test_rows_whose_gradient_vanished_are_told_apart_from_each_sequences_last_token():
+def test_rows_without_a_target_are_no_fault_and_rows_whose_gradient_vanished_are():
     model, x = _model(), torch.randint(0, 65, (4, 16))
-    healthy, warned, share = _zero_grad(model, x, x)  # nanoGPT's shape: a target at every position
-    assert healthy.zero_grad_rows == 0 and healthy.vanished_grad_rows == 0 and not warned and share == 0
-    keep = torch.arange(16) < 6  # the final norm's output reaches the loss at 6 of 16 positions
+    norms, warned, share = _zero_grad(model, x, x)  # nanoGPT's shape: a target at every position
+    assert all(f.stats.zero_grad_rows == 0 and f.stats.vanished_grad_rows == 0 for f in norms.values())
+    assert not warned and share == 0
+    keep = torch.arange(16) < 6
 
-    def silence_most(module, args):
+    def no_target(module, args):  # the loss reads 6 of 16 positions: as labels of -100 would
         return (args[0] * keep[:, None],)
 
-    collapsed, warned, share = _zero_grad(model, x, x, silence_most)
-    # 4 sequences x 10 positions lost their gradient; one per sequence is what construction allows
-    assert collapsed.zero_grad_rows == 4 and collapsed.vanished_grad_rows == 4 * 10 - 4
-    assert collapsed.share_rows == 24 and share == 36 / (36 + 24)  # of the rows that should have had one
-    # causal attention: those positions reach no target through any layer, so every norm lost them
-    said = "36 of 64 rows of blocks.0.ln1 (and rows of 4 other norms) lost their gradient"
+    norms, warned, share = _zero_grad(model, x, x, model.head, no_target)
+    # causal attention: the 10 positions without a target reach none through any layer, so every
+    # norm has no gradient there, the final norm too: no target, no fault
+    assert all(f.stats.zero_grad_rows == 40 and f.stats.vanished_grad_rows == 0 for f in norms.values())
+    assert norms["lnf"].stats.share_rows == 24 and "vanished" not in warned and share == 0
+
+    def cut(module, args):  # the second block's input passes no gradient back at 10 positions
+        return (torch.where(keep[:, None], args[0], args[0].detach()),)
+
+    norms, warned, share = _zero_grad(model, x, x, model.blocks[1], cut)
+    # the final norm has a gradient at every position: the first block's norms lost theirs at 10
+    assert norms["lnf"].stats.zero_grad_rows == 0 and norms["lnf"].stats.vanished_grad_rows == 0
+    for name in ("blocks.0.ln1", "blocks.0.ln2"):
+        assert norms[name].stats.vanished_grad_rows == 40 and norms[name].stats.zero_grad_rows == 0
+    assert norms["blocks.1.ln1"].stats.vanished_grad_rows == 0 and share == 40 / 64
+    said = "40 of 64 rows of blocks.0.ln1 (and rows of 1 other norms) carry no gradient where the final"
     assert said in warned["vanished"]
-    metrics = LadderMeter(model, say=lambda _: None)
-    with metrics.step():
-        model(x, x)[1].backward()
-    assert metrics.result().metrics()["lnmonitor/vanished_grad_rows/lnf"] == 0.0
 
 
-def test_a_causal_lms_last_token_is_construction_and_a_flat_input_is_not_judged():
+def test_a_causal_lms_last_token_and_its_masked_labels_have_no_target():
     transformers = pytest.importorskip("transformers")
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (3, 16))
-    meter = LadderMeter(model, say=lambda _: None)
-    with meter.step():
-        model(input_ids=ids, labels=ids).loss.backward()
-    stats = {f.name: f.stats for f in meter.result().figures.norms}
-    assert all(s.zero_grad_rows == 3 and s.vanished_grad_rows == 0 for s in stats.values())  # the last token
+    masked = ids.clone()
+    masked[:, 8:] = -100  # no target on the second half, as a completion-only collator does to a reply
 
-    class Flat(torch.nn.Module):  # rows handed to the norm flat: their sequences are unknown
-        def __init__(self):
-            super().__init__()
-            self.inner, self.ln = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+    def stats(labels):
+        warned = {}
+        meter = LadderMeter(model, say=lambda _: None, warn=warned.setdefault)
+        with meter.step():
+            model(input_ids=ids, labels=labels).loss.backward()
+        return {f.name: f.stats for f in meter.result().figures.norms}, warned
 
-        def forward(self, x):
-            return self.ln(self.inner(x)).pow(2).sum()
-
-    flat = Flat()
-    meter = LadderMeter(flat, say=lambda _: None)
-    with meter.step():
-        flat(torch.randn(12, 8)).backward()
-    import math
-
-    assert math.isnan(meter.result().figures.norms[0].stats.vanished_grad_rows)
+    full, _ = stats(ids)
+    assert all(s.zero_grad_rows == 3 and s.vanished_grad_rows == 0 for s in full.values())  # the last token
+    # positions 7..15 have no target (label i + 1 is -100 from 7 on) and none after them has one
+    half, warned = stats(masked)
+    assert all(s.zero_grad_rows == 3 * 9 and s.vanished_grad_rows == 0 for s in half.values())
+    assert "vanished" not in warned
+    prompt = ids.clone()
+    prompt[:, :8] = -100  # no target on the prompt, whose positions later ones read through attention
+    first, warned = stats(prompt)
+    assert all(s.vanished_grad_rows == 0 for s in first.values()) and "vanished" not in warned
+    # after the last attention only each position's own loss reaches it: 7 prompt positions + the last
+    assert first["transformer.ln_f"].zero_grad_rows == first["transformer.h.1.ln_2"].zero_grad_rows == 3 * 8
+    assert first["transformer.h.0.ln_1"].zero_grad_rows == first["transformer.h.1.ln_1"].zero_grad_rows == 3
 
 
 def test_a_trainer_fine_tune_of_a_tall_gpt2_at_its_defaults_raises_nothing(tmp_path):

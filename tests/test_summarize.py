@@ -67,7 +67,8 @@ def test_summarize_a_tensorboard_run_prints_the_ladder_and_writes_the_figures(lo
             for a, q in zip(shown, ("median", "max"), strict=True)] == [True, True], line
     # the invariance table: one column per case, the last probe's delta-loss and output residual
     lines = out.split("final-norm invariance at step 5")[1].splitlines()
-    cases = lines[0].split()
+    cases = lines[0].replace(" (control)", "").split()
+    assert lines[0].count("(control)") == 1 and "axis_5 (control)" in lines[0]
     for row, stat in ((lines[1], "dloss"), (lines[2], "out_residual")):
         for case, cell in zip(cases, row.split()[-len(cases):], strict=True):
             value = logged[f"lnmonitor/invariance/{case}/{stat}"][-1][1]

@@ -101,14 +101,15 @@ def test_padded_eval_batches_are_joined_and_the_probe_measures(fine_tune):
 
 
 def test_points_land_on_the_trainers_logging_steps_in_one_event_file(fine_tune):
-    """The ladder at the steps the Trainer logs its loss (5, 10) and the last (12), not 1, 6,
-    11; the end-of-run point in the same event file as the Trainer's own end-of-run metrics."""
+    """The ladder at the fit's first step (1: the model before any update, the start the findings
+    judge from), the steps the Trainer logs its loss (5, 10) and the last (12), not 6 or 11; the
+    end-of-run point in the same event file as the Trainer's own end-of-run metrics."""
     callback, files, _ = fine_tune
     assert len(files) == 1, files
     curves = scalar_steps(files[0].parent)
     assert curves["train/loss"] == [5, 10]
-    assert curves["train/lnmonitor/ladder/attenuation"] == [5, 10, STEPS]
-    assert curves["train/lnmonitor/sigma/model.norm"] == [5, 10, STEPS]
+    assert curves["train/lnmonitor/ladder/attenuation"] == [1, 5, 10, STEPS]
+    assert curves["train/lnmonitor/sigma/model.norm"] == [1, 5, 10, STEPS]
     assert curves["train/train_loss"] == [STEPS]
     assert curves["train/lnmonitor/invariance/scale_3/out_residual"][-1] == STEPS
 
@@ -142,7 +143,7 @@ def test_summarize_reads_a_trainer_run(fine_tune, capsys):
     assert main(["summarize", str(files[0].parent), "--no-figures"]) == 0
     text = capsys.readouterr().out
     assert "no lnmonitor metric" not in text
-    assert "the ladder at step 12 (3 measured steps, the first at 5" in text
+    assert "the ladder at step 12 (4 measured steps, the first at 1" in text
     assert "layers.0.input_layernorm" in text and "final-norm invariance at step 12" in text
 
 
@@ -168,7 +169,7 @@ def test_a_collator_output_without_labels_turns_the_probe_off_once_by_name(tmp_p
     off = [str(w.message) for w in said if "invariance probe is off" in str(w.message)]
     assert len(off) == 1 and "no 'labels' (their keys: input_ids, attention_mask)" in off[0], off
     assert "final_norm" not in off[0]
-    assert [h["step"] for h in callback.history] == [5, 6]  # the ladder goes on
+    assert [h["step"] for h in callback.history] == [1, 5, 6]  # the ladder goes on
 
 
 def test_outside_a_trainer_it_says_so_and_keeps_history(tmp_path):
@@ -190,7 +191,8 @@ def test_a_wrong_trainer_argument_is_refused_by_name():
 
 
 def test_logging_first_step_is_measured_too(tmp_path):
-    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well: so does the door."""
+    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well; the door measures
+    the fit's first step with or without it (tests/test_baseline.py)."""
     tok = tokenizer()
     callback = LNMonitorCallback(invariance_every_n_steps=None, keep_history=True)
     trainer = transformers.Trainer(

@@ -19,7 +19,7 @@ nothing itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from lnmonitor.core.findings.reader import FindingsReader, every_step, health
@@ -37,7 +37,8 @@ the measured step's, None for the every-step health); True when this process log
 class Views(Protocol):
     def add(self, step: int, metrics: dict[str, float]) -> None: ...
     def step(self, write, result, step: int, last: bool = False) -> None: ...
-    def end(self, write, title: str) -> None: ...
+    def end(self, write, title: str, watched: Sequence[str] | None = None,
+            start: tuple[int, float] | None = None) -> None: ...
 
 
 class AfterStep:
@@ -69,23 +70,16 @@ class AfterStep:
         return False
 
     def measured(self, step: int, log: Log, stop: Callable[[], object], *, counts: bool = False,
-                 label: str | None = None, write_image=None, last: bool = False,
-                 health_only: bool = False) -> dict[str, float] | None:
+                 label: str | None = None, write_image=None, last: bool = False) -> dict[str, float] | None:
         """Measured step ``step`` ended: unhook, merge over processes (every process calls this
         together), read the findings and log.  Returns the metrics logged (None: nothing
-        measured).  ``health_only``: the step was measured for the findings alone (the door logs
-        nothing else there): only what they raised is logged, and no picture is drawn.
-        ``last``: the run's last step (it gets a picture)."""
+        measured).  ``last``: the run's last step (it gets a picture)."""
         self.meter.stop()
         result = self.meter.result(merge=True, counts=counts, label=label or f"step {step}")
         if result is None:
             return None
         self.last_result = result
         found = health(self.findings, step, result, stop)
-        if health_only:
-            if found:
-                self.log(step, found, log, result)
-            return found
         metrics = result.metrics(positions=self.positions)
         metrics.update(found)
         logged = self.log(step, metrics, log, result)
@@ -103,10 +97,16 @@ class AfterStep:
 
     def end(self, write_image, title: str) -> None:
         """The run ended: the ladder over training and the summary titled ``title`` (rank zero,
-        once); a failure there is said and the run goes on."""
+        once), with the finding kinds watched and the start they judged from; a failure there is
+        said and the run goes on."""
         if not self._speaks():
             return
+        watched, start = [], None
+        if self.findings is not None:
+            watched = [f"{kind} above {threshold:g}" for kind, threshold in self.findings.thresholds.items()
+                       if threshold is not None]
+            start = self.findings.start
         try:
-            self.views.end(write_image, title)
+            self.views.end(write_image, title, watched, start)
         except Exception as err:  # noqa: BLE001 - the end-of-run views must never fail a run
             self._warn("end", f"{self.owner}: no end-of-run summary or picture: {err!r}")

@@ -38,6 +38,7 @@ from lnmonitor.core.output.metric_names import (
     LADDER_LAYOUT,
     TRAINER_SPLIT,
     health_metric,
+    ladder_metric,
     parse,
 )
 from lnmonitor.core.settings import LadderSettings
@@ -45,13 +46,16 @@ from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
 
+START_GROWTH = ladder_metric("growth")  # kept in log_history at the fit's start, for a resumed fit
+
 
 class LNMonitorCallback(TrainerCallback):
     r"""Watch the norms of the model a ``transformers.Trainer`` trains.
 
     The norms are measured over every micro-batch of the optimizer steps whose update brings
     the Trainer's ``global_step`` to a logging step -- every ``every_n_steps`` (default: the
-    Trainer's ``logging_steps``), the first with ``logging_first_step``, and the last -- on
+    Trainer's ``logging_steps``), the fit's first (the model before any update: the start every
+    later step's growth is judged against, whatever the cadence) and the last -- on
     every process (merged over ``torch.distributed`` under ``accelerate``/``torchrun``), and
     reported at that ``global_step``, where the Trainer logs its loss.  Every
     ``invariance_every_n_steps`` steps and at the end of training (with its scale sweep) the
@@ -65,10 +69,11 @@ class LNMonitorCallback(TrainerCallback):
     which apply their own naming (TensorBoard's and W&B's put ``train/`` before every tag;
     TensorBoard also gets a Custom Scalars layout for those tags).  The end-of-run point is
     reported at the last epoch's end, before the integrations close: one event file per
-    run.  Of these metrics only the findings' go to ``state.log_history`` (which every
-    checkpoint saves), and only when one changes: ``{"lnmonitor/health/<kind>": 1.0, "step":
-    global_step}`` when a kind is raised (0.0 when it stops holding), so that
-    ``train(resume_from_checkpoint=...)``, the same fit, does not raise it again.  As every
+    run.  Of these metrics only what the findings need goes to ``state.log_history`` (which every
+    checkpoint saves): ``{"lnmonitor/health/<kind>": 1.0, "step": global_step}`` when a kind is
+    raised (0.0 when it stops holding) and the ladder's growth at the fit's first step
+    (``lnmonitor/ladder/growth``), so that ``train(resume_from_checkpoint=...)``, the same fit,
+    does not raise a kind again and judges the growth from the same start.  As every
     monitor does, it logs the ladder's picture (to the Trainer's TensorBoard writer, when it
     reports to TensorBoard) and prints the one-screen summary at the end of training.
 
@@ -160,8 +165,6 @@ class LNMonitorCallback(TrainerCallback):
         self._points = InvariancePoints(self.owner, self.voice)
         self._reporters: list = []
         self._measuring: int | None = None
-        self._silent = False  # the measured step is the fit's first, measured for the findings alone
-        self._first_step = False
         self._main = True
         self._logged = -1
         self._layout_written = False
@@ -190,13 +193,12 @@ class LNMonitorCallback(TrainerCallback):
         self._main = state.is_world_process_zero
         self.voice.reset(speaks=self._main)
         if self.findings is not None:  # each kind is raised once per fit; a resumed fit's are in log_history
-            self.findings.load_state_dict(state_from_health(_health_points(state.log_history)))
+            self.findings.load_state_dict(state_from_health(*_health_points(state.log_history)))
         self._logged = -1
         self._layout_written = False
         trainer = self.trainer or _running_trainer(self)
         self.every_n_steps = (self.settings.every_n_steps
                               or _logging_steps(args.logging_steps, state.max_steps))
-        self._first_step = bool(args.logging_first_step)
         self.meter = self.settings.meter(model, self.owner, self.voice.say, self.voice.warn,
                                          watch_growth=reads_growth(self.findings))
         self._after = AfterStep(self.meter, self.findings, self._new_views(), speaks=lambda: self._main,
@@ -213,23 +215,17 @@ class LNMonitorCallback(TrainerCallback):
             self._start_probe(trainer, model, kwargs)
 
     def _due(self, after: int, max_steps: int) -> bool:
-        """Whether the update that brings ``global_step`` to ``after`` is measured: the
-        Trainer logs its loss there (every ``every_n_steps``, the first with
-        ``logging_first_step``) or it is the last."""
-        return (after % self.every_n_steps == 0 or after == max_steps
-                or (after == 1 and self._first_step)) and after > self._logged
+        """Whether the update that brings ``global_step`` to ``after`` is measured: the fit's
+        first, every ``every_n_steps``-th (where the Trainer logs its loss) and the last."""
+        return (after % self.every_n_steps == 0 or after == max_steps or after == 1) and after > self._logged
 
     @guarded
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
         after = state.global_step + 1
-        logs = self._due(after, state.max_steps)
-        # the fit's first step is measured for the findings even where the Trainer logs nothing:
-        # the growth is judged against it, and the every-step growth needs its roles
-        first = self.findings is not None and self.findings.start is None and not self.meter.roles_known
-        if logs or first:
-            self._measuring, self._silent = after, not logs
+        if self._due(after, state.max_steps):
+            self._measuring = after
             self.meter.start()
 
     @guarded
@@ -240,7 +236,7 @@ class LNMonitorCallback(TrainerCallback):
         held = set(self.findings.holding) if self.findings is not None else set()
 
         def log(step: int, metrics: dict[str, float], result) -> bool:
-            self._keep_health(state, held)  # for a resumed fit, the health tags that changed
+            self._keep_health(state, held, metrics)  # for a resumed fit: the start, the health that changed
             return self._report(metrics, args, state, control)
 
         step = state.global_step
@@ -248,10 +244,9 @@ class LNMonitorCallback(TrainerCallback):
             self._logged = step  # said at the step the every-step growth crossed
         if self._measuring is not None:
             self._measuring = None
-            silent = self._silent  # measured for the findings alone: only what they raised is logged
             metrics = self._after.measured(step, log, stop, write_image=self._image_writer(),
-                                           last=step >= state.max_steps, health_only=silent)
-            if metrics is not None and not silent:
+                                           last=step >= state.max_steps)
+            if metrics is not None:
                 self._logged = step
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
@@ -270,13 +265,18 @@ class LNMonitorCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.shut()
 
-    def _keep_health(self, state, held: set[str]) -> None:
-        """Append to ``state.log_history`` the health tags that changed at this step (``held``:
-        the kinds that held before it), for a resumed fit to restore (:func:`_health_points`)."""
-        now = self.findings.holding if self.findings is not None else set()
-        changed = {health_metric(kind): float(kind in now) for kind in sorted(held ^ now)}
-        if changed:
-            state.log_history.append({**changed, "step": state.global_step})
+    def _keep_health(self, state, held: set[str], metrics: Mapping[str, float]) -> None:
+        """Append to ``state.log_history`` what a resumed fit restores (:func:`_health_points`):
+        the health tags that changed at this step (``held``: the kinds that held before it), and
+        the ladder's growth at the fit's start, the step the findings judge from."""
+        if self.findings is None:
+            return
+        now = self.findings.holding
+        kept = {health_metric(kind): float(kind in now) for kind in sorted(held ^ now)}
+        if self.findings.start is not None and self.findings.start[0] == state.global_step:
+            kept[START_GROWTH] = metrics.get(START_GROWTH, self.findings.start[1])
+        if kept:
+            state.log_history.append({**kept, "step": state.global_step})
 
     # -- the invariance probe ----------------------------------------------------------
 
@@ -391,15 +391,21 @@ def _running_trainer(callback) -> Trainer | None:
     return None
 
 
-def _health_points(log_history: Sequence[Mapping]):
+def _health_points(log_history: Sequence[Mapping]) -> tuple[list[tuple[int, str, float]], tuple | None]:
     """``(step, kind, value)`` of every ``lnmonitor/health/<kind>`` in the Trainer's
     ``log_history`` (restored from a checkpoint's trainer_state.json before ``on_train_begin``;
-    empty on a fresh fit), in its order."""
+    empty on a fresh fit), in its order, and the fit's start ``(step, growth)`` (None: none kept)."""
+    points, start = [], None
     for entry in log_history:
+        if "step" not in entry:
+            continue
+        if START_GROWTH in entry and start is None:
+            start = (entry["step"], entry[START_GROWTH])
         for tag, value in entry.items():
             metric = parse(tag)
-            if metric is not None and metric.group == "health" and "step" in entry:
-                yield entry["step"], metric.statistic, value
+            if metric is not None and metric.group == "health":
+                points.append((entry["step"], metric.statistic, value))
+    return points, start
 
 
 def _unusable(batch, label_names: Sequence[str]) -> str | None:

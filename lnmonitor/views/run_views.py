@@ -11,7 +11,7 @@ pictures off with one warning; the metrics go on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lnmonitor.core.output.metric_names import per_norm, run_metric
 from lnmonitor.views.summary import Trail, summary_text
@@ -63,8 +63,11 @@ class RunViews:
 
             self._picture(write, run_metric("ladder"), lambda: step_picture(result.figures, step), step)
 
-    def end(self, write: WriteImage | None, title: str) -> None:
-        """Once per run: the ladder over training (a picture) and the summary titled ``title``."""
+    def end(self, write: WriteImage | None, title: str, watched: Sequence[str] | None = None,
+            start: tuple[int, float] | None = None) -> None:
+        """Once per run: the ladder over training (a picture) and the summary titled ``title``
+        (``watched``, ``start``: the findings', as :func:`~lnmonitor.views.summary.summary_text`
+        takes them)."""
         if self._ended or not self.trail:
             return
         self._ended = True
@@ -76,7 +79,7 @@ class RunViews:
             if heatmap is not None:
                 self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
         if self.summary:
-            self._say(summary_text(curves, title))
+            self._say(summary_text(curves, title, watched, start))
 
     def _picture(self, write: WriteImage, tag: str, draw: Callable, step: int) -> None:
         try:

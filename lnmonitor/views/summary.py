@@ -23,6 +23,7 @@ import numpy as np
 from lnmonitor.core.findings.reader import KINDS, TALL_AT_START, long_form
 from lnmonitor.core.output.metric_names import (
     INVARIANCE_CASES,
+    INVARIANCE_CONTROLS,
     VAL_LOSS,
     baseline_metric,
     health_metric,
@@ -134,20 +135,28 @@ def _f(value: float, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if abs(value) >= 1 else f"{value:.{digits}f}"
 
 
-def summary_text(curves: Curves, title: str = "") -> str:
-    """The summary (see the module docstring); says so when nothing of lnmonitor was logged."""
+def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None = None,
+                 start: tuple[int, float] | None = None) -> str:
+    """The summary (see the module docstring); says so when nothing of lnmonitor was logged.
+    ``watched``: the finding kinds the run judged (None: not known, as for a log read back);
+    ``start``: the ``(step, growth)`` they judged the growth from (None: the first logged)."""
     steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
     if not steps:
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
     head = f"lnmonitor summary{': ' + title if title else ''}"
-    return "\n".join([head, *ladder_lines(curves), *invariance_lines(curves), *health_lines(curves)])
+    return "\n".join([head, *ladder_lines(curves, start), *invariance_lines(curves),
+                      *health_lines(curves, watched)])
 
 
-def health_lines(curves: Curves) -> list[str]:
+def health_lines(curves: Curves, watched: Sequence[str] | None = None) -> list[str]:
     """The findings of the run (``lnmonitor/health/<kind>``, docs/findings.md): the step each was
-    raised at and whether it still held at its last logged step."""
+    raised at and whether it still held at its last logged step; where the run judged
+    ``watched`` kinds and none was raised, ``findings: none`` with what was watched, so that
+    nothing found and findings off do not look alike."""
     kinds = sorted(m.statistic for t, m in zip(curves, map(parse, curves), strict=True)
                    if m and m.group == "health" and curves[t])
+    if not kinds and watched is not None:
+        return [f"findings: none ({'watched: ' + ', '.join(watched) if watched else 'findings were off'})"]
     lines = ["findings (docs/findings.md):"] if kinds else []
     for kind in kinds:
         points = curves[health_metric(kind)]
@@ -159,8 +168,9 @@ def health_lines(curves: Curves) -> list[str]:
     return lines
 
 
-def ladder_lines(curves: Curves) -> list[str]:
-    """The ladder and the shares at the last logged step, and how the ladder moved."""
+def ladder_lines(curves: Curves, fit_start: tuple[int, float] | None = None) -> list[str]:
+    """The ladder and the shares at the last logged step, and how the ladder moved; ``fit_start``:
+    the fit's start the findings judged from (None: the first logged growth)."""
     rungs, others = ladder_of(curves)
     if not rungs and not others:
         return []
@@ -194,16 +204,18 @@ def ladder_lines(curves: Curves) -> list[str]:
         for key, word in (("attenuation", "1/sigma of the first rung / the last"),
                           ("growth", "rms of the last rung / the first")):
             tag = ladder_metric(key, stack)
-            start, now = _first(curves, tag), last(curves, tag)
+            first, now = _first(curves, tag), last(curves, tag)
             label = f"{key} of {stack}'s ladder" if stack else (
                 f"{key} of the model's ladder" if others else key)
-            if start is not None:
+            if first is not None:
                 lines.append(f"  {label} ({word}): {_f(now)}x" + (
-                    f", {_f(start[1])}x at step {start[0]}" if start[0] != steps[-1] else ""))
-            if key == "growth" and not stack and start is not None and start[1] > TALL_AT_START:
-                lines.append(f"  the ladder was already {_f(start[1])}x at the first measured step: a fact "
-                             "of the model the fit started from, not a finding (stream_growth judges "
-                             "the growth from there)")
+                    f", {_f(first[1])}x at step {first[0]}" if first[0] != steps[-1] else ""))
+            if key == "growth" and not stack and (fit_start or first) is not None:
+                step, growth = fit_start or first
+                if growth > TALL_AT_START:
+                    lines.append(f"  the ladder was already {_f(growth)}x at the fit's first step ({step}, "
+                                 "before any update): a fact of the model the fit started from, not a "
+                                 "finding (stream_growth judges the growth from there)")
     return lines
 
 
@@ -212,9 +224,10 @@ def invariance_lines(curves: Curves) -> list[str]:
     cases = [c for c in INVARIANCE_CASES if math.isfinite(last(curves, invariance_metric("dloss", c)))]
     if not cases:
         return []
-    width = max(len(c) for c in cases) + 1
+    names = [f"{c} (control)" if c in INVARIANCE_CONTROLS else c for c in cases]
+    width = max(len(n) for n in names) + 1
     step = (curves.get(invariance_metric("dloss", cases[0])) or [(None,)])[-1][0]
-    lines = [f"  {f'final-norm invariance at step {step}':33s}" + "".join(f"{c:>{width}s}" for c in cases)]
+    lines = [f"  {f'final-norm invariance at step {step}':33s}" + "".join(f"{n:>{width}s}" for n in names)]
     for statistic, label in (("dloss", "delta-loss (nats)"), ("out_residual", "float64 output residual")):
         values = "".join(f"{_f(last(curves, invariance_metric(statistic, c)), 2):>{width}s}" for c in cases)
         lines.append(f"    {label:31s}{values}")

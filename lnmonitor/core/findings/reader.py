@@ -114,7 +114,7 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
     FindingKind(
         "stream_growth", "growth_over_start", ">", 35.0,
         "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
-        "first's, went from {start:,.1f}x at its first measured step to {growth:,.0f}x at step {step})",
+        "first's, went from {start:,.1f}x at the fit's first step to {growth:,.0f}x at step {step})",
         "lower the learning rate or add a warm-up",
         "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's "
         "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
@@ -297,13 +297,15 @@ class FindingsReader:
         self.start = (int(start[0]), float(start[1])) if start else None
 
 
-def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
+def state_from_health(points: Iterable[tuple[int, str, float]],
+                      start: tuple[int, float] | None = None) -> dict:
     """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
     ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
-    order (a door that keeps no state of its own keeps each change of those values): a kind with a
-    value 1 is raised, at the step of its first (its value, threshold and message were not kept:
-    NaN and a note), and holds when its last value is 1.  Kinds this version does not know are
-    left out; no points: a fresh fit's state."""
+    order (a door that keeps no state of its own keeps each change of those values) and the fit's
+    ``start`` ``(step, growth)`` when it was kept: a kind with a value 1 is raised, at the step of
+    its first (its value, threshold and message were not kept: NaN and a note), and holds when its
+    last value is 1.  Kinds this version does not know are left out; no points and no start: a
+    fresh fit's state."""
     raised: dict[str, dict] = {}
     last: dict[str, float] = {}
     for step, kind, value in points:
@@ -313,7 +315,10 @@ def state_from_health(points: Iterable[tuple[int, str, float]]) -> dict:
             note = f"{kind} was raised at step {step}, before the checkpoint this fit resumed from"
             raised[kind] = vars(Finding(kind, int(step), math.nan, math.nan, note))
         last[kind] = value
-    return {"raised": raised, "holding": sorted(k for k, v in last.items() if v == 1.0)}
+    state = {"raised": raised, "holding": sorted(k for k, v in last.items() if v == 1.0)}
+    if start is not None:
+        state["start"] = list(start)
+    return state
 
 
 def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
@@ -375,9 +380,10 @@ def reads_growth(reader: FindingsReader | None) -> bool:
 
 
 def tall_start_message(owner: str, step: int, growth: float) -> str:
-    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first measured step ({step}): "
-            "a fact of the model this fit starts from (a pretrained checkpoint's stream grows tens to "
-            "hundreds of times over depth), not a finding; stream_growth judges the growth from here.")
+    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first step ({step}, before any "
+            "update): a fact of the model this fit starts from (a pretrained checkpoint's stream grows "
+            "tens to hundreds of times over depth), not a finding; stream_growth judges the growth from "
+            "here.")
 
 
 def long_form(kind: str) -> str:

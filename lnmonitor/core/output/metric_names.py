@@ -41,6 +41,9 @@ FINAL = "final"
 
 # the final-norm invariance cases, logged as lnmonitor/invariance/<case>/...
 INVARIANCE_CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
+# the case no norm is invariant to (a shift of one coordinate): its residuals are the scale the others' zeros
+# are read against
+INVARIANCE_CONTROLS = ("axis_5",)
 
 
 # TensorBoard's HPARAMS table shows the first five metric columns of the session: these
