@@ -5,7 +5,8 @@ operators and their data stay in the caches.  Inside a training step they do not
 reductions run between the model's own operators.  So this steps three copies of one TinyGPT on the
 same batches, a step each in turn (each in each place of the turn equally often): ``plain``, the
 plain-loop door at its defaults (``LoopMonitor(model)``: the every-step growth watch and the
-findings' read of it) and the same with ``findings=False`` (no watch), and reports, over the steps
+findings' read of it), the same handed each step's loss (``add_loss``: the loss rule's read) and
+the same with ``findings=False`` (no watch), and reports, over the steps
 neither door measures (not every 50th), the median of each door's extra time over the plain step of
 its turn, and that against the plain step.  ``--parts`` adds two doors whose watch keeps its
 hooks but does nothing in them, and whose watch computes but is never read, to split the watch's
@@ -37,7 +38,7 @@ from lnmonitor.tiny.model import GPTConfig, TinyGPT
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import shape  # noqa: E402
 
-CONFIGS = ("plain", "defaults", "findings off")
+CONFIGS = ("plain", "defaults", "defaults, add_loss", "findings off")
 PARTS = ("watch: hooks only", "watch: no read")
 
 
@@ -90,7 +91,10 @@ def row(width: int, depth: int, batch: int, steps: int, parts: bool) -> str:
                 t = time.perf_counter()
                 if door is not None:
                     door.start(i)
-                model(x[:, :-1], x[:, 1:])[1].backward()
+                loss = model(x[:, :-1], x[:, 1:])[1]
+                loss.backward()
+                if config == "defaults, add_loss":
+                    door.add_loss(loss)
                 if door is not None:
                     door.stop()
                 took = time.perf_counter() - t
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{args.steps} steps a door, torch threads {args.threads}; forward and backward, no optimizer\n")
-    columns = ["defaults", "findings off"] + (list(PARTS) if args.parts else [])
+    columns = list(CONFIGS[1:]) + (list(PARTS) if args.parts else [])
     print("| width x depth, batch | plain step | " + " | ".join(columns) + " |")
     print("|---|---:|" + "---:|" * len(columns))
     for width, depth, batch in args.shapes:

@@ -76,7 +76,8 @@ def test_a_healthy_run_says_findings_none_and_findings_off_says_so(tmp_path):
     assert start[0] == 1 and start[1] > 50
     assert f"the ladder was already {start[1]:.3g}x at the fit's first step (1, before any update)" in summary
     assert sum(f"the ladder is already {start[1]:,.0f}x at the fit's first step (1," in s for s in said) == 1
-    assert "findings: none (watched: stream_growth above 35, eps_dominates above 27.2)" in summary
+    watched = "stream_growth above 35, loss_blowup above 1.5, eps_dominates above 27.2"
+    assert f"findings: none (watched: {watched})" in summary
     model.load_state_dict(state)
     _, _, _, summary = fine_tune(tmp_path / "off", model, lr=1e-4, steps=10, findings=False)
     assert "findings: none (findings were off)" in summary

@@ -46,10 +46,10 @@ def test_the_deferred_taps_leave_the_rows_the_hooks_leave(capsys):
     assert "| 16 x 1, 2 |" in capsys.readouterr().out
 
 
-def test_the_idle_step_is_timed_at_the_defaults_and_with_findings_off(capsys):
+def test_the_idle_step_is_timed_at_the_defaults_with_and_without_the_loss_and_with_findings_off(capsys):
     assert _bench("idle_step").main(["--shapes", "16,1,2", "--steps", "8"]) == 0
     out = capsys.readouterr().out
-    assert "| 16 x 1, 2 |" in out and out.count("x) |") == 2  # both doors timed
+    assert "| 16 x 1, 2 |" in out and out.count("x) |") == 3  # the three doors timed
 
 
 def test_a_shape_that_is_not_three_integers_is_refused_saying_why(capsys):

@@ -8,6 +8,8 @@ framework logs (``log(step, metrics, result) -> bool``) and draws (``write_image
 * :meth:`AfterStep.every_step` -- every optimizer step: the every-step growth read by the
   findings (:func:`~lnmonitor.core.findings.reader.every_step`), its health logged at once
   when a finding was raised or ended on a step that is not measured;
+* :meth:`AfterStep.loss` -- a step's training loss, where the door has it: the findings' loss
+  rule, logged at once as the growth is;
 * :meth:`AfterStep.measured` -- a measured step: the meter's result, its metrics (each norm's
   ladder position with the first logged one), the findings' health, logged, kept for the
   summary, and the ladder's picture;
@@ -22,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from lnmonitor.core.findings.reader import FindingsReader, every_step, health
+from lnmonitor.core.meter.processes import StepMaximum, several_processes
 
 if TYPE_CHECKING:
     from lnmonitor.core.meter.meter import LadderMeter, LadderResult
@@ -59,6 +64,9 @@ class AfterStep:
         self._speaks, self._warn, self.owner = speaks, warn, owner
         self.positions = True  # each norm's ladder position goes with the first logged measured step
         self.last_result: LadderResult | None = None
+        self._losses: StepMaximum | None = None  # the losses on their way to the host
+        self._step_losses: list[torch.Tensor] = []  # this step's micro-batches' losses, on their device
+        self._fed = False  # a loss was handed over: from then on every step's is judged
 
     def every_step(self, step: int, log: Log, stop: Callable[[], object], *, measured: bool) -> bool:
         """Optimizer step ``step`` ended: the findings read its every-step growth; a kind raised
@@ -67,6 +75,55 @@ class AfterStep:
         reading = every_step(self.findings, self.meter, step, stop)
         if not measured and (reading.raised or reading.ended):
             return self.log(step, reading.metrics, log)
+        return False
+
+    @property
+    def wants_measurement(self) -> bool:
+        """Whether the door should measure its next step whatever its cadence: the loss rule
+        fired, and its finding is said with that step's figures."""
+        return self.findings is not None and self.findings.pending_loss is not None
+
+    @property
+    def judges_loss(self) -> bool:
+        """Whether the findings judge the training loss (``loss_blowup`` on): a door hands it over then."""
+        return self.findings is not None and self.findings.thresholds.get("loss_blowup") is not None
+
+    def add_loss(self, value) -> None:
+        """One micro-batch's training loss (a 0-dim tensor or a number; anything else is left
+        out), for :meth:`loss` at the step's end."""
+        if not self.judges_loss:
+            return
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            self._step_losses.append(value.detach().float().reshape(()))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._step_losses.append(torch.tensor(float(value)))
+        self._fed = self._fed or bool(self._step_losses)
+
+    def loss(self, step: int, log: Log, stop: Callable[[], object], *, across: bool = True) -> bool:
+        """Optimizer step ``step`` ended: the mean of its micro-batches' losses (:meth:`add_loss`;
+        none: nothing this step) to the findings' loss rule (``loss_blowup``); a kind raised or
+        ended is logged at once.  Nothing waits for the device: on a GPU the loss is read a step
+        later.  Of several processes the largest is judged (one 8-byte all-reduce; every process
+        calls this at every step), so all say and stop alike; ``across=False``: the loss is the
+        same on every process already (the Trainer's logged one).  Nothing before the first
+        loss handed over (a door, or a loop, that gives none pays nothing).  True when it logged."""
+        if not (self.judges_loss and self._fed):
+            return False
+        if self._losses is None:
+            self._losses = StepMaximum(across and several_processes())
+        values, self._step_losses = self._step_losses, []
+        mean = torch.stack(values).mean() if len(values) > 1 else (values[0] if values else None)
+        device = mean.device if mean is not None else next(self.meter.model.parameters()).device
+        taken = self._losses.close(step, mean, False, device)
+        if taken is None:
+            return False
+        reading = self.findings.read_loss(*taken)
+        if self.findings.pending_loss is not None and self.meter.off_reason is not None:
+            reading = self.findings.say_pending_loss()  # no step can be measured to say it with
+        if reading.stop:
+            stop()
+        if reading.raised or reading.ended:
+            return self.log(taken[0], reading.metrics, log)
         return False
 
     def measured(self, step: int, log: Log, stop: Callable[[], object], *, counts: bool = False,

@@ -82,7 +82,8 @@ class LoopMonitor:
             when there is no ``writer``.
         findings, on_finding: as for :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`
             (docs/findings.md); ``on_finding`` returning True sets :attr:`should_stop`, for
-            the loop to check.
+            the loop to check.  The loss rule (``loss_blowup``) reads the losses handed to
+            :meth:`add_loss`.
 
     Raises:
         lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.
@@ -207,7 +208,8 @@ class LoopMonitor:
         if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
             self._probe_point(step, sweep=False)
         last = self.max_steps - 1 if self.max_steps else None
-        if self.meter.off_reason or not due(step, self.every_n_steps, last):
+        measures = due(step, self.every_n_steps, last) or self._after.wants_measurement
+        if self.meter.off_reason or not measures:
             return False
         self._measuring = step
         self.meter.start()
@@ -221,10 +223,19 @@ class LoopMonitor:
         step, self._measuring = self._measuring, None
         if self._started is not None:
             self._after.every_step(self._started, self._emit, self._stop_run, measured=step is not None)
+            self._after.loss(self._started, self._emit, self._stop_run)
         metrics = None if step is None else self._finish(step)
         if self.max_steps and self._started == self.max_steps - 1:
             self._end(self._started)
         return metrics
+
+    @guarded
+    def add_loss(self, loss) -> None:
+        """The training loss of a micro-batch of the step in progress (a 0-dim tensor or a
+        number; not read until the step's end, and then without a host sync on a GPU), for the
+        findings' loss rule (``loss_blowup``: the loss above 1.5x its running minimum, said with
+        what the norms did).  Under several processes, call it on every process or on none."""
+        self._after.add_loss(loss)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

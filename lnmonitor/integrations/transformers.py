@@ -224,7 +224,7 @@ class LNMonitorCallback(TrainerCallback):
         if self.meter is None or self.meter.off_reason or self._measuring is not None:
             return
         after = state.global_step + 1
-        if self._due(after, state.max_steps):
+        if self._due(after, state.max_steps) or self._after.wants_measurement:
             self._measuring = after
             self.meter.start()
 
@@ -251,6 +251,22 @@ class LNMonitorCallback(TrainerCallback):
         every = self.invariance_every_n_steps
         if every is not None and due(state.global_step, every):
             self._run_probe(args, state, control, sweep=False)
+
+    @guarded
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """The Trainer logged its training loss (the mean since its last log, the same on every
+        process): the findings' loss rule reads it."""
+        if self._after is None or not isinstance(logs, Mapping) or "loss" not in logs:
+            return
+        self._after.add_loss(logs["loss"])
+        stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
+        held = set(self.findings.holding) if self.findings is not None else set()
+
+        def log(step: int, metrics: dict[str, float], result) -> bool:
+            self._keep_health(state, held, metrics)
+            return self._report(metrics, args, state, control)
+
+        self._after.loss(state.global_step, log, stop, across=False)
 
     @guarded
     def on_epoch_end(self, args, state, control, **kwargs):

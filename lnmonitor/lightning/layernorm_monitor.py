@@ -297,7 +297,8 @@ class LayerNormMonitor(MonitorCallback):
         if self._stepping is None:
             self._stepping = step
         starts = self._measuring is None and step > self._sink.last_step
-        if starts and due(step, self.every_n_steps, self._last_step):
+        asked = self._after_step is not None and self._after_step.wants_measurement
+        if starts and (due(step, self.every_n_steps, self._last_step) or asked):
             self._measuring = step
             self.meter.start()
         if self._measuring is not None:
@@ -308,13 +309,17 @@ class LayerNormMonitor(MonitorCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._stepping is None or trainer.global_step == self._stepping:
+        if self._stepping is None:
+            return
+        after = self._after(trainer)
+        after.add_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
+        if trainer.global_step == self._stepping:
             return  # still accumulating gradients for this step
         step, self._stepping = self._stepping, None
         stop = lambda: setattr(trainer, "should_stop", True)  # noqa: E731
         log = lambda s, metrics, result: self._log(trainer, s, metrics, result)  # noqa: E731
-        after = self._after(trainer)
         after.every_step(step, log, stop, measured=self._measuring is not None)
+        after.loss(step, log, stop)
         if self._measuring is None:
             return
         self._measuring = None

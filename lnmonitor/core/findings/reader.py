@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lnmonitor.core.findings.loss_rule import LadderSnapshot, LossRule, what_the_norms_did
 from lnmonitor.core.findings.signals import crosses, growth_over_start, step_signals
 from lnmonitor.core.monitor.arguments import ArgumentError, function
 from lnmonitor.core.monitor.shared import warn_at_user
@@ -53,6 +54,7 @@ TESTBED: dict[str, dict] = {
                           blowup_hits=9),
     "eps_dominates": dict(bad=18, clean=14, hits=2, lead=3.5, lead_min=3, lead_max=4, late=0, late_max=None,
                           false=0, peer_hits=0),
+    "loss_blowup": dict(note="TO BE MEASURED"),
 }
 
 # the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
@@ -122,6 +124,16 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
         "{clean} runs that trained well; the final norm divides its gradient by this scale, so the "
         "layers before it learn at a rate you did not choose",
+    ),
+    FindingKind(
+        "loss_blowup", "loss_over_minimum", ">", 1.5,
+        "the loss rose to {loss:.4g} at step {step}, {value:.2f}x its lowest so far ({minimum:.4g}; "
+        "the plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
+        "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the "
+        "last checkpoint before the step",
+        "a mid-run blow-up shows in the loss as early as in any norm signal measured: on the held-out "
+        "mid-run testbed (docs/findings.md, \"Mid-run\") no norm signal led this rule; this finding "
+        "says when the loss went wrong and what the norms did then ({note})",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
@@ -213,6 +225,11 @@ class FindingsReader:
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
+        self.first: LadderSnapshot | None = None  # the ladder at the fit's first measured step
+        self.last: LadderSnapshot | None = None  # the ladder at the latest measured step
+        self.loss_rule = LossRule()
+        # the loss rule fired: (step, its signals), said with the next measured step's figures
+        self.pending_loss: tuple[int, dict[str, float]] | None = None
 
     def read(self, step: int, result: LadderResult | None) -> Reading:
         """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
@@ -222,11 +239,17 @@ class FindingsReader:
             return Reading()
         signals = step_signals(result.figures)
         growth = signals["growth"]
+        before, self.last = self.last, LadderSnapshot.of(step, result.figures)
         if self.start is None and math.isfinite(growth) and growth > 0:
-            self.start = (step, growth)
+            self.start, self.first = (step, growth), self.last
             if growth > TALL_AT_START:
                 self._say(tall_start_message(self.owner, step, growth))
-        return self._judge(step, signals)
+        reading = self._judge(step, signals)
+        if self.pending_loss is None:
+            return reading
+        said = self.say_pending_loss(before)
+        return Reading(reading.raised + said.raised, reading.ended + said.ended, said.metrics,
+                       reading.stop or said.stop)
 
     def read_growth(self, step: int, growth: float) -> Reading:
         """The every-step growth of step ``step`` (:meth:`LadderMeter.take_growth`): only
@@ -235,8 +258,36 @@ class FindingsReader:
             return Reading()
         return self._judge(step, {"growth": growth})
 
-    def _judge(self, step: int, signals: dict[str, float]) -> Reading:
-        """Raise, hold and end the kinds whose signal ``signals`` has."""
+    def read_loss(self, step: int, loss: float) -> Reading:
+        """The training loss of step ``step``: only ``loss_blowup`` is judged, by the
+        :class:`~lnmonitor.core.findings.loss_rule.LossRule`.  When the rule first fires it is kept
+        in :attr:`pending_loss` (nothing said yet): the door measures its next step, and
+        :meth:`read` then says it with what the norms did between the measured step before and that
+        one (:func:`~lnmonitor.core.findings.loss_rule.what_the_norms_did`; :meth:`say_pending_loss`
+        says it without, where nothing can be measured)."""
+        minimum = self.loss_rule.minimum
+        ratio = self.loss_rule.ratio(loss)
+        if self.pending_loss is not None:
+            return Reading()  # said with the measured step on its way
+        signals = {"loss_over_minimum": ratio, "loss": loss, "loss_minimum": minimum}
+        threshold = self.thresholds["loss_blowup"]
+        if threshold is not None and "loss_blowup" not in self.raised and crosses(ratio, ">", threshold):
+            self.pending_loss = (step, signals)
+            return Reading()
+        return self._judge(step, signals)
+
+    def say_pending_loss(self, before: LadderSnapshot | None = None) -> Reading:
+        """Say the loss rule's pending finding, with what the norms did between ``before`` (the
+        measured step before it) and :attr:`last`; nothing where none is pending."""
+        if self.pending_loss is None:
+            return Reading()
+        (step, signals), self.pending_loss = self.pending_loss, None
+        diagnosis = what_the_norms_did(self.first, before or self.last, self.last)
+        return self._judge(step, signals, diagnosis)
+
+    def _judge(self, step: int, signals: dict[str, float], diagnosis: str = "") -> Reading:
+        """Raise, hold and end the kinds whose signal ``signals`` has (``diagnosis``: what the
+        norms did, for the loss rule's message)."""
         reading = Reading()
         if self.start is not None:
             signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
@@ -248,7 +299,7 @@ class FindingsReader:
                 continue  # no figure this step: a held kind keeps its state
             holds = crosses(value, kind.direction, threshold)
             if holds and name not in self.raised:
-                message = self._message(kind, step, value, threshold, signals.get("growth", math.nan))
+                message = self._message(kind, step, value, threshold, signals, diagnosis)
                 finding = Finding(name, step, value, threshold, message)
                 self.raised[name] = finding
                 reading.raised.append(finding)
@@ -260,9 +311,12 @@ class FindingsReader:
             reading.stop = self._say_finding(finding) or reading.stop
         return reading
 
-    def _message(self, kind: FindingKind, step: int, value: float, threshold: float, growth: float) -> str:
+    def _message(self, kind: FindingKind, step: int, value: float, threshold: float,
+                 signals: Mapping[str, float], diagnosis: str) -> str:
         start = self.start[1] if self.start is not None else math.nan
-        seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start, growth=growth)
+        seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start,
+                                growth=signals.get("growth", math.nan), loss=signals.get("loss", math.nan),
+                                minimum=signals.get("loss_minimum", math.nan), diagnosis=diagnosis)
         return f"{self.owner}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
 
     def _say_finding(self, finding: Finding) -> bool:
@@ -281,13 +335,18 @@ class FindingsReader:
     def reset(self) -> None:
         """A new fit: every kind may be raised again, against the new fit's first measured step."""
         self.raised, self.holding, self.start = {}, set(), None
+        self.first = self.last = self.pending_loss = None
+        self.loss_rule = LossRule()
 
     def state_dict(self) -> dict:
         """What a resumed fit needs so a kind is not raised twice, and its growth is judged
         against the same start."""
-        state = {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding)}
+        state = {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding),
+                 "loss_rule": self.loss_rule.state_dict()}
         if self.start is not None:
             state["start"] = list(self.start)
+        if self.first is not None:
+            state["first"] = vars(self.first)
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -295,6 +354,8 @@ class FindingsReader:
         self.holding = set(state.get("holding", ())) & set(self.raised)
         start = state.get("start")
         self.start = (int(start[0]), float(start[1])) if start else None
+        self.first = LadderSnapshot(**state["first"]) if state.get("first") else None
+        self.loss_rule.load_state_dict(state.get("loss_rule", {}))
 
 
 def state_from_health(points: Iterable[tuple[int, str, float]],

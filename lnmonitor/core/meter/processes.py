@@ -76,12 +76,14 @@ class StepMaximum:
     queued on the collective's stream and the host reads a pinned copy of it one step later,
     without waiting for the stream.  So every process reads the same maximum at the same step,
     and all stop together at the step the first asks to (on a GPU, the step after).  No
-    collective is left in flight between two calls.
+    collective is left in flight between two calls.  ``across=False``: this process's value
+    alone, no collective (the same reading: at once on the CPU, a step later on a GPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, across: bool = True) -> None:
         self._pending: tuple[int, Tensor, Callable[[], object]] | None = None  # a GPU's copy
         self.stopped = False
+        self.across = across
 
     def close(self, step: int, value: Tensor | None, stop: bool,
               device: torch.device) -> tuple[int, float] | None:
@@ -96,7 +98,8 @@ class StepMaximum:
             sent[1] = 1.0
         elif value is not None:
             sent[0] = value
-        dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # on a GPU the current stream waits, not the host
+        if self.across:
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # on a GPU the current stream waits, not the host
         if not sent.is_cuda:
             return self._take(step, sent)
         host = torch.empty(2, pin_memory=True)

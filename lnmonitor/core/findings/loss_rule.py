@@ -1,0 +1,91 @@
+"""The plain loss rule, and what the norms did when it fired.
+
+A mid-run blow-up (a learning-rate bug, a burst of bad data, an optimizer state gone stale)
+shows in the loss as early as in any norm signal measured (docs/findings.md, "Mid-run"), so
+nothing here claims to lead: :class:`LossRule` says when the loss went wrong, as a user's own
+rule would, and :func:`what_the_norms_did` says what a loss curve cannot -- whether the residual
+stream grew, where, and what the final norm's ``1/sigma`` did -- between the measured step before
+the loss went wrong and one measured after it (:class:`LadderSnapshot`).  Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LOSS_RULE_AFTER", "LadderSnapshot", "LossRule", "what_the_norms_did"]
+
+# the losses a fit's rule ignores before it judges: a fit's first losses fall fast and set the minimum
+LOSS_RULE_AFTER = 10
+
+
+class LossRule:
+    """The loss over its running minimum: :meth:`ratio` of each step's loss to the lowest loss
+    before it (nan for the first :data:`LOSS_RULE_AFTER` losses and where the minimum is not
+    positive; inf for a non-finite loss).  The finding ``loss_blowup`` fires above 1.5."""
+
+    def __init__(self) -> None:
+        self.minimum = math.inf
+        self.seen = 0
+
+    def ratio(self, loss: float) -> float:
+        """This loss over the lowest before it, then the minimum updated."""
+        if not math.isfinite(loss):
+            return math.inf if self.seen >= LOSS_RULE_AFTER else math.nan
+        judged = self.seen >= LOSS_RULE_AFTER and 0 < self.minimum < math.inf
+        ratio = loss / self.minimum if judged else math.nan
+        self.minimum, self.seen = min(self.minimum, loss), self.seen + 1
+        return ratio
+
+    def state_dict(self) -> dict:
+        return {"minimum": self.minimum, "seen": self.seen}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.minimum, self.seen = float(state.get("minimum", math.inf)), int(state.get("seen", 0))
+
+
+@dataclass(frozen=True)
+class LadderSnapshot:
+    """What the diagnosis needs of one measured step: its ``step``, each rung's input ``rms``
+    (forward order), the ladder's ``growth`` and the final norm's ``inv_sigma``."""
+
+    step: int
+    rms: dict[str, float]
+    growth: float
+    final_inv_sigma: float
+
+    @classmethod
+    def of(cls, step: int, figures) -> LadderSnapshot:
+        """From a measured step's :class:`~lnmonitor.core.meter.ladder.LadderFigures`."""
+        by_name = figures.by_name()
+        rms = {name: by_name[name].rms for name in figures.rungs if name in by_name}
+        final = by_name.get(figures.final) if figures.final else None
+        return cls(step, rms, figures.growth, final.inv_sigma if final is not None else math.nan)
+
+
+def _x(value: float) -> str:
+    return f"{value:,.3g}x" if math.isfinite(value) else "-"
+
+
+def what_the_norms_did(start: LadderSnapshot | None, before: LadderSnapshot | None,
+                       after: LadderSnapshot | None) -> str:
+    """What the norms did between the measured step ``before`` the loss went wrong and the one
+    measured ``after`` it: the ladder's growth (and over the fit's ``start``), the rung whose
+    input rms grew most (and the first rung's), the final norm's ``1/sigma``; or why it cannot say."""
+    if before is None or after is None or after.step == before.step:
+        return "no step was measured around it to compare (the meter is off, or this is the first step)"
+    parts = [f"between step {before.step} and step {after.step} the ladder's growth went from "
+             f"{_x(before.growth)} to {_x(after.growth)}"
+             + (f" ({_x(after.growth / start.growth)} its value at the fit's start)"
+                if start is not None and start.growth > 0 else "")]
+    grown = {name: after.rms[name] / before.rms[name] for name in after.rms
+             if before.rms.get(name, 0) > 0 and math.isfinite(after.rms[name])}
+    if grown:
+        name, first = max(grown, key=grown.get), next(iter(grown))
+        parts.append(f"the stream's rms grew most at {name}'s input ({_x(grown[name])}; at {first}'s "
+                     f"{_x(grown[first])})")
+    if math.isfinite(after.final_inv_sigma) and before.final_inv_sigma > 0:
+        parts.append(f"the final norm's 1/sigma went {_x(after.final_inv_sigma / before.final_inv_sigma)} "
+                     "(it divides the gradient of every layer before it by the stream's scale)")
+    return "; ".join(parts)
