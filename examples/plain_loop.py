@@ -53,6 +53,7 @@ def main() -> None:
             loss = loss / args.accumulate
             X, Y = get_batch()
             loss.backward()
+            monitor.add_loss(loss)  # lnmonitor: the loss rule (loss_blowup) reads it at stop()
         monitor.stop()  # lnmonitor: the step's numbers, written; after the last, the summary
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

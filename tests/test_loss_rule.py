@@ -42,7 +42,13 @@ def test_what_the_norms_did_compares_the_measured_steps_around_the_loss():
     assert said == ("between step 50 and step 52 the ladder's growth went from 4x to 43.6x (43.6x its "
                     "value at the fit's start); the stream's rms grew most at lnf's input (12x; at b0's "
                     "1.1x); the final norm's 1/sigma went 0.08x (it divides the gradient of every layer "
-                    "before it by the stream's scale)")
+                    "before it by the stream's scale): as in every learning-rate and optimizer-state "
+                    "blow-up of the testbed (0.02-0.84x there; 1-1.64x in its bursts of bad data): check the "
+                    "learning rate and the optimizer's state")
+    burst = _snapshot(52, (1.0, 2.0, 4.0), 4.0, 0.3)  # nothing grew, 1/sigma rose 1.2x: a burst's
+    assert what_the_norms_did(start, before, burst).endswith("look at the step's data")
+    between = _snapshot(52, (1.0, 2.0, 4.0), 4.0, 0.23)
+    assert what_the_norms_did(start, before, between).endswith("its data bursts: 1-1.64x)")
     assert what_the_norms_did(start, before, None).startswith("no step was measured around it")
 
 

@@ -19,6 +19,12 @@ __all__ = ["LOSS_RULE_AFTER", "LadderSnapshot", "LossRule", "what_the_norms_did"
 # the losses a fit's rule ignores before it judges: a fit's first losses fall fast and set the minimum
 LOSS_RULE_AFTER = 10
 
+# The final norm's 1/sigma at the visible event over its value before the blow-up began, in every run
+# of the mid-run testbed with a visible event (research/midrun, all seeds): learning-rate bugs (x10 to
+# x100, sudden and ramped) and a collapsed Adam second moment, and bursts of repeated or random tokens.
+FELL_IN_OPTIMIZER_BLOWUPS = (0.02, 0.84)
+ROSE_IN_DATA_BURSTS = (1.0, 1.64)
+
 
 class LossRule:
     """The loss over its running minimum: :meth:`ratio` of each step's loss to the lowest loss
@@ -86,6 +92,20 @@ def what_the_norms_did(start: LadderSnapshot | None, before: LadderSnapshot | No
         parts.append(f"the stream's rms grew most at {name}'s input ({_x(grown[name])}; at {first}'s "
                      f"{_x(grown[first])})")
     if math.isfinite(after.final_inv_sigma) and before.final_inv_sigma > 0:
-        parts.append(f"the final norm's 1/sigma went {_x(after.final_inv_sigma / before.final_inv_sigma)} "
-                     "(it divides the gradient of every layer before it by the stream's scale)")
+        ratio = after.final_inv_sigma / before.final_inv_sigma
+        parts.append(f"the final norm's 1/sigma went {_x(ratio)} (it divides the gradient of every layer "
+                     "before it by the stream's scale)" + _as_in_the_testbed(ratio))
     return "; ".join(parts)
+
+
+def _as_in_the_testbed(ratio: float) -> str:
+    """Where the final norm's 1/sigma ``ratio`` falls against the testbed's blow-ups."""
+    optimizer = "{:g}-{:g}x".format(*FELL_IN_OPTIMIZER_BLOWUPS)
+    data = "{:g}-{:g}x".format(*ROSE_IN_DATA_BURSTS)
+    if ratio <= FELL_IN_OPTIMIZER_BLOWUPS[1]:
+        return (f": as in every learning-rate and optimizer-state blow-up of the testbed ({optimizer} there; "
+                f"{data} in its bursts of bad data): check the learning rate and the optimizer's state")
+    if ratio >= ROSE_IN_DATA_BURSTS[0]:
+        return (f": as in every burst of bad data of the testbed ({data} there; {optimizer} in its "
+                "learning-rate and optimizer-state blow-ups): look at the step's data")
+    return f" (the testbed's learning-rate and optimizer blow-ups: {optimizer}; its data bursts: {data})"

@@ -54,7 +54,10 @@ TESTBED: dict[str, dict] = {
                           blowup_hits=9),
     "eps_dominates": dict(bad=18, clean=14, hits=2, lead=3.5, lead_min=3, lead_max=4, late=0, late_max=None,
                           false=0, peer_hits=0),
-    "loss_blowup": dict(note="TO BE MEASURED"),
+    # the loss rule on the held-out mid-run testbed (research/midrun/RESULTS.md; research/midrun/
+    # test_figures.py holds these to its records) and on the confirmation part's runs from scratch
+    "loss_blowup": dict(events=94, hits=85, healthy=28, harmless=20, false=0, from_start=58,
+                        from_start_hits=2),
 }
 
 # the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
@@ -122,8 +125,10 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
         "behind the same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps "
         "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
-        "{clean} runs that trained well; the final norm divides its gradient by this scale, so the "
-        "layers before it learn at a rate you did not choose",
+        "{clean} runs that trained well: it leads where a run goes wrong from its first step or a tall "
+        "checkpoint's fine-tune does; in a blow-up that begins mid-run it came after a plain loss rule "
+        "(loss_blowup's); the final norm divides its gradient by this scale, so the layers before it "
+        "learn at a rate you did not choose",
     ),
     FindingKind(
         "loss_blowup", "loss_over_minimum", ">", 1.5,
@@ -131,9 +136,14 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "the plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
         "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the "
         "last checkpoint before the step",
-        "a mid-run blow-up shows in the loss as early as in any norm signal measured: on the held-out "
-        "mid-run testbed (docs/findings.md, \"Mid-run\") no norm signal led this rule; this finding "
-        "says when the loss went wrong and what the norms did then ({note})",
+        "a mid-run blow-up (a learning-rate bug, a burst of bad data, a collapsed Adam second moment) "
+        "shows in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
+        "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time "
+        "(by the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} "
+        "of {healthy} healthy and {harmless} "
+        "harmless runs (but in {from_start_hits} of {from_start} runs that went wrong from their first "
+        "step, where stream_growth warns); so it claims no lead: it says when the loss went wrong and "
+        "what the norms did then",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
