@@ -249,12 +249,12 @@ def _trainer_script(out, processes: int) -> dict:
 def test_the_trainer_door_under_torchrun_merges_both_processes_like_one(tmp_path):
     """Two processes (the Trainer's own accelerate set-up, gloo), four sequences each: every
     measured step merges the 8 x 16 rows, and the numbers are one process's on all 8; the
-    points land on the Trainer's logging steps (``logging_steps=2``)."""
+    points land on the fit's first step and the Trainer's logging steps (``logging_steps=2``)."""
     two = _trainer_script(tmp_path / "two.json", 2)
     one = _trainer_script(tmp_path / "one.json", 1)
     assert two["world"] == 2 and one["world"] == 1
     assert two["rows"] == one["rows"] == [ROWS * CONTEXT] * 5
-    assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]] == [2, 4]
+    assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]] == [1, 2, 4]
     for a, b in zip(two["history"], one["history"], strict=True):
         assert a.keys() == b.keys()
         for tag, value in a.items():
