@@ -65,7 +65,7 @@ class AfterStep:
         self.positions = True  # each norm's ladder position goes with the first logged measured step
         self.last_result: LadderResult | None = None
         self._losses: StepMaximum | None = None  # the losses on their way to the host
-        self._step_losses: list[torch.Tensor] = []  # this step's micro-batches' losses, on their device
+        self._step_losses: list[torch.Tensor | float] = []  # this step's micro-batches' losses, as handed
         self._fed = False  # a loss was handed over: from then on every step's is judged
 
     def every_step(self, step: int, log: Log, stop: Callable[[], object], *, measured: bool) -> bool:
@@ -94,9 +94,9 @@ class AfterStep:
         if not self.judges_loss:
             return
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            self._step_losses.append(value.detach().float().reshape(()))
+            self._step_losses.append(value.detach())
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._step_losses.append(torch.tensor(float(value)))
+            self._step_losses.append(float(value))
         self._fed = self._fed or bool(self._step_losses)
 
     def loss(self, step: int, log: Log, stop: Callable[[], object], *, across: bool = True) -> bool:
@@ -112,9 +112,14 @@ class AfterStep:
         if self._losses is None:
             self._losses = StepMaximum(across and several_processes())
         values, self._step_losses = self._step_losses, []
-        mean = torch.stack(values).mean() if len(values) > 1 else (values[0] if values else None)
-        device = mean.device if mean is not None else next(self.meter.model.parameters()).device
-        taken = self._losses.close(step, mean, False, device)
+        on_host = all(not isinstance(v, torch.Tensor) or v.device.type == "cpu" for v in values)
+        if on_host and not self._losses.across:  # nothing to wait for or to reduce: read it now
+            taken = (step, sum(map(float, values)) / len(values)) if values else None
+        else:
+            tensors = [torch.as_tensor(v).float().reshape(()) for v in values]
+            mean = torch.stack(tensors).mean() if tensors else None
+            device = mean.device if mean is not None else next(self.meter.model.parameters()).device
+            taken = self._losses.close(step, mean, False, device)
         if taken is None:
             return False
         reading = self.findings.read_loss(*taken)

@@ -52,3 +52,4 @@ def test_the_loss_rule_on_runs_that_went_wrong_from_their_first_step():
     scratch = heldout_table.figures([r for r in confirmed if not r.fine_tune], "running minimum x1.5",
                                     amended=True)
     assert (scratch["bad"], scratch["hits"]) == (FIGURES["from_start"], FIGURES["from_start_hits"])
+    assert (scratch["clean"], scratch["false"]) == (FIGURES["from_start_clean"], FIGURES["from_start_false"])

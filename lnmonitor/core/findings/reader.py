@@ -57,7 +57,7 @@ TESTBED: dict[str, dict] = {
     # the loss rule on the held-out mid-run testbed (research/midrun/RESULTS.md; research/midrun/
     # test_figures.py holds these to its records) and on the confirmation part's runs from scratch
     "loss_blowup": dict(events=94, hits=85, healthy=28, harmless=20, false=0, from_start=58,
-                        from_start_hits=2),
+                        from_start_hits=2, from_start_clean=32, from_start_false=1),
 }
 
 # the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
@@ -141,9 +141,10 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time "
         "(by the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} "
         "of {healthy} healthy and {harmless} "
-        "harmless runs (but in {from_start_hits} of {from_start} runs that went wrong from their first "
-        "step, where stream_growth warns); so it claims no lead: it says when the loss went wrong and "
-        "what the norms did then",
+        "harmless runs; on runs from scratch it fired in {from_start_hits} of {from_start} that went "
+        "wrong from their first step (stream_growth warns there) and on {from_start_false} of "
+        "{from_start_clean} that trained well; so it claims no lead: it says when the loss went wrong "
+        "and what the norms did then",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
