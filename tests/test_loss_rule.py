@@ -233,3 +233,20 @@ def test_the_trainer_door_reads_the_loss_the_trainer_logs(tmp_path):
     assert callback.findings.loss_rule.seen == 30  # one logged loss every 2 steps
     tag = "lnmonitor/health/loss_blowup"
     assert [e[tag] for e in trainer.state.log_history if tag in e][0] == 1.0  # for a resumed fit
+
+
+def test_a_loss_that_is_no_number_is_left_out_said_once():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(width=32, depth=2, heads=2, context=16))
+    monitor = LoopMonitor(model, every_n_steps=10, invariance_every_n_steps=None, images=False,
+                          summary=False)
+    x = torch.randint(0, 65, (4, 16))
+    said = r"the loss handed over is a Tensor of shape \(4, 16\), not a number"
+    with pytest.warns(UserWarning, match=said):
+        for step in range(3):
+            with monitor.step(step):
+                logits, loss = model(x, x)
+                loss.backward()
+                monitor.add_loss(logits[..., 0])  # a mistake: per-position values
+                monitor.add_loss("2.0")
+    assert monitor.findings.loss_rule.seen == 0 and monitor.off_reason is None

@@ -89,14 +89,18 @@ class AfterStep:
         return self.findings is not None and self.findings.thresholds.get("loss_blowup") is not None
 
     def add_loss(self, value) -> None:
-        """One micro-batch's training loss (a 0-dim tensor or a number; anything else is left
-        out), for :meth:`loss` at the step's end."""
-        if not self.judges_loss:
+        """One micro-batch's training loss (a one-element tensor or a number), for :meth:`loss`
+        at the step's end; None is no loss; anything else is left out, said once."""
+        if not self.judges_loss or value is None:
             return
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             self._step_losses.append(value.detach())
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             self._step_losses.append(float(value))
+        else:
+            shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+            self._warn("loss", f"{self.owner}: the loss handed over is a {type(value).__name__}{shape}, not "
+                               "a number or a one-element tensor: the loss rule (loss_blowup) leaves it out.")
         self._fed = self._fed or bool(self._step_losses)
 
     def loss(self, step: int, log: Log, stop: Callable[[], object], *, across: bool = True) -> bool:
