@@ -233,12 +233,7 @@ class LNMonitorCallback(TrainerCallback):
         if self._after is None:  # no training began through on_train_begin: nothing to do
             return
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
-        held = set(self.findings.holding) if self.findings is not None else set()
-
-        def log(step: int, metrics: dict[str, float], result) -> bool:
-            self._keep_health(state, held, metrics)  # for a resumed fit: the start, the health that changed
-            return self._report(metrics, args, state, control)
-
+        log = self._log(args, state, control)
         step = state.global_step
         if self._after.every_step(step, log, stop, measured=self._measuring is not None):
             self._logged = step  # said at the step the every-step growth crossed
@@ -260,13 +255,7 @@ class LNMonitorCallback(TrainerCallback):
             return
         self._after.add_loss(logs["loss"])
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
-        held = set(self.findings.holding) if self.findings is not None else set()
-
-        def log(step: int, metrics: dict[str, float], result) -> bool:
-            self._keep_health(state, held, metrics)
-            return self._report(metrics, args, state, control)
-
-        self._after.loss(state.global_step, log, stop, across=False)
+        self._after.loss(state.global_step, self._log(args, state, control), stop, across=False)
 
     @guarded
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -280,6 +269,18 @@ class LNMonitorCallback(TrainerCallback):
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
         self.shut()
+
+    def _log(self, args, state, control):
+        """The door's ``log(step, metrics, result)`` for this event: to the reporters, and to
+        ``state.log_history`` what a resumed fit restores (the health tags that change from
+        here, the fit's start)."""
+        held = set(self.findings.holding) if self.findings is not None else set()
+
+        def log(step: int, metrics: dict[str, float], result) -> bool:
+            self._keep_health(state, held, metrics)
+            return self._report(metrics, args, state, control)
+
+        return log
 
     def _keep_health(self, state, held: set[str], metrics: Mapping[str, float]) -> None:
         """Append to ``state.log_history`` what a resumed fit restores (:func:`_health_points`):
