@@ -201,3 +201,42 @@ def test_the_every_step_growth_is_the_largest_over_processes_and_all_stop_togeth
     assert local1[2] is None  # process 1's watch failed at step 3 ...
     assert read0[2] == (3, pytest.approx(local0[2][1], rel=1e-6))  # ... so step 3 is process 0's
     assert read0[3:] == [None, None] and not hooked0 and not hooked1  # and both stopped there
+
+
+def _loss_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A plain loop on each of ``world`` gloo processes, rank 1's loss x2.5 from step 15 on."""
+    import warnings
+
+    from lnmonitor.integrations.loop import LoopMonitor
+    from lnmonitor.tiny.model import GPTConfig, TinyGPT
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(width=16, depth=2, heads=2, context=8))
+        monitor = LoopMonitor(model, every_n_steps=100, invariance_every_n_steps=None, images=False,
+                              summary=False, keep_history=True)
+        x = torch.randint(0, 65, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(20):
+                with monitor.step(step):
+                    model(x, x)[1].backward()
+                    monitor.add_loss(torch.tensor(5.0 if rank == 1 and step >= 15 else 2.0))
+        finding = monitor.findings.raised.get("loss_blowup")
+        measured = [h["step"] for h in monitor.history if "lnmonitor/ladder/growth" in h]
+        torch.save((None if finding is None else (finding.step, finding.value), measured), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_loss_rule_judges_the_largest_ranks_loss_on_every_rank_alike(tmp_path):
+    """Each rank hands its own loss; one 8-byte all-reduce a step gives every rank the largest, so
+    rank 0, whose loss never moved, says rank 1's blow-up at the same step, and every rank measures
+    the step after it together (a merge no rank may skip)."""
+    out = str(tmp_path / "loss")
+    mp.spawn(_loss_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    (found0, measured0), (found1, _) = (torch.load(f"{out}.{rank}") for rank in range(2))
+    assert found0 == found1 == (15, 2.5)
+    assert measured0 == [0, 16]  # every 100th, and the step after the rule fired
