@@ -99,7 +99,9 @@ class LNMonitorCallback(TrainerCallback):
         summary: print the one-screen summary of the run at the end of training (main process).
         findings, on_finding: as for :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor`
             (docs/findings.md); ``on_finding`` returning True stops training
-            (``control.should_training_stop``).
+            (``control.should_training_stop``).  ``loss_blowup`` reads the loss the Trainer logs
+            (its mean since the last log: the Trainer hands its callbacks no step's loss), at its
+            ``logging_steps``.
 
     Raises:
         lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.

@@ -87,6 +87,7 @@ class LayerNormMonitor(MonitorCallback):
             for none.  Each kind is warned once per fit (``lnmonitor.HealthWarning``) and
             logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after); a fit resumed from
             a checkpoint continues the same training (the kinds raised are in the checkpoint).
+            ``loss_blowup`` reads the loss ``training_step`` returns.
         on_finding: called with each :class:`~lnmonitor.core.findings.reader.Finding` once per kind
             per fit; returning True stops the fit (``trainer.should_stop``).
         keep_history: keep every logged dict in ``history``; ``None`` keeps them only

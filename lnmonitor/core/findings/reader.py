@@ -140,11 +140,10 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "shows in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
         "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time "
         "(by the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} "
-        "of {healthy} healthy and {harmless} "
-        "harmless runs; on runs from scratch it fired in {from_start_hits} of {from_start} that went "
-        "wrong from their first step (stream_growth warns there) and on {from_start_false} of "
-        "{from_start_clean} that trained well; so it claims no lead: it says when the loss went wrong "
-        "and what the norms did then",
+        "of {healthy} healthy and {harmless} harmless runs; on runs from scratch it fired in "
+        "{from_start_hits} of {from_start} that went wrong from their first step (stream_growth warns "
+        "there) and on {from_start_false} of {from_start_clean} that trained well; so it claims no "
+        "lead: it says when the loss went wrong and what the norms did then",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
