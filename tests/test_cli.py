@@ -17,6 +17,8 @@ HEAVY = ("torch", "lightning", "scipy")
     (["eps-compare", "--data", "missing.txt"], 2),
     (["analyze", "notes.md"], 2), (["analyze", "missing.ckpt"], 2),
     (["analyze", "notes.md", "--rtol", "2"], 2), (["summarize", "missing"], 2),
+    # the research's commands are not the installed CLI's (python -m research.stability, research.eps)
+    (["stability-grid", "--table-only"], 2), (["report", "notes.md", "--law", "law"], 2),
 ])
 def test_help_and_one_line_errors_import_neither_torch_lightning_nor_scipy(args, code, tmp_path):
     (tmp_path / "notes.md").write_text("# notes\n\nnot a checkpoint\n")

@@ -28,6 +28,14 @@ def test_every_folder_imports_only_the_floors_below_it():
     assert not wrong, wrong
 
 
+def test_the_package_imports_nothing_from_research():
+    """research/ is not installed (pyproject packages only lnmonitor*): the package never imports it."""
+    root = Path(lnmonitor.__file__).parent
+    wrong = [str(path.relative_to(root)) for path in sorted(root.rglob("*.py"))
+             if re.search(r"^\s*(?:from|import) research\b", path.read_text(), re.M)]
+    assert not wrong, wrong
+
+
 def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
     script = textwrap.dedent("""
         import sys

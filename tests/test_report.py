@@ -234,3 +234,23 @@ def test_the_invariance_figure_draws_each_sweep_and_its_fit_over_the_fitted_poin
     x = fit.get_xdata()
     assert x[0] == pytest.approx(1e-4) and x[-1] == pytest.approx(1.0)
     np.testing.assert_allclose(fit.get_ydata(), 0.2 * x**0.97, rtol=1e-12)
+
+
+def test_the_report_command_checks_every_folder_before_writing(tmp_path, capsys):
+    from lnmonitor.commands.cli import main
+    from lnmonitor.core.output import files
+    from lnmonitor.experiments.eps import store
+
+    folder, config, pairs = tmp_path / "a", {"recipe": {}}, [[1e-5, 0], [0.1, 0]]
+    for eps, seed in pairs:
+        files.atomic_write_json(store.run_dir(folder, eps, seed) / store.RECORD_NAME, {
+            "format": store.RECORD_FORMAT, "config": config, "eps": eps, "seed": seed, "steps": 10,
+            "val_loss": 1.0, "headline": {"val_loss": 1.0}})
+    files.atomic_write_json(folder / store.RESULTS_NAME, {
+        "format": store.RESULTS_FORMAT, "config": config, "grid": {"pairs": pairs}})
+    assert main(["report", str(folder), str(tmp_path / "missing")]) == 2
+    assert "'" + str(tmp_path / "missing") + "' is not a folder" in capsys.readouterr().err
+    assert not (folder / "report.md").exists()  # nothing written: the second folder was bad
+    assert main(["report", str(folder), str(folder)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["report", str(folder)]) == 0 and (folder / "report.md").is_file()

@@ -11,7 +11,7 @@ from lnmonitor.errors import UsageError
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # Each module under lnmonitor.commands registers one subcommand.
-COMMANDS = ("train_tiny", "eps_compare", "report", "analyze", "summarize", "stability_grid")
+COMMANDS = ("train_tiny", "eps_compare", "report", "analyze", "summarize")
 
 
 class _OneLineParser(argparse.ArgumentParser):

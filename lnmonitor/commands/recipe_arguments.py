@@ -1,6 +1,6 @@
 """The command-line options shared by the commands that train the tiny recipe (``train-tiny``,
-``eps-compare``, ``stability-grid``, and ``--data`` for ``analyze``), and the
-:class:`~lnmonitor.tiny.recipe.Recipe` they describe.  Imports no torch."""
+``eps-compare``, and ``--data`` for ``analyze``; research/stability's testbed uses them too), and
+the :class:`~lnmonitor.tiny.recipe.Recipe` they describe.  Imports no torch."""
 
 from __future__ import annotations
 

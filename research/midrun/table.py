@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lnmonitor.experiments.stability.events import kill_loss_spike, olmo_stability_monitor
+from research.stability.events import kill_loss_spike, olmo_stability_monitor
 
 ROOT = Path(__file__).resolve().parent
 RECORDS = ROOT / "records"

@@ -1,4 +1,4 @@
-"""The library's figures for ``loss_blowup`` are these records' (lnmonitor.core.findings.reader.TESTBED
+"""The library's figures for ``loss_blowup`` are these records' (lnmonitor.core.findings.evidence.TESTBED
 and lnmonitor.core.findings.loss_rule's ranges): a rerun of the testbed that moves them fails here."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from lnmonitor.core.findings.evidence import TESTBED
 from lnmonitor.core.findings.loss_rule import FELL_IN_OPTIMIZER_BLOWUPS, ROSE_IN_DATA_BURSTS
-from lnmonitor.core.findings.reader import TESTBED
 from research.midrun import table as T
 
 FIGURES = TESTBED["loss_blowup"]
@@ -44,8 +44,8 @@ def test_the_final_norms_one_over_sigma_fell_in_every_optimizer_blow_up_and_in_n
 
 
 def test_the_loss_rule_on_runs_that_went_wrong_from_their_first_step():
-    from lnmonitor.experiments.stability import heldout as stability_heldout
-    from lnmonitor.experiments.stability import heldout_table
+    from research.stability import heldout as stability_heldout
+    from research.stability import heldout_table
 
     confirmed = heldout_table.judge_heldout(stability_heldout.load(stability_heldout.CONFIRM_OUT,
                                                                    stability_heldout.CONFIRM_RUNS))

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lnmonitor.core.findings.evidence import EPS_COSTS, EPS_DELAYS, EPS_KNEE, TESTBED
 from lnmonitor.core.findings.loss_rule import LadderSnapshot, LossRule, what_the_norms_did
 from lnmonitor.core.findings.signals import crosses, growth_over_start, step_signals
 from lnmonitor.core.monitor.arguments import ArgumentError, function
@@ -35,56 +36,13 @@ if TYPE_CHECKING:
     from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 
 __all__ = [
-    "EPS_COSTS", "EPS_DELAYS", "EPS_KNEE", "KINDS", "TALL_AT_START", "TESTBED", "Finding", "FindingKind",
-    "FindingsReader", "Reading", "door_reader", "every_step", "health", "long_form", "reads_growth",
-    "state_from_health", "tall_start_message",
+    "KINDS", "TALL_AT_START", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
+    "every_step", "finding_thresholds", "health", "long_form", "reads_growth", "state_from_health",
+    "tall_start_message",
 ]
 
 # the signals read from the ladder's growth, which the every-step watch feeds
 GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
-
-# What each kind did where it was tested (docs/findings.md), which tests/test_findings.py holds
-# these to: stream_growth on the confirmation part (results/stability-confirm, models and seeds
-# its threshold was not fitted on: lnmonitor.experiments.stability.heldout_table.figures, amended);
-# eps_dominates in the fitted testbed (results/stability: stability_table.signal_figures;
-# peer_hits: the bad runs the better of the two peers' loss rules flagged in time).
-TESTBED: dict[str, dict] = {
-    "stream_growth": dict(bad=64, hits=54, late=1, damaged_only=15, lead=68.5, lead_min=2, lead_max=130,
-                          clean=38, false=2, clean_fine_tunes=6, false_fine_tunes=0, blowups=12,
-                          blowup_hits=9),
-    "eps_dominates": dict(bad=18, clean=14, hits=2, lead=3.5, lead_min=3, lead_max=4, late=0, late_max=None,
-                          false=0, peer_hits=0),
-    # the loss rule on the held-out mid-run testbed (research/midrun/RESULTS.md; research/midrun/
-    # test_figures.py holds these to its records) and on the confirmation part's runs from scratch
-    "loss_blowup": dict(events=94, hits=85, healthy=28, harmless=20, false=0, from_start=58,
-                        from_start_hits=2, from_start_clean=32, from_start_false=1),
-}
-
-# the eps law's knee (docs/eps.md): the first norm's eps/var at step 0 above which a larger eps
-# cost validation loss in the grid on the Python help text (the testbed's candidate alarm for
-# first_eps_over_var, stated before it was measured: lnmonitor.experiments.stability.candidate_signals)
-EPS_KNEE = 27.2
-
-# What a larger eps cost where it was measured (docs/eps.md): eps 0.1 minus eps 1e-5 at GPT-2's
-# init (the first norm's eps/var about 130 at step 0), validation loss after 3,000 steps of the
-# tiny recipe, mean over paired seeds; tests/test_findings.py holds each to its records in results/.
-EPS_COSTS: dict[str, float] = {
-    "LayerNorm on the Python help text": 0.0275,
-    "RMSNorm on the Python help text": 0.0245,
-    "LayerNorm on the standard library's source": 0.1434,
-}
-
-
-# What it cost in steps (docs/eps.md, "The cost as steps lost"): the budget minus the step at
-# which the eps 1e-5 run's validation loss first reached the eps 0.1 run's final one, over each
-# run's own schedule: (budget, median, lowest, highest) over paired seeds; tests/test_findings.py
-# holds each to its records.
-EPS_DELAYS: dict[str, tuple[int, int, int, int]] = {
-    "LayerNorm on the Python help text": (3000, 797, 558, 1044),
-    "LayerNorm on the Python help text, 1,000 steps": (1000, 575, 575, 575),
-    "LayerNorm on the standard library's source": (3000, 1137, 1032, 1281),
-    "LayerNorm on the standard library's source, 1,000 steps": (1000, 609, 594, 624),
-}
 
 
 @dataclass(frozen=True)
@@ -93,9 +51,9 @@ class FindingKind:
     :func:`~lnmonitor.core.findings.signals.step_signals`, or ``growth_over_start``), its ``direction``
     (``">"``, ``"<"``) and default ``threshold``, and its English: ``seen`` (one sentence,
     formatted with ``value``, ``threshold``, ``step``, ``start`` and ``growth``), ``advice`` (one
-    sentence), ``meant`` (the testbed's figures, formatted with :data:`TESTBED`'s and
-    ``eps_costs``: the long form, for the summary and docs) and ``anchor`` (its section of
-    docs/findings.md)."""
+    sentence), ``meant`` (the testbed's figures, formatted with
+    :data:`~lnmonitor.core.findings.evidence.TESTBED`'s, ``eps_costs`` and ``eps_delays``: the long
+    form, for the summary and docs) and ``anchor`` (its section of docs/findings.md)."""
 
     name: str
     signal: str
@@ -397,21 +355,28 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
     """The reader a door builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
-    if findings is False:
+    thresholds = finding_thresholds(findings)
+    if thresholds is None:
         function(on_finding, "on_finding", "on_finding(finding)")
         return None
-    if findings is True:
-        findings = None
-    if findings is not None and not isinstance(findings, Mapping):
-        raise ArgumentError(f"findings must be None or True (the default thresholds), False (no findings) "
-                            f"or a dict {{kind: threshold}} over {list(KINDS)}, got {findings!r}")
 
     def warn(message: str) -> None:
         if speaks():
             warn_at_user(message, HealthWarning)
 
-    return FindingsReader(thresholds=_thresholds(findings, "findings"), on_finding=on_finding, owner=owner,
-                          warn=warn, say=say)
+    return FindingsReader(thresholds=thresholds, on_finding=on_finding, owner=owner, warn=warn, say=say)
+
+
+def finding_thresholds(findings) -> dict[str, float | None] | None:
+    """A monitor's ``findings`` setting as ``{kind: threshold}`` (None or True: the defaults; a
+    dict overrides them, None turning a kind off), or None for ``False`` (no findings).  Raises
+    :class:`ArgumentError`."""
+    if findings is False:
+        return None
+    if findings is not None and findings is not True and not isinstance(findings, Mapping):
+        raise ArgumentError(f"findings must be None or True (the default thresholds), False (no findings) "
+                            f"or a dict {{kind: threshold}} over {list(KINDS)}, got {findings!r}")
+    return _thresholds(None if findings is True else findings, "findings")
 
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,

@@ -9,8 +9,8 @@ step's loss is at hand) and records:
 
 * every step's training loss (cross-entropy, nats/char) and gradient norm before clipping;
 * on every ``measure_every``-th step, the candidate signals
-  (:func:`lnmonitor.experiments.stability.candidate_signals.candidate_signals`: the meter's ladder and the
-  :class:`~lnmonitor.experiments.stability.scales.ScaleTap`'s attention and output logits, per layer too);
+  (:func:`research.stability.candidate_signals.candidate_signals`: the meter's ladder and the
+  :class:`~research.stability.scales.ScaleTap`'s attention and output logits, per layer too);
 * the validation loss every ``val_every`` steps on the fixed held-out windows, and at the end.
 
 Records go to ``<out>/<config>/seed=<seed>/result.json`` (written atomically: its presence
@@ -18,7 +18,7 @@ means the run finished, and it is never rerun unless ``force``).  A run is short
 seconds), so an interrupted one restarts from its first step.  ``jobs`` runs that many side by
 side in worker processes, one torch thread each.  What
 the records mean (the events, the lead times, the peers' rules on the same losses) is
-:mod:`lnmonitor.experiments.stability.table`'s.
+:mod:`research.stability.table`'s.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ FORMAT = 1
 class Config:
     """One testbed configuration: ``recipe`` (its seed is replaced per run), the ``group`` whose
     best final validation loss defines damage (with the same lr schedule:
-    :func:`lnmonitor.experiments.stability.table.run_group`), ``healthy`` (the control expected to train well:
+    :func:`research.stability.table.run_group`), ``healthy`` (the control expected to train well:
     its alarms are false alarms unless an event happened), and what it is for."""
 
     name: str
@@ -121,10 +121,10 @@ def run_config(config: Config, seed: int, text: str) -> dict:
     import torch
 
     from lnmonitor.core.meter.meter import LadderMeter
-    from lnmonitor.experiments.stability.candidate_signals import candidate_signals
-    from lnmonitor.experiments.stability.scales import ScaleTap
     from lnmonitor.tiny.data import CharDataModule, RandomWindows
     from lnmonitor.tiny.module import TinyGPTModule
+    from research.stability.candidate_signals import candidate_signals
+    from research.stability.scales import ScaleTap
 
     recipe = replace(config.recipe, seed=seed)
     started = time.process_time()
@@ -221,7 +221,7 @@ def run_testbed(
             echo(f"{name} seed={seed}: finished before, skipped")
             continue
         todo.append((name, seed))
-    echo(f"stability-grid: {len(todo)} run(s) to train of {len(runs)} in this invocation, out {out}")
+    echo(f"research.stability: {len(todo)} run(s) to train of {len(runs)} in this invocation, out {out}")
     failures = []
 
     def done(name: str, seed: int, finish: Callable[[], dict]) -> None:
@@ -243,5 +243,5 @@ def run_testbed(
             for future in as_completed(futures):
                 done(*futures[future], future.result)
     if failures:
-        raise RuntimeError("stability-grid: runs failed: " + "; ".join(failures))
+        raise RuntimeError("research.stability: runs failed: " + "; ".join(failures))
     return [record_path(out, n, s) for n, s in runs]

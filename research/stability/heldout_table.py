@@ -5,9 +5,9 @@ docs/findings.md ("Held out") states every definition here before the held-out p
 trained: the **visible event** is a non-finite loss or the 10-step mean training loss more than
 :data:`VISIBLE_MARGIN` above the reference run's (the same family and seed, the same batches) at
 the same step; **damage** is the last 20 steps' mean more than :data:`DAMAGE_MARGIN` above the
-reference's.  On the fitted part (:mod:`lnmonitor.experiments.stability.testbed`) the reference is the
+reference's.  On the fitted part (:mod:`research.stability.testbed`) the reference is the
 run of the group's best configuration with the same seed, as its damage onset's is, and the
-growth was taken on every 5th step only.  ``python -m lnmonitor.experiments.stability.heldout_table``
+growth was taken on every 5th step only.  ``python -m research.stability.heldout_table``
 writes the tables between the ``stability-heldout-table`` markers of docs/findings.md.
 """
 
@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnmonitor.experiments.stability import heldout as stability_heldout
-from lnmonitor.experiments.stability.candidate_signals import growth_jump
-from lnmonitor.experiments.stability.events import kill_loss_spike, olmo_stability_monitor
-from lnmonitor.experiments.stability.table import best_runs, load_records, run_group
+from research.stability import RECORDS
+from research.stability import heldout as stability_heldout
+from research.stability.candidate_signals import growth_jump
+from research.stability.events import kill_loss_spike, olmo_stability_monitor
+from research.stability.table import best_runs, load_records, run_group
 
 __all__ = ["RULES", "Judged", "judge_fitted", "judge_heldout", "markdown", "visible_event", "write"]
 
@@ -31,7 +32,7 @@ VISIBLE_WINDOW, VISIBLE_MARGIN = 10, 0.3
 DAMAGE_WINDOW, DAMAGE_MARGIN = 20, 0.10
 MARKERS = ("<!-- stability-heldout-table:start -->", "<!-- stability-heldout-table:end -->")
 CONFIRM_MARKERS = ("<!-- stability-confirm-table:start -->", "<!-- stability-confirm-table:end -->")
-FITTED = Path("results/stability")
+FITTED = RECORDS / "fitted"
 
 
 def _mean_at(loss: Sequence[float], step: int) -> float:

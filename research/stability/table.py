@@ -1,7 +1,7 @@
 """The stability testbed's table, from its records alone (no torch).
 
-For every run: its events (:mod:`lnmonitor.experiments.stability.events`), and for every candidate
-signal (:data:`lnmonitor.experiments.stability.candidate_signals.CANDIDATES`) and both peers'
+For every run: its events (:mod:`research.stability.events`), and for every candidate
+signal (:data:`research.stability.candidate_signals.CANDIDATES`) and both peers'
 rules, the first step it fires.  A run with an event is *bad* (its event step is its earliest
 event); one without is *clean*.  Per signal and peer: the lead time before the event over the bad
 runs it flagged at or before their event (median and range, in steps), hits (bad runs flagged in
@@ -25,8 +25,8 @@ from pathlib import Path
 from lnmonitor.core.findings.signals import crosses
 from lnmonitor.core.output.files import atomic_write_text, read_json
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.stability.candidate_signals import CANDIDATES, growth_jump, growth_rate
-from lnmonitor.experiments.stability.events import (
+from research.stability.candidate_signals import CANDIDATES, growth_jump, growth_rate
+from research.stability.events import (
     damage_onset,
     divergence,
     kill_loss_spike,
@@ -64,7 +64,7 @@ class RunEvents:
 def load_records(out: Path) -> list[dict]:
     records = [read_json(p, "a stability record") for p in sorted(Path(out).glob("*/seed=*/result.json"))]
     if not records:
-        raise UsageError(f"no stability records under {str(out)!r}: run lnmonitor stability-grid first")
+        raise UsageError(f"no stability records under {str(out)!r}: run python -m research.stability first")
     return records
 
 

@@ -1,4 +1,4 @@
-"""lnmonitor.experiments.eps.delay: the eps 0.1 cost as steps lost, exact on synthetic curves and
+"""research.eps.delay: the eps 0.1 cost as steps lost, exact on synthetic curves and
 as docs/eps.md tabulates it from the committed records."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lnmonitor.experiments.eps import delay as eps_delay
-
-ROOT = Path(__file__).resolve().parents[1]
+from research.eps import RECORDS, RESULTS
+from research.eps import delay as eps_delay
 
 # eps 1e-5 falls 1 nat per 100 steps from 5 at step 0; eps 0.1 is the same curve 50 steps later
 SMALL = [(0, 5.0), (100, 4.0), (200, 3.0), (300, 2.0), (400, 1.0)]
@@ -90,15 +89,14 @@ def test_main_prints_the_table(tmp_path, capsys):
 # the committed records (docs/eps.md, "The cost as steps lost")
 
 
-def _records(folder: str) -> Path:
-    path = ROOT / folder
+def _records(path: Path) -> Path:
     if not list(path.glob("eps=0.1/seed=*/result.json")):
-        pytest.skip(f"{folder} is not in this checkout")
+        pytest.skip(f"{path} is not in this checkout")
     return path
 
 
 def test_the_help_text_delay_grows_with_the_budget_while_the_gap_shrinks():
-    by_budget = eps_delay.delays(_records("results/eps-compare-gpt2-init"))
+    by_budget = eps_delay.delays(_records(RESULTS / "eps-compare-gpt2-init"))
     assert sorted(by_budget) == [999, 1999, 2999]
     delays = {b: sorted(d for d, _ in seeds.values()) for b, seeds in by_budget.items()}
     gaps = {b: [g for _, g in seeds.values()] for b, seeds in by_budget.items()}
@@ -109,26 +107,26 @@ def test_the_help_text_delay_grows_with_the_budget_while_the_gap_shrinks():
 
 
 def test_the_source_loses_a_larger_share_than_the_help_text():
-    source = eps_delay.delays(_records("results/eps-law-oos/python-source-4x128"))
+    source = eps_delay.delays(_records(RECORDS / "law-oos/python-source-4x128"))
     per_seed = sorted(round(d) for d, _ in source[2999].values())
     assert per_seed == [1032, 1137, 1281]
     assert all(g > 0.12 for _, g in source[2999].values())
 
 
 def test_the_default_init_control_is_level_within_a_few_hundredths():
-    control = eps_delay.delays(_records("results/eps-compare"))
+    control = eps_delay.delays(_records(RESULTS / "eps-compare"))
     assert all(abs(g) < 0.02 for seeds in control.values() for _, g in seeds.values())
 
 
 def test_the_table_has_a_row_per_set_and_budget():
-    _records("results/eps-compare-gpt2-init")
-    table = eps_delay.markdown({"help": ROOT / "results/eps-compare-gpt2-init"})
+    _records(RESULTS / "eps-compare-gpt2-init")
+    table = eps_delay.markdown({"help": RESULTS / "eps-compare-gpt2-init"})
     assert table.count("\n| help |") == 3
     assert "| help | 8 | 1,000 | 335 (278 to 416) | 0.34 (0.28 to 0.42) |" in table
 
 
 def test_the_control_is_printed_without_a_minus_zero():
-    _records("results/eps-compare")
-    table = eps_delay.markdown({"control": ROOT / "results/eps-compare"})
+    _records(RESULTS / "eps-compare")
+    table = eps_delay.markdown({"control": RESULTS / "eps-compare"})
     assert "| control | 8 | 2,000 | 0 (-306 to 118) | 0.00 (-0.15 to 0.06) |" in table
     assert "| -0 " not in table and "| -0.00 " not in table

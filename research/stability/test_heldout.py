@@ -4,14 +4,17 @@ its tables regenerated from the committed records, and one run end to end."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
-from lnmonitor.experiments.stability import heldout as H
-from lnmonitor.experiments.stability import heldout_table as T
+import lnmonitor
+from research.stability import heldout as H
+from research.stability import heldout_table as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_visible_event_is_the_ten_step_mean_above_the_references_or_a_non_finite_loss():
@@ -52,11 +55,11 @@ def test_the_rule_to_ship():
 def test_the_docs_tables_are_the_records():
     doc = (ROOT / "docs" / "findings.md").read_text()
     inside = doc.split(T.MARKERS[0], 1)[1].split(T.MARKERS[1], 1)[0]
-    records = H.load(ROOT / H.DEFAULT_OUT)
+    records = H.load(H.DEFAULT_OUT)
     assert len(records) == len(H.RUNS)  # every run of the part, none missing
-    from lnmonitor.experiments.stability.table import load_records
+    from research.stability.table import load_records
 
-    table = T.markdown(T.judge_fitted(load_records(ROOT / T.FITTED)), T.judge_heldout(records))
+    table = T.markdown(T.judge_fitted(load_records(T.FITTED)), T.judge_heldout(records))
     assert inside == "\n" + table
 
 
@@ -69,3 +72,37 @@ def test_one_held_out_run_records_every_step(monkeypatch):
     assert all(g is not None and g > 1 for g in record["growth"])  # the watch, every step
     assert record["growth"][0] == pytest.approx(record["measured"][0]["growth"])
     assert record["measured"][0]["vanished_share"] == 0.0
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-1])
+def test_a_model_built_outside_the_project_is_quiet_healthy_and_said_at_its_blow_up(lr):
+    """The held-out part's torch.nn pre-LN transformer (a ladder ~40x at initialisation),
+    trained for real on the standard library's source at the defaults but every_n_steps=10:
+    lr 1e-3 trains well and raises nothing; lr 0.1 blows up within a few steps and is said at
+    the step the every-step growth crosses, before the first measured step after 0."""
+    from lnmonitor.integrations.loop import LoopMonitor
+
+    torch.manual_seed(0)
+    model = H.TorchPreLN()
+    data = H.corpus("source")[:50_000]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    seen = []
+    monitor = LoopMonitor(model, every_n_steps=10, images=False, summary=False, max_steps=30,
+                          invariance_every_n_steps=None, on_finding=seen.append)
+    feed = H.batches(data, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(30):
+            x, y = next(feed)
+            with monitor.step(step):
+                torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert monitor.findings.start[1] > 20  # tall at its first measured step: information only
+    said = [w for w in caught if w.category is lnmonitor.HealthWarning]
+    if lr == 1e-3:
+        assert not seen and not said
+    else:
+        assert [f.kind for f in seen] == ["stream_growth"] and len(said) == 1
+        assert 0 < seen[0].step < 10 and seen[0].value > 35  # said between the measured steps 0 and 10

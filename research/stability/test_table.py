@@ -1,11 +1,11 @@
-"""lnmonitor.experiments.stability.table on synthetic runs (no training): what a signal did over
+"""research.stability.table on synthetic runs (no training): what a signal did over
 the runs (hits, lead times, late flags, false alarms), the run each run's damage is judged
 against, and the per-run table."""
 
 from __future__ import annotations
 
-from lnmonitor.experiments.stability import events as ev
-from lnmonitor.experiments.stability.table import RunEvents, analyse, markdown, signal_figures
+from research.stability import events as ev
+from research.stability.table import RunEvents, analyse, markdown, signal_figures
 
 
 def events(name: str, fire: int | None, divergence=None, spike=None, damage=None) -> RunEvents:

@@ -14,7 +14,7 @@ one-cycle learning rate is still high there.  A cross-check on the training loss
 50 steps, one batch each) smooths it with a trailing mean of a few logged points first.
 
 Reads the records of ``lnmonitor eps-compare`` (``<out>/eps=<eps>/seed=<n>/result.json``, their
-``val/loss`` and ``train/loss`` curves).  ``python -m lnmonitor.experiments.eps.delay`` prints
+``val/loss`` and ``train/loss`` curves).  ``python -m research.eps.delay`` prints
 the table; ``--folder`` reads other record sets.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from lnmonitor.core.output.files import read_json
 from lnmonitor.core.output.metric_names import TRAIN_LOSS, VAL_LOSS
+from research.eps import RECORDS, RESULTS
 
 __all__ = ["BUDGETS", "RECORD_SETS", "at", "delay", "delays", "main", "markdown", "reach", "rows",
            "signed_delay", "smooth"]
@@ -39,13 +40,12 @@ Curve = Sequence[tuple[int, float]]
 # control (eps 0.1 within 0.01 nats of 1e-5 there), and the runs trained to test the prediction
 # (skipped while absent)
 RECORD_SETS = {
-    "LayerNorm, the Python help text": Path("results/eps-compare-gpt2-init"),
-    "RMSNorm, the Python help text": Path("results/eps-law-oos/rms-4x128"),
-    "LayerNorm, the standard library's source": Path("results/eps-law-oos/python-source-4x128"),
-    "LayerNorm, the standard library's source, its own 1,000-step schedule":
-        Path("results/eps-delay-source-1000"),
-    "LayerNorm, the Python help text, its own 1,000-step schedule": Path("results/eps-delay-1000"),
-    "control: LayerNorm, the Python help text, PyTorch's default init": Path("results/eps-compare"),
+    "LayerNorm, the Python help text": RESULTS / "eps-compare-gpt2-init",
+    "RMSNorm, the Python help text": RECORDS / "law-oos/rms-4x128",
+    "LayerNorm, the standard library's source": RECORDS / "law-oos/python-source-4x128",
+    "LayerNorm, the standard library's source, its own 1,000-step schedule": RECORDS / "delay-source-1000",
+    "LayerNorm, the Python help text, its own 1,000-step schedule": RECORDS / "delay-1000",
+    "control: LayerNorm, the Python help text, PyTorch's default init": RESULTS / "eps-compare",
 }
 # step indices: the evaluation after 1,000, 2,000 and 3,000 optimizer steps
 BUDGETS = (999, 1999, 2999)

@@ -9,7 +9,7 @@ loop for :data:`STEPS` steps and records every step's training loss (bytes as to
 cross-entropy in nats per byte, every position a target), gradient norm before clipping and the
 ladder's growth (the meter's every-step growth watch; the meter's own figure at step 0), and the
 meter's signals every :data:`MEASURE_EVERY` steps.  What the records mean is
-:mod:`lnmonitor.experiments.stability.heldout_table`'s.
+:mod:`research.stability.heldout_table`'s.
 
 Records go to ``<out>/<family>/<lr>/seed=<seed>.json`` (written atomically, never rerun unless
 ``force``).  Imports transformers when a run needs it.
@@ -30,11 +30,12 @@ from torch import nn
 
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.output.files import atomic_write_json, read_json
-from lnmonitor.experiments.stability.candidate_signals import candidate_signals
+from research.stability import RECORDS
+from research.stability.candidate_signals import candidate_signals
 
 __all__ = ["DEFAULT_OUT", "FAMILIES", "MEASURE_EVERY", "RUNS", "STEPS", "HeldOutRun", "run", "run_all"]
 
-DEFAULT_OUT = Path("results/stability-heldout")
+DEFAULT_OUT = RECORDS / "heldout"
 STEPS, BATCH, CONTEXT, WIDTH, DEPTH, HEADS = 150, 16, 64, 64, 4, 4
 MEASURE_EVERY = 10
 SEEDS = (0, 1, 2)
@@ -86,7 +87,7 @@ def _runs(families: tuple[str, ...], seeds: tuple[int, ...]) -> tuple[HeldOutRun
 RUNS = _runs(FAMILIES, SEEDS)
 CONFIRM_SEEDS = (3, 4, 5)
 CONFIRM_RUNS = _runs(FAMILIES + DEEP_FAMILIES, CONFIRM_SEEDS)
-CONFIRM_OUT = Path("results/stability-confirm")
+CONFIRM_OUT = RECORDS / "confirm"
 
 
 # -- the models ----------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def load(out: Path = DEFAULT_OUT, runs: tuple[HeldOutRun, ...] = RUNS) -> list[d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train the findings' held-out part (docs/findings.md).")
     parser.add_argument("--part", choices=("heldout", "confirm"), default="heldout")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/stability-<part>")
+    parser.add_argument("--out", type=Path, default=None, help="default: research/stability/records/<part>")
     parser.add_argument("--jobs", type=int, default=1, help="family-and-seed groups side by side")
     parser.add_argument("--force", action="store_true", help="train again runs that have a record")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
-"""lnmonitor.experiments.eps.law: one law across eps comparisons, from tiny synthetic records
+"""research.eps.law: one law across eps comparisons, from tiny synthetic records
 (no training): the predictors read from a record, the hinge fit, the bootstrap intervals,
-the sentence that claims no more than them, and ``lnmonitor report A B --law C``."""
+the sentence that claims no more than them, and ``python -m research.eps A B --out C``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import math
 import numpy as np
 import pytest
 
-from lnmonitor.commands.cli import main
 from lnmonitor.core.output import files
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.eps import law, store
+from lnmonitor.experiments.eps import store
 from lnmonitor.experiments.eps.statistics import paired_difference
 from lnmonitor.experiments.eps.store import eps_label
+from research.eps import law
+from research.eps.__main__ import main
 
 FIRST, FINAL = "model.blocks.0.ln1", "model.lnf"
 
@@ -156,23 +157,25 @@ def write_folder(folder, init: str, var: float, cost) -> None:
         "format": store.RESULTS_FORMAT, "config": config, "grid": {"pairs": pairs}})
 
 
-def test_the_report_command_rebuilds_every_folder_and_writes_the_law(tmp_path, capsys):
+def test_the_law_command_rebuilds_every_folder_and_writes_the_law(tmp_path, capsys):
     cost = hinge(1.0, 0.02)
     write_folder(tmp_path / "default", "default", 1.0, cost)
     write_folder(tmp_path / "gpt2", "gpt2", 1e-3, cost)
-    code = main(["report", str(tmp_path / "default"), str(tmp_path / "gpt2"), "--law", str(tmp_path / "law")])
+    code = main([str(tmp_path / "default"), str(tmp_path / "gpt2"), "--out", str(tmp_path / "law")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.count("report: ") >= 2 and (tmp_path / "gpt2" / "report.md").is_file()
-    assert "law: A large eps costs loss when the first norm's eps/var" in out
+    assert out.count("rebuilt ") == 2 and (tmp_path / "gpt2" / "report.md").is_file()
+    assert "A large eps costs loss when the first norm's eps/var" in out
     text = (tmp_path / "law" / "law.md").read_text()
     assert f"| {tmp_path / 'gpt2'} | gpt2 | 1e-05 | 9 |" in text
+    assert main([str(tmp_path / "default"), str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_the_report_command_checks_every_folder_before_writing(tmp_path, capsys):
-    write_folder(tmp_path / "a", "default", 1.0, lambda x: 0.0)
-    assert main(["report", str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
-    assert "'" + str(tmp_path / "missing") + "' is not a folder" in capsys.readouterr().err
-    assert not (tmp_path / "a" / "report.md").exists()  # nothing written: the second folder was bad
-    assert main(["report", str(tmp_path / "a"), str(tmp_path / "a")]) == 2
-    assert "given twice" in capsys.readouterr().err
+def test_the_law_reads_the_first_rungs_eps_over_var_at_the_end():
+    """Of a record of the meter's metrics (format /2), the first rung's, not the first norm's."""
+    metrics = {"lnmonitor/eps_over_var/emb": 3.0, "lnmonitor/eps_over_var/ln1": 0.25}
+    info = {"emb": {"role": "embedding"}, "ln1": {"role": "residual"}}
+    r = {"format": store.RECORD_FORMAT, "metrics": metrics, "norm_order": ["emb", "ln1"], "norm_info": info,
+         "rungs": ["ln1"]}
+    assert law.eps_over_var_at_end(r) == 0.25
