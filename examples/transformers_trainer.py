@@ -1,7 +1,7 @@
 """A transformers causal LM fine-tuned by ``transformers.Trainer`` -- no Lightning -- as a
 fine-tuning script is written: lines of text of different lengths, a tokenizer, the standard
 LM collator (``DataCollatorForLanguageModeling(mlm=False)``: dynamic padding, labels -100 on
-the padding), the Trainer's default arguments, and ``callbacks=[LNMonitorCallback()]``.
+the padding), the Trainer's default arguments, and ``trainer.add_callback(LNMonitorCallback(trainer))``.
 The ladder and shares land on the Trainer's logging steps beside its loss, the final-norm
 invariance on held-out rows (the eval set's first 64, joined across padded lengths) with the
 model's own ``labels`` loss, all in TensorBoard (``report_to``; its tags start with
@@ -67,8 +67,8 @@ def main() -> None:
     trainer = transformers.Trainer(
         model=model, args=training, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
         data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        callbacks=[LNMonitorCallback(invariance_every_n_steps=min(1000, args.steps))],
     )
+    trainer.add_callback(LNMonitorCallback(trainer, invariance_every_n_steps=min(1000, args.steps)))
     trainer.train()
     print(f"logs: {logs}\nopen with: tensorboard --logdir {args.out}\nor: lnmonitor summarize {logs}")
 

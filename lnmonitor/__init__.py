@@ -6,7 +6,9 @@ Three doors to the same measurements (each imported only when first used, so
 * PyTorch Lightning callbacks: :class:`LayerNormMonitor` (every norm's 1/sigma ladder and
   dead-plane share), :class:`FinalNormInvarianceMonitor`, :class:`StructureProbe`;
 * a plain PyTorch loop: :class:`LoopMonitor`;
-* a ``transformers.Trainer``: :class:`LNMonitorCallback` (needs the ``hf`` extra).
+* a ``transformers.Trainer``: :class:`LNMonitorCallback` (needs the ``hf`` extra);
+
+each configured by one :class:`Settings` (or keyword arguments of the same names).
 """
 
 from lnmonitor.errors import HealthWarning  # standard library only
@@ -15,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FinalNormInvarianceMonitor", "HealthWarning", "LNMonitorCallback", "LayerNormMonitor", "LoopMonitor",
-    "StructureProbe", "register_norm",
+    "Settings", "StructureProbe", "register_norm",
 ]
 
 
@@ -40,6 +42,7 @@ __getattr__ = _lazy_attributes(__name__, {
     "FinalNormInvarianceMonitor": "lnmonitor.lightning",
     "StructureProbe": "lnmonitor.lightning",
     "register_norm": "lnmonitor.core.norms.registry",
+    "Settings": "lnmonitor.core.monitor.settings",
     "LoopMonitor": "lnmonitor.integrations.loop",
     "LNMonitorCallback": "lnmonitor.integrations.transformers",
 })

@@ -70,7 +70,7 @@ def main() -> None:
     torch.manual_seed(0)
     module = TinyGPTModule(VOCAB, width=32, depth=1, heads=2, context=CONTEXT, max_steps=2)
     monitor = Recording(every_n_steps=1, keep_history=True)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, keep_history=True, scales=(1.0, 1e-2))
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, keep_history=True, scales=(1.0, 1e-2))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,

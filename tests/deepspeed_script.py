@@ -103,7 +103,8 @@ def loop(mode: str, world: int, rank: int) -> dict:
         else:
             engine.step()
     return {"history": monitor.history, "off": monitor.off_reason or monitor.meter.off_reason,
-            "rows": [s.rows for s in monitor.last_result.row_stats], "disabled": monitor.invariance_off,
+            "rows": [s.rows for s in monitor.last_result.row_stats],
+            "disabled": monitor.invariance_off_reason,
             "invariance": monitor.last_invariance and monitor.last_invariance.metrics(),
             "before": before, "after": norm_parameters(model),
             # each norm's gain read after training, outside any forward (gathered where partitioned)
@@ -123,12 +124,13 @@ def trainer(mode: str, world: int, rank: int) -> dict:
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
         use_cpu=True, save_strategy="no", report_to=[], logging_steps=2, logging_first_step=True,
         disable_tqdm=True, dataloader_num_workers=0, deepspeed=config(mode, ROWS // world))
-    callback = LNMonitorCallback(keep_history=True, invariance_every_n_steps=2, summary=False)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
-                                   callbacks=[callback])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    callback = LNMonitorCallback(trainer, keep_history=True, invariance_every_n_steps=2, summary=False)
+    trainer.add_callback(callback)
     trainer.train()
     return {"history": callback.history, "off": callback.off_reason or callback.meter.off_reason,
-            "rows": [s.rows for s in callback.last_result.row_stats], "disabled": callback.invariance_off,
+            "rows": [s.rows for s in callback.last_result.row_stats],
+            "disabled": callback.invariance_off_reason,
             "after": norm_parameters(trainer.model), "engine": type(trainer.model_wrapped).__name__}
 
 

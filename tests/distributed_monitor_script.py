@@ -223,8 +223,8 @@ def main() -> None:
         module = ShardedGPT(VOCAB, width=32, depth=2, heads=2, context=CONTEXT, max_steps=STEPS)
     monitor = Counting(every_n_steps=1, keep_history=True)
     probe = tuple(t[:4] for t in Windows()[:4])
-    invariance = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=probe,
-                                            keep_history=True, scales=(1.0, 0.1, 0.01))
+    invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False,
+                                            probe_batch=probe, keep_history=True, scales=(1.0, 0.1, 0.01))
     module.norm_units = strategy == "fsdp2-norms"
     module.sequence_parallel_norms = strategy != "tp-replicated"
     module.plan_tp = strategy in ("tp", "tp-replicated", "fsdp2-tp")
@@ -257,7 +257,7 @@ def main() -> None:
         rows = [s.rows for s in monitor.last_row_stats]
         with open(out, "w") as f:
             json.dump({"history": monitor.history, "merges": Counting.merges,
-                       "invariance": invariance.history, "disabled": invariance.disabled_reason,
+                       "invariance": invariance.history, "disabled": invariance.off_reason,
                        "rows": rows, "world": trainer.world_size, "steps": trainer.global_step,
                        "off": monitor.off_reason or monitor.meter.off_reason}, f)
 

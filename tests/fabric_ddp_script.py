@@ -32,5 +32,5 @@ for step in range(2):
 if fabric.global_rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"world": world, "history": monitor.history, "off": monitor.off_reason,
-                   "invariance_off": monitor.invariance_off,
+                   "invariance_off_reason": monitor.invariance_off_reason,
                    "rows": [s.rows for s in monitor.last_result.row_stats]}, f)

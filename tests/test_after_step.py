@@ -1,11 +1,11 @@
-"""core/after_step.py: the post-step sequence every door runs, on a real meter and real views."""
+"""core/monitor/after_step.py: the post-step sequence every door runs, on a real meter and real views."""
 
 from __future__ import annotations
 
 import torch
 
-from lnmonitor.core.after_step import AfterStep
 from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.monitor.after_step import AfterStep
 from lnmonitor.views.run_views import RunViews
 
 
@@ -59,7 +59,7 @@ def test_a_failing_summary_is_said_and_the_run_goes_on():
         def step(self, write, result, step, last=False):
             pass
 
-        def end(self, write, title, watched=None, start=None):
+        def end(self, write, title, watched=None, start=None, settings=None):
             raise RuntimeError("no screen")
 
     warned = []

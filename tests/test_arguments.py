@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
+from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, Settings, StructureProbe
 from lnmonitor.core.findings.reader import KINDS
 from lnmonitor.core.invariance.results import CASES
 
@@ -93,8 +93,14 @@ VALID = {
     (LayerNormMonitor, "row_mask"): lambda v: v is None or v is False or callable(v),
     (LayerNormMonitor, "findings"): _findings,
     (LayerNormMonitor, "on_finding"): lambda v: v is None or callable(v),
+    (LayerNormMonitor, "invariance_every_n_steps"): _pos_int_or_none,
+    (LayerNormMonitor, "probe_size"): _pos_int_or_none,
+    (LayerNormMonitor, "cases"): lambda v: _strings(v, CASES, distinct=True),
+    (LayerNormMonitor, "scales"): _scales,
+    (LayerNormMonitor, "settings"): lambda v: v is None or isinstance(v, Settings),
     # None alone would leave it nothing to run on (on_validation is False by default)
-    (FinalNormInvarianceMonitor, "every_n_steps"): lambda v: _int(v, 1),
+    (FinalNormInvarianceMonitor, "invariance_every_n_steps"): lambda v: _int(v, 1),
+    (FinalNormInvarianceMonitor, "settings"): lambda v: v is None or isinstance(v, Settings),
     (FinalNormInvarianceMonitor, "on_validation"): lambda v: isinstance(v, bool),
     (FinalNormInvarianceMonitor, "sweep_every_n_steps"): _pos_int_or_none,
     (FinalNormInvarianceMonitor, "probe_batch"): lambda v: True,  # anything loss_fn accepts
@@ -154,7 +160,7 @@ def test_every_public_argument_fails_clearly_at_construction(arg, value):
 
 def test_argument_combinations_and_generators():
     with pytest.raises(MisconfigurationException, match="would never run"):
-        FinalNormInvarianceMonitor(every_n_steps=None, on_validation=False)
+        FinalNormInvarianceMonitor(invariance_every_n_steps=None, on_validation=False)
     probe = StructureProbe(branch=(n for n in ("ln1", "attn")))  # a one-shot iterable
     assert probe.branch == ("ln1", "attn")
     mon = LayerNormMonitor(include=(p for p in ["*.ln1"]), every_n_steps=np.int64(3))
@@ -208,40 +214,66 @@ def test_probe_rejects_bad_arguments_early(kwargs, message):
 
 
 def test_the_fuzz_covers_every_public_argument():
+    """Every named argument and every setting a callback reads (``**fields`` builds its Settings)."""
+    import dataclasses
     import inspect
 
-    for cls in (LayerNormMonitor, FinalNormInvarianceMonitor, StructureProbe):
-        names = [n for n in inspect.signature(cls).parameters if n != "self"]
+    from lnmonitor.lightning.invariance_monitor import READS
+
+    every_setting = [f.name for f in dataclasses.fields(Settings)]
+    reading = ((LayerNormMonitor, every_setting), (FinalNormInvarianceMonitor, READS), (StructureProbe, []))
+    for cls, reads in reading:
+        params = inspect.signature(cls).parameters.values()
+        names = [p.name for p in params if p.kind is not p.VAR_KEYWORD] + list(reads)
         assert [n for n in names if (cls, n) not in VALID] == [], cls.__name__
 
 
-def test_the_three_doors_share_one_settings_object_with_one_name_a_setting():
-    """The ladder's settings are one dataclass, built and checked alike by every door: the same
-    values read back from each, the same refusal for the same nonsense."""
+def test_every_monitor_takes_one_settings_object_with_one_name_a_setting():
+    """One dataclass, a docstring per field, checked when built; every monitor accepts it as
+    ``settings=`` or builds it from keyword arguments of the same names, and reads back the
+    same object; the same nonsense gets the same refusal; a name a monitor does not read, and
+    a settings object beside keyword settings, are refused with what to pass."""
+    import ast
     import dataclasses
+    import inspect
 
     from lnmonitor import LoopMonitor
     from lnmonitor.core.monitor.arguments import ArgumentError
-    from lnmonitor.core.settings import LadderSettings
 
     pytest.importorskip("transformers")
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
     given = dict(every_n_steps=4, include=["*.ln*"], exclude="*.ln2", final_norm="lnf", ladder=None,
-                 images=False, image_every_n_steps=7, summary=False, keep_history=True)
+                 images=False, image_every_n_steps=7, summary=False, keep_history=True,
+                 invariance_every_n_steps=None, findings={"loss_blowup": None})
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    loop = LoopMonitor(model, **{**given, "include": None, "exclude": None, "final_norm": None})
-    doors = [LayerNormMonitor(**given), LNMonitorCallback(**given), loop]
-    expected = LadderSettings(**given)
-    assert [f.name for f in dataclasses.fields(LadderSettings)] == [
-        "every_n_steps", "include", "exclude", "final_norm", "ladder", "row_mask", "images",
-        "image_every_n_steps", "summary", "keep_history"]
-    assert doors[0].settings == doors[1].settings == expected
-    assert doors[2].settings.image_every_n_steps == 7 and doors[2].settings.images is False
-    assert LadderSettings.__doc__ and expected.include == ("*.ln*",)
+    expected = Settings(**given)
+    built = [LayerNormMonitor(**given), LNMonitorCallback(**given)]
+    handed = [LayerNormMonitor(settings=expected), LNMonitorCallback(settings=expected),
+              LoopMonitor(model, settings=Settings(**{**given, "include": None, "exclude": None,
+                                                      "final_norm": None}))]
+    assert all(m.settings == expected for m in built) and handed[0].settings is expected
+    assert handed[2].settings.image_every_n_steps == 7 and expected.include == ("*.ln*",)
+    inv = FinalNormInvarianceMonitor(settings=Settings(invariance_every_n_steps=3, probe_size=8))
+    assert (inv.invariance_every_n_steps, inv.probe_size) == (3, 8)
+
+    # a docstring under every field (attribute docstrings, read from the source)
+    tree = ast.parse(inspect.getsource(Settings))
+    body = tree.body[0].body
+    documented = {node.target.id for node, after in zip(body, body[1:], strict=False)
+                  if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)}
+    assert documented == {f.name for f in dataclasses.fields(Settings)}
+
     with pytest.raises(MisconfigurationException, match="image_every_n_steps"):
         LayerNormMonitor(image_every_n_steps=0)
     for door in (lambda: LNMonitorCallback(image_every_n_steps=0),
                  lambda: LoopMonitor(model, image_every_n_steps=0)):
         with pytest.raises(ArgumentError, match="image_every_n_steps"):
             door()
+    with pytest.raises(MisconfigurationException,
+                       match="no setting 'every_n_steps'.*invariance_every_n_steps"):
+        FinalNormInvarianceMonitor(every_n_steps=500)  # the ladder's cadence: the probe's has its own name
+    with pytest.raises(ArgumentError, match="no setting 'evry_n_steps'"):
+        LoopMonitor(model, evry_n_steps=5)
+    with pytest.raises(ArgumentError, match="not both"):
+        LNMonitorCallback(settings=expected, every_n_steps=3)

@@ -607,7 +607,7 @@ def check(cell: Cell) -> None:
     assert all(f"{family.refused} (" in w and "more than the input it normalises (gate)" in w
                for w in refusals)
     # the invariance monitor: on, on the family's final norm, with its five cases
-    assert inv.disabled_reason is None, inv.disabled_reason
+    assert inv.off_reason is None, inv.off_reason
     assert canonical(inv.last_result.final_norm) == family.final
     h = inv.history[0]
     for case in CASES:
@@ -659,7 +659,7 @@ def family_row(cell: Cell) -> str:
     gain = "1 + weight" if family.unit_offset else "weight"
     role_text = ", ".join(f"{roles[k]} {k}" for k in ("residual", "final", "qk", "embedding", "post")
                           if k in roles)
-    on = "on, 5 cases" if inv.disabled_reason is None else "off"
+    on = "on, 5 cases" if inv.off_reason is None else "off"
     return (f"| {family.label} | {len(ln.norms)} {family.kind}, gain {gain} | {role_text} | "
             f"`{inv.last_result.final_norm.removeprefix('model.')}` | {on} |")
 

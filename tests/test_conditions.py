@@ -201,7 +201,8 @@ def test_a_step_without_backward_logs_nothing_and_says_why():
 def test_a_diverged_loss_is_said_and_the_invariance_monitor_stays_on():
     module = gpt()
     x = torch.randint(0, 10, (4, 8))
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, probe_batch=(x, x), keep_history=True, summary=False)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, probe_batch=(x, x), keep_history=True,
+                                     summary=False)
     with torch.no_grad():
         module.model.head.weight.fill_(float("nan"))
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -211,7 +212,7 @@ def test_a_diverged_loss_is_said_and_the_invariance_monitor_stays_on():
         trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=4))
     said = [str(w.message) for w in caught if "FinalNormInvarianceMonitor" in str(w.message)]
     assert any("the loss on the probe rows is nan" in w for w in said), said
-    assert inv.history == [] and inv.disabled_reason is None
+    assert inv.history == [] and inv.off_reason is None
 
 
 class _Looped(torch.nn.Module):

@@ -149,7 +149,7 @@ def test_lightning_refuses_its_deepspeed_strategy_on_the_cpu_before_any_callback
     from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
     from lnmonitor.tiny.module import TinyGPTModule
 
-    monitors = [LayerNormMonitor(every_n_steps=1), FinalNormInvarianceMonitor(every_n_steps=1)]
+    monitors = [LayerNormMonitor(every_n_steps=1), FinalNormInvarianceMonitor(invariance_every_n_steps=1)]
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), max_steps=1,
                         logger=False, enable_checkpointing=False, callbacks=monitors,
                         default_root_dir=tmp_path)

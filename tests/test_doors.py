@@ -71,7 +71,7 @@ def lightning_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], d
     model = gpt2()
     model.load_state_dict(state)
     monitor = LayerNormMonitor(every_n_steps=EVERY, summary=False, keep_history=True)
-    invariance = FinalNormInvarianceMonitor(every_n_steps=EVERY, probe_batch=(tokens()[:PROBE],),
+    invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=EVERY, probe_batch=(tokens()[:PROBE],),
                                             loss_fn=_logits_and_loss, summary=False, keep_history=True)
     trainer = L.Trainer(max_steps=STEPS, logger=TensorBoardLogger(str(tmp_path / "lightning")),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -205,7 +205,7 @@ def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate, capsys):
             assert c[tag] == pytest.approx(value, **tol), (step, tag)
     # the Trainer door's invariance probe ran at the end, with the model's labels loss
     inv = list(_by_step(h for h in callback.history if h.keys() & INVARIANCE_TAGS).values())
-    assert callback.invariance_off is None and [h["step"] for h in inv] == [STEPS]
+    assert callback.invariance_off_reason is None and [h["step"] for h in inv] == [STEPS]
     shift, axis = inv[0]["lnmonitor/invariance/shift_5/dloss"], inv[0]["lnmonitor/invariance/axis_5/dloss"]
     assert abs(shift) < 1e-5 < abs(axis)
     # and the numbers reached TensorBoard through each door's writer, read back

@@ -10,7 +10,8 @@ import torch
 from conftest import gpt
 from torch import nn
 
-from lnmonitor.core.hooks import Hooks, eval_mode, float64_twin, measuring, unmeasured
+from lnmonitor.core.float64 import float64_twin
+from lnmonitor.core.hooks import Hooks, eval_mode, measuring, unmeasured
 
 
 def test_hooks_are_removed_when_the_block_raises():
@@ -118,7 +119,7 @@ def test_every_module_hook_goes_through_the_one_door():
 
 
 def test_model_class_is_the_users_class_inside_compile_and_the_outer_wrappers():
-    from lnmonitor.core.hooks import model_class
+    from lnmonitor.core.wrappers import model_class
 
     class TinyNet(nn.Sequential):
         pass

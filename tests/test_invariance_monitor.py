@@ -47,7 +47,7 @@ class ModeSpy(Callback):
 
 def test_invariance_monitor_in_a_trainer(tmp_path):
     data, module = char_data(6)
-    inv = FinalNormInvarianceMonitor(every_n_steps=2, on_validation=True, probe_size=4)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=2, on_validation=True, probe_size=4)
     spy = ModeSpy()
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)
     t = trainer(6, [inv, spy], validate_every=6, logger=tb, val_check_interval=3)
@@ -80,7 +80,7 @@ def test_invariance_monitor_custom_loss_and_explicit_probe():
         calls.append(b[0].shape)
         return m(*b)[1]
 
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=(x, x),
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, probe_batch=(x, x),
                                      loss_fn=loss_fn, final_norm="model.lnf", cases=["shift_5"],
                                      scales=[1.0, 0.01], keep_history=True)
     with warnings.catch_warnings():
@@ -107,7 +107,7 @@ def test_model_without_a_final_norm_is_said_clearly():
         module.model.lnf = nn.Identity()
         assert final_norm_bypass(module, batch, "model.blocks.1.ln2") > 0.1
         mon = monitor()
-        inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+        inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, keep_history=True,
                                          probe_batch=batch, final_norm=final)
         trainer, caught = fit(module, loader(12, 4), [mon, inv], 3)
         assert trainer.global_step == 3
@@ -115,13 +115,13 @@ def test_model_without_a_final_norm_is_said_clearly():
         assert len(said) == 1 and "'model.blocks.1.ln2'" in said[0]
         assert ("final_norm='model.blocks.1.ln2'" in said[0]) == (final is not None)
         assert inv.history == [] and inv.last_result is None
-        assert "residual" in inv.disabled_reason
+        assert "residual" in inv.off_reason
         assert mon.order == NORMS[:-1] and len(mon.history) == 3
         assert "lnmonitor/ladder/attenuation" in mon.history[0]
 
 
 def test_a_callback_reused_for_a_second_fit_probes_the_second_model():
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, keep_history=True)
     fit(gpt(2), loader(8, 4), [inv], 2)
     first_probe = inv._probe
     fit(gpt(2, seed=1), loader(8, 4, seed=1), [inv], 2)
@@ -138,7 +138,7 @@ class ValidationOnlyStep(TinyGPTModule):
 
 def test_the_probe_comes_from_the_validation_loader_given_to_fit():
     module = ValidationOnlyStep(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=2)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_size=2)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, probe_size=2)
     val = loader(8, 4, seed=7)
     _, caught = fit(module, loader(8, 4), [inv], 2, val=val, **{"val_check_interval": 2,
                                                               "check_val_every_n_epoch": None})
@@ -162,10 +162,10 @@ class LogitsOnly(TinyGPTModule):
 
 def test_a_forward_that_returns_logits_is_probed_through_training_step(tmp_path):
     module = LogitsOnly(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=3)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=windows(2),
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, probe_batch=windows(2),
                                      keep_history=True)
     t, _ = fit(module, loader(12, 4), [inv], 3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
-    assert t.global_step == 3 and inv.disabled_reason is None
+    assert t.global_step == 3 and inv.off_reason is None
     assert [h["step"] for h in inv.history] == [0, 1, 2, 3]
     h = inv.history[0]
     assert h["lnmonitor/invariance/shift_5/dloss"] == 0.0 and abs(h["lnmonitor/invariance/axis_5/dloss"]) > 0
@@ -187,7 +187,7 @@ class NoLossAnywhere(LogitsOnly):
 
 def test_without_any_loss_the_monitor_says_how_to_pass_one_and_training_goes_on():
     module = NoLossAnywhere(VOCAB, width=WIDTH, depth=2, heads=2, context=CONTEXT, max_steps=3)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, probe_batch=windows(2))
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, probe_batch=windows(2))
     t, caught = fit(module, loader(12, 4), [inv], 3)
     assert t.global_step == 3 and inv.last_result is None
     said = [w for w in caught if "FinalNormInvarianceMonitor is off" in w]
@@ -202,7 +202,7 @@ def test_the_monitor_probes_the_rows_analyze_and_eps_compare_probe():
 
     data, module = char_data(2, batch=4)
     data.val_windows = 128
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False)
     trainer(2, [inv], validate_every=2).fit(module, datamodule=data)
     x, y = held_out_probe(data.val_batches())
     assert inv._probe[0].shape[0] == PROBE_WINDOWS == x.shape[0]
@@ -233,8 +233,8 @@ def test_the_sweep_runs_at_the_end_and_the_cadence_runs_the_cases(sweep_every, t
     # a = 1 reuses the base) runs at the end of the fit, added to the last point, or at its
     # own cadence
     data, module = char_data(4)
-    inv = FinalNormInvarianceMonitor(every_n_steps=2, sweep_every_n_steps=sweep_every, probe_size=4,
-                                     keep_history=True)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=2, sweep_every_n_steps=sweep_every,
+                                     probe_size=4, keep_history=True)
     passes = ProbePasses()
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer(4, [inv, passes], logger=tb, limit_val_batches=0).fit(module, datamodule=data)
@@ -264,10 +264,10 @@ def test_an_fsdp1_model_turns_the_probe_off_saying_why_and_the_ladder_goes_on():
     module = gpt(2)
     with fsdp1_units(module.model.blocks):
         mon = monitor()
-        inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+        inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, keep_history=True,
                                          probe_batch=windows(2))
         trainer, caught = fit(module, loader(8, 4), [mon, inv], 2)
     assert trainer.global_step == 2 and len(mon.history) == 2
     assert [s.rows > 0 for s in mon.last_row_stats] == [True] * len(NORMS)  # every norm measured
-    assert inv.disabled_reason == FSDP1_REFUSED and inv.history == []
+    assert inv.off_reason == FSDP1_REFUSED and inv.history == []
     assert sum(FSDP1_REFUSED in w for w in caught) == 1

@@ -272,7 +272,7 @@ def test_bf16_autocast_and_fallback_probe_batch():
     validation data is probed on its first training batch, with a warning."""
     module = RowsModule(d=16, norm=nn.LayerNorm(16))
     ln = LayerNormMonitor(every_n_steps=1, keep_history=True)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, keep_history=True,
                                      loss_fn=lambda m, b: m.training_step(b, 0), scales=())
     t = trainer(2, [ln, inv], validate_every=2, precision="bf16-mixed", limit_val_batches=0)
     with warnings.catch_warnings(record=True) as caught:
@@ -436,7 +436,7 @@ def test_every_fit_logs_the_ladder_positions_and_layouts_a_fit_resumed_into_a_ne
         data, module = char_data(8)
         tb = TensorBoardLogger(tmp_path, name="tb", version=version)
         callbacks = [LayerNormMonitor(every_n_steps=2, images=False, summary=False),
-                     FinalNormInvarianceMonitor(every_n_steps=2, on_validation=False, summary=False),
+                     FinalNormInvarianceMonitor(invariance_every_n_steps=2, summary=False),
                      ModelCheckpoint(dirpath=tmp_path / name, save_last=True, save_top_k=0)]
         trainer(steps, callbacks, logger=tb, enable_checkpointing=True).fit(
             module, datamodule=data, ckpt_path=ckpt_path)

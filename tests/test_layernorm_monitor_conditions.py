@@ -138,7 +138,7 @@ def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monk
     # 2. the monitor as shipped, against an uncompiled twin with the same weights
     twin_module = gpt(steps, depth=1)
     twin_module.model.load_state_dict(module.model._orig_mod.state_dict())
-    inv = FinalNormInvarianceMonitor(every_n_steps=2, on_validation=False, keep_history=True,
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=2, on_validation=False, keep_history=True,
                                      probe_batch=windows(2, seed=1), scales=())
     mon = monitor(every_n_steps=2)
     caplog.clear()
@@ -228,7 +228,7 @@ def test_resume_has_no_duplicate_or_missing_points(tmp_path):
         module = TinyGPTModule(data.vocab.chars, width=WIDTH, depth=1, heads=2, context=CONTEXT,
                                max_steps=10)
         cbs = [LayerNormMonitor(every_n_steps=2),
-               FinalNormInvarianceMonitor(every_n_steps=2, on_validation=True, scales=(1.0, 1e-2)),
+               FinalNormInvarianceMonitor(invariance_every_n_steps=2, on_validation=True, scales=(1.0, 1e-2)),
                *callbacks]
         trainer = L.Trainer(
             accelerator="cpu", max_steps=steps, enable_progress_bar=False,
@@ -335,7 +335,7 @@ def test_other_norms_against_float64(variant, caplog):
     train = loader(8, 4)
     batch = next(iter(train))
     mon = monitor()
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, on_validation=False, keep_history=True,
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, on_validation=False, keep_history=True,
                                      probe_batch=windows(2, seed=1), scales=())
     with caplog.at_level(logging.INFO):
         fit(module, train, [mon, inv], 1)
@@ -536,8 +536,9 @@ def test_validation_free_fit():
     first training batch (and says so); a monitor that only runs after validation, and
     StructureProbe, say that they never ran instead of staying silent."""
     ln = monitor()
-    inv = FinalNormInvarianceMonitor(every_n_steps=2, keep_history=True, scales=())
-    after_val = FinalNormInvarianceMonitor(every_n_steps=None, on_validation=True, keep_history=True)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=2, keep_history=True, scales=())
+    after_val = FinalNormInvarianceMonitor(invariance_every_n_steps=None, on_validation=True,
+                                           keep_history=True)
     probe = StructureProbe()
     trainer, caught = fit(gpt(3), loader(12, 4), [ln, inv, after_val, probe], 3,
                           limit_val_batches=1.0)  # Lightning's default: there is just no data

@@ -36,7 +36,7 @@ def fitted(tmp_path, monkeypatch):
                                artifact_location=str(tmp_path / "artifacts")),
     }
     monitors = [LayerNormMonitor(every_n_steps=EVERY, keep_history=True, summary=False),
-                FinalNormInvarianceMonitor(every_n_steps=EVERY, probe_size=4, keep_history=True,
+                FinalNormInvarianceMonitor(invariance_every_n_steps=EVERY, probe_size=4, keep_history=True,
                                            summary=False)]
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", logger=list(loggers.values()), callbacks=monitors,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -4,12 +4,15 @@ the user's own hooks on its norms, a real ``SummaryWriter`` read back."""
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
 from conftest import fit, fsdp1_units, gpt, loader
 from lightning.pytorch import Callback
 
+import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.invariance.points import FSDP1_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
@@ -71,7 +74,7 @@ def test_building_a_door_runs_no_hook_the_user_put_on_a_norm(tmp_path):
     calls = counted(module)
     recorder = _CallsAtTrainStart(calls)
     monitors = [LayerNormMonitor(every_n_steps=1, images=False, summary=False),
-                FinalNormInvarianceMonitor(every_n_steps=1, summary=False)]
+                FinalNormInvarianceMonitor(invariance_every_n_steps=1, summary=False)]
     fit(module, loader(4, 4), [*monitors, recorder], 1)
     assert recorder.seen == []  # after LayerNormMonitor and FinalNormInvarianceMonitor set up
     assert calls  # then training ran the norms
@@ -198,7 +201,7 @@ def test_close_ends_a_run_of_unknown_length_at_the_point_after_its_last_update(c
     probed = [h["step"] for h in monitor.history if "lnmonitor/invariance/shift_5/dloss" in h]
     assert probed == [0, 2, 3]  # every second step, and after the last update (3 updates done)
     assert "lnmonitor/invariance/scale_rounding_points" in monitor.history[-1]  # with the sweep
-    assert monitor.last_invariance.sweep and monitor.invariance_off is None
+    assert monitor.last_invariance.sweep and monitor.invariance_off_reason is None
 
 
 def test_a_probe_that_fails_is_said_once_and_training_goes_on():
@@ -213,7 +216,7 @@ def test_a_probe_that_fails_is_said_once_and_training_goes_on():
         _train(monitor, model, 3)
     assert sum("invariance probe is off" in str(w.message) for w in caught) == 1
     assert [h["step"] for h in monitor.history] == [0, 1, 2]  # the ladder went on
-    assert "KeyError" in monitor.invariance_off
+    assert "KeyError" in monitor.invariance_off_reason
 
 
 def test_an_fsdp1_model_turns_the_loop_doors_probe_off_saying_why_and_the_ladder_goes_on():
@@ -223,7 +226,7 @@ def test_an_fsdp1_model_turns_the_loop_doors_probe_off_saying_why_and_the_ladder
         monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
                               probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
         _train(monitor, model, 2)
-    assert monitor.invariance_off == FSDP1_REFUSED
+    assert monitor.invariance_off_reason == FSDP1_REFUSED
     assert sum(FSDP1_REFUSED in str(w.message) for w in caught) == 1
     assert [h["step"] for h in monitor.history] == [0, 1]  # the ladder went on, every norm in it
     assert all(f"lnmonitor/sigma/{name}" in monitor.history[-1] for name in (
@@ -272,7 +275,7 @@ def test_under_fabric_ddp_the_names_and_numbers_are_one_processs(tmp_path):
     two = _fabric_script(tmp_path / "two.json", 2)
     one = _fabric_script(tmp_path / "one.json", 1)
     assert two["world"] == 2 and one["world"] == 1
-    assert two["off"] is None and two["invariance_off"] is None
+    assert two["off"] is None and two["invariance_off_reason"] is None
     assert two["rows"] == one["rows"] == [8 * CONTEXT] * 5
     assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]]
     for a, b in zip(two["history"], one["history"], strict=True):
@@ -350,19 +353,19 @@ def test_the_probe_checks_the_meters_final_norm_among_the_meters_norms():
     _train(monitor, model, 2)
     assert monitor.meter.final == "lnf" and monitor._points.prober.final_norm == "lnf"
     names = [n.name for n in monitor._points.prober.norms]
-    assert names == [n.name for n in monitor.meter.norms] and monitor.invariance_off is None
+    assert names == [n.name for n in monitor.meter.norms] and monitor.invariance_off_reason is None
     model = tiny()
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1, exclude="lnf",
                           probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
     with pytest.warns(UserWarning, match="is not a final norm"):
         _train(monitor, model, 2)
-    assert monitor.meter.final is None and "blocks.1.ln2" in monitor.invariance_off
+    assert monitor.meter.final is None and "blocks.1.ln2" in monitor.invariance_off_reason
     assert not any("lnmonitor/invariance/shift_5/dloss" in h for h in monitor.history)
 
 
 def test_beside_a_layernorm_monitor_the_invariance_monitor_probes_the_meters_final_norm():
     monitor = LayerNormMonitor(every_n_steps=1, exclude="model.blocks.0.*")
-    invariance = FinalNormInvarianceMonitor(every_n_steps=1, probe_batch=(tokens(2, seed=9),) * 2)
+    invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=1, probe_batch=(tokens(2, seed=9),) * 2)
     fit(gpt(), loader(8, 4), [monitor, invariance], 2)
     assert invariance._prober.meter is monitor.meter and invariance._prober.final_norm == monitor.meter.final
     assert not any(n.name.startswith("model.blocks.0.") for n in invariance._prober.norms)
@@ -373,8 +376,36 @@ def test_a_final_norm_the_invariance_monitor_names_is_probed_though_the_ladder_l
     """The doors with one meter refuse a named final norm that include/exclude leave out; in
     Lightning the invariance monitor names its own, and the probe measures it all the same."""
     monitor = LayerNormMonitor(every_n_steps=1, exclude="model.lnf")
-    invariance = FinalNormInvarianceMonitor(every_n_steps=1, final_norm="model.lnf",
+    invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=1, final_norm="model.lnf",
                                             probe_batch=(tokens(2, seed=9),) * 2)
     fit(gpt(), loader(8, 4), [monitor, invariance], 2)
     assert invariance.off_reason is None and invariance._prober.final_norm == "model.lnf"
     assert invariance.last_result is not None
+
+
+def test_a_resumed_loop_logs_no_step_twice_and_raises_no_finding_twice():
+    """nanoGPT's resume: the checkpoint saved at iter 2 holds ``monitor.state_dict()``; the new
+    process's monitor loads it and runs iter 2 again.  Step 2, logged before the save, is not
+    logged again; the finding raised before is not raised again, and the growth is still judged
+    from the first run's step 0."""
+    model, x = tiny(), tokens()
+    seen: list = []
+
+    def run(steps, state=None):
+        monitor = LoopMonitor(model, every_n_steps=1, keep_history=True, invariance_every_n_steps=None,
+                              findings={"stream_growth": 1e-3}, on_finding=seen.append, summary=False)
+        if state is not None:
+            monitor.load_state_dict(state)
+        for step in steps:
+            with monitor.step(step):
+                model(x, x)[1].backward()
+        return monitor
+
+    with pytest.warns(lnmonitor.HealthWarning):
+        first = run(range(3))
+    saved = first.state_dict()
+    assert saved["last_logged_step"] == 2 and saved["findings"]["start"][0] == 0
+    resumed = run(range(2, 5), copy.deepcopy(saved))
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert len(seen) == 1 and resumed.findings.start == first.findings.start
+    assert resumed.state_dict()["last_logged_step"] == 4

@@ -50,7 +50,7 @@ def fit():
     """A three-step fit with the monitor and the invariance monitor measuring every step."""
     data, module = char_data(3)
     ln = LayerNormMonitor(every_n_steps=1, keep_history=True, images=False, summary=False)
-    inv = FinalNormInvarianceMonitor(every_n_steps=1, keep_history=True, summary=False)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=1, keep_history=True, summary=False)
     trainer(3, [ln, inv], validate_every=3).fit(module, datamodule=data)
     return ln, inv
 

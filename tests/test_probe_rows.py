@@ -105,9 +105,10 @@ class LitLlama(L.LightningModule):
 def test_the_lightning_door_measures_on_padded_validation_batches_of_different_lengths():
     tok = tokenizer()
     train, val = _collated(tok, records(tok, 16, 0), 4), _collated(tok, records(tok, 32, 1), 8)
-    monitor = FinalNormInvarianceMonitor(every_n_steps=2, probe_size=32, summary=False, keep_history=True)
+    monitor = FinalNormInvarianceMonitor(invariance_every_n_steps=2, probe_size=32, summary=False,
+                                         keep_history=True)
     _, said = fit(LitLlama(), train, [monitor], 2, val=val)
-    assert monitor.disabled_reason is None, monitor.disabled_reason
+    assert monitor.off_reason is None, monitor.off_reason
     assert not [s for s in said if "FinalNormInvarianceMonitor" in s and "off" in s], said
     assert [h["step"] for h in monitor.history if "lnmonitor/invariance/scale_3/dloss" in h] == [0, 2]
     rows = monitor._probe

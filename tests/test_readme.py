@@ -59,7 +59,7 @@ def test_the_arguments_snippet_runs_on_the_llama_it_names(tmp_path):
     assert first["lnmonitor/ladder_position/model.model.layers.3.input_layernorm"] == 3
     assert not any("post_attention_layernorm" in key for h in ln.history for key in h)  # excluded
     assert "lnmonitor/ladder/attenuation" in last
-    assert inv.disabled_reason is None
+    assert inv.off_reason is None
     assert abs(inv.history[-1]["lnmonitor/invariance/axis_5/dloss"]) > 0  # the loss_fn was used
 
 

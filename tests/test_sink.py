@@ -33,7 +33,7 @@ def test_tensorboard_layout_hparams_and_histograms(tmp_path):
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)
     callbacks = [
         LayerNormMonitor(every_n_steps=1, histograms=True),
-        FinalNormInvarianceMonitor(every_n_steps=2, on_validation=False),
+        FinalNormInvarianceMonitor(invariance_every_n_steps=2, on_validation=False),
     ]
     trainer(3, validate_every=3, callbacks=callbacks, logger=tb).fit(module, datamodule=data)
     acc = events(tb.log_dir)

@@ -26,7 +26,8 @@ def logdir(tmp_path_factory):
         (1e-1, lambda: [TensorBoardLogger(root, name="b")]),
     ):
         data, module = char_data(5, eps=eps)
-        callbacks = [LayerNormMonitor(every_n_steps=2), FinalNormInvarianceMonitor(every_n_steps=2)]
+        callbacks = [LayerNormMonitor(every_n_steps=2),
+                     FinalNormInvarianceMonitor(invariance_every_n_steps=2)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer(5, callbacks, logger=loggers()).fit(module, datamodule=data)

@@ -31,7 +31,7 @@ def test_tensorboard_shows_the_lnmonitor_sections_pictures_and_columns(tmp_path)
         for name, eps, include in (("a", 1e-5, None), ("b", 1e-1, ["*.ln1", "model.lnf"])):
             data, module = char_data(6, eps=eps)
             callbacks = [LayerNormMonitor(every_n_steps=2, include=include),
-                         FinalNormInvarianceMonitor(every_n_steps=3)]
+                         FinalNormInvarianceMonitor(invariance_every_n_steps=3)]
             logger = TensorBoardLogger(tmp_path, name=name)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -1,5 +1,5 @@
 """The transformers.Trainer door as a fine-tuning script uses it: ``Trainer(...,
-callbacks=[LNMonitorCallback()])``, a tiny random Llama, sequences of different lengths
+trainer.add_callback(LNMonitorCallback(trainer))``, a tiny random Llama, sequences of different lengths
 padded per batch by ``DataCollatorForLanguageModeling(mlm=False)`` with a tokenizer built
 here (``tokenizers``' WordLevel, pad id 1: nothing downloaded), the Trainer's default eval
 batch size (8), TensorBoard as its ``report_to``.  The probe rows' joining itself:
@@ -66,12 +66,13 @@ def fine_tune(tmp_path_factory):
     """One fine-tune, as a user writes it; what it logged and said."""
     out = tmp_path_factory.mktemp("trainer")
     tok = tokenizer()
-    callback = LNMonitorCallback(invariance_every_n_steps=10)
     trainer = transformers.Trainer(
         model=llama(), args=training_args(out), train_dataset=records(tok, 64, 0),
-        eval_dataset=records(tok, 64, 1), processing_class=tok, callbacks=[callback],
+        eval_dataset=records(tok, 64, 1), processing_class=tok,
         data_collator=transformers.DataCollatorForLanguageModeling(tok, mlm=False),
     )
+    callback = LNMonitorCallback(trainer, invariance_every_n_steps=10)
+    trainer.add_callback(callback)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         trainer.train()
@@ -84,7 +85,7 @@ def test_padded_eval_batches_are_joined_and_the_probe_measures(fine_tune):
     crashed ``trainer.train()``), through ``model(**batch)`` for the collator's BatchEncoding
     (``model(batch)`` turned the probe off)."""
     callback, files, said = fine_tune
-    assert callback.invariance_off is None, callback.invariance_off
+    assert callback.invariance_off_reason is None, callback.invariance_off_reason
     assert not [s for s in said if "probe" in s], said
     rows = callback._points.batch
     assert isinstance(rows, transformers.BatchEncoding) and rows["input_ids"].shape[0] == 64
@@ -172,12 +173,12 @@ def test_a_collator_output_without_labels_turns_the_probe_off_once_by_name(tmp_p
     assert [h["step"] for h in callback.history] == [1, 5, 6]  # the ladder goes on
 
 
-def test_outside_a_trainer_it_says_so_and_keeps_history(tmp_path):
-    """Events not run by a Trainer (nothing on the stack holds the callback): said once."""
+def test_without_its_trainer_it_says_so_and_keeps_history(tmp_path):
+    """A callback not handed its Trainer reaches no report_to integration: said once."""
     args = training_args(tmp_path)
     state = transformers.TrainerState(max_steps=4, is_world_process_zero=True)
     callback = LNMonitorCallback(invariance_every_n_steps=None)
-    with pytest.warns(UserWarning, match="no transformers.Trainer runs this callback's events"):
+    with pytest.warns(UserWarning, match="no transformers.Trainer was handed to it"):
         callback.on_train_begin(args, state, transformers.TrainerControl(), model=llama())
     callback._report({"lnmonitor/x": 1.0}, args, state, transformers.TrainerControl())
     assert callback._reporters == [] and callback.history == [{"step": 0, "lnmonitor/x": 1.0}]
@@ -186,7 +187,7 @@ def test_outside_a_trainer_it_says_so_and_keeps_history(tmp_path):
 def test_a_wrong_trainer_argument_is_refused_by_name():
     from lnmonitor.core.monitor.arguments import ArgumentError
 
-    with pytest.raises(ArgumentError, match=r"pass the other arguments by name"):
+    with pytest.raises(ArgumentError, match=r"pass the settings by name"):
         LNMonitorCallback(50)
 
 

@@ -103,7 +103,7 @@ class PictureLogger(MemoryLogger):
 def test_pictures_reach_every_logger_that_takes_them_and_the_summary_matches_the_log(tmp_path, caplog):
     data, module = char_data(5)
     ln = LayerNormMonitor(every_n_steps=2, image_every_n_steps=2, keep_history=True)
-    inv = FinalNormInvarianceMonitor(every_n_steps=10, on_validation=False, keep_history=True)
+    inv = FinalNormInvarianceMonitor(invariance_every_n_steps=10, on_validation=False, keep_history=True)
     tb, takes, broken = TensorBoardLogger(tmp_path, name="tb"), PictureLogger(), PictureLogger(broken=True)
     t = trainer(5, [ln, inv], logger=[tb, takes, broken])
     with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:

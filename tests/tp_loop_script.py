@@ -66,7 +66,7 @@ def main(rank: int, devices: int, out: str) -> None:
             json.dump({"history": monitor.history, "world": devices, "off": monitor.off_reason,
                        "rows": [s.rows for s in monitor.last_result.row_stats],
                        "invariance": monitor.last_invariance and monitor.last_invariance.metrics(),
-                       "disabled": monitor.invariance_off},
+                       "disabled": monitor.invariance_off_reason},
                       f)
     if devices > 1:
         dist.destroy_process_group()

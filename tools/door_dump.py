@@ -66,8 +66,9 @@ def lightning_door(folder: Path) -> dict:
 
     T = _parity()
     monitor = LayerNormMonitor(every_n_steps=T.EVERY, keep_history=True)
-    invariance = FinalNormInvarianceMonitor(every_n_steps=T.EVERY, probe_batch=(T.tokens()[:T.PROBE],),
-                                            loss_fn=T._logits_and_loss, keep_history=True)
+    invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=T.EVERY,
+                                            probe_batch=(T.tokens()[:T.PROBE],), loss_fn=T._logits_and_loss,
+                                            keep_history=True)
     trainer = L.Trainer(max_steps=STEPS, logger=CSVLogger(str(folder)), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         callbacks=[monitor, invariance])

@@ -7,8 +7,8 @@ so the command line can name them without importing torch.
 
 from typing import Literal
 
-__all__ = ["KINDS", "NormKind"]
+__all__ = ["NORM_KINDS", "NormKind"]
 
 NormKind = Literal["layer", "rms"]
 
-KINDS = ("layer", "rms")
+NORM_KINDS = ("layer", "rms")

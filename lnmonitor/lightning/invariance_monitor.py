@@ -7,19 +7,19 @@ Check, while training, that the loss ignores shifts and scales of the final norm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.core.hooks import fsdp1, sharded
 from lnmonitor.core.invariance.points import FSDP1_REFUSED, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
-from lnmonitor.core.invariance.results import CASES, PROBE_WINDOWS, SWEEP_SCALES, InvarianceResult
+from lnmonitor.core.invariance.results import InvarianceResult
 from lnmonitor.core.monitor import arguments
+from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import due, guarded, off_message
 from lnmonitor.core.norms.discovery import choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
@@ -29,12 +29,16 @@ from lnmonitor.core.output.metric_names import (
     invariance_metric,
     run_metric,
 )
+from lnmonitor.core.wrappers import fsdp1, sharded
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.layernorm_monitor import LayerNormMonitor
 from lnmonitor.lightning.probe_loss import probe_loss
 from lnmonitor.views.summary import invariance_lines
 
 __all__ = ["FinalNormInvarianceMonitor"]
+
+# the settings this callback reads (lnmonitor.Settings): the probe's
+READS = ("invariance_every_n_steps", "probe_size", "final_norm", "cases", "scales", "summary", "keep_history")
 
 
 class FinalNormInvarianceMonitor(MonitorCallback):
@@ -66,39 +70,31 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), that the final norm's input reaches
     the loss only through the norm.  When it does not -- a model without a final norm,
     whose last norm sits inside a block -- the cases would read zero although the loss
-    is not invariant: the monitor says so in a warning, sets ``disabled_reason`` and logs
+    is not invariant: the monitor says so in a warning, sets ``off_reason`` and logs
     nothing.  Any error while probing (a ``loss_fn`` that returns no loss, a model it does
     not understand, ...) also turns it off with a warning instead of stopping the training.
 
     Args:
-        every_n_steps: cadence in optimizer steps; ``None``: only after validation.
+        settings: a :class:`~lnmonitor.core.monitor.settings.Settings`, of which it reads
+            ``invariance_every_n_steps`` (None: only after validation), ``probe_size`` (the
+            first samples of the held-out rows; None keeps one whole batch), ``final_norm``,
+            ``cases``, ``scales``, ``summary`` and ``keep_history``; or pass those as keyword
+            arguments.
         on_validation: also run after each validation, the sweep included (one forward pass
             of the probe rows and 12 replayed ones; docs/performance.md has its cost).
         sweep_every_n_steps: also run the scale sweep at the points that are multiples of
-            this (a multiple of ``every_n_steps``, or it never coincides); ``None`` (default):
-            the sweep runs at the end of the fit (and after validations with
+            this (a multiple of ``invariance_every_n_steps``, or it never coincides); ``None``
+            (default): the sweep runs at the end of the fit (and after validations with
             ``on_validation``).
         probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
             first ``probe_size`` samples of the validation data the Trainer uses (a
             datamodule's, the module's or the loaders given to ``fit``; as many batches
             as it takes), else the first training batch (with a warning: it is not held out).
-        probe_size: the probe's rows: the first ``probe_size`` samples (default 64, the
-            rows ``lnmonitor analyze`` and ``eps-compare`` probe too; a run is one forward
-            pass of them and 5 replayed ones, 12 with the sweep); ``None`` keeps one whole batch.
         loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
             ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
             ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
             ``training_step(batch, 0)`` returns, with ``self.log`` muted (automatic
             optimisation only); see :mod:`lnmonitor.lightning.probe_loss`.
-        final_norm: qualified name of the final norm; ``None`` finds the last
-            normalisation layer to run in the forward.
-        cases: the cases to run, a subset of ``("shift_5", "shift_1000", "scale_3",
-            "scale_3_shift_5", "axis_5")``.
-        scales: the sweep's scales (default ``1e3, 1e1, 1, 1e-1, 1e-2, 3e-3, 1e-3,
-            1e-4``); an empty tuple skips the sweep.
-        summary: print the last point's residuals at the end of the fit (global rank zero).
-        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
-            when the Trainer has no logger.
 
     Raises:
         MisconfigurationException: in ``__init__`` for an argument of the wrong type or
@@ -109,7 +105,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
         >>> from lightning.pytorch import Trainer
         >>> from lnmonitor import FinalNormInvarianceMonitor
-        >>> monitor = FinalNormInvarianceMonitor(every_n_steps=500)
+        >>> monitor = FinalNormInvarianceMonitor(invariance_every_n_steps=500)
         >>> trainer = Trainer(callbacks=[monitor])
 
     Logged metrics (``<case>`` in ``shift_5``, ``shift_1000``, ``scale_3``,
@@ -141,41 +137,27 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     advice = ("If it was raised by your training_step or forward running the probe batch, "
               "loss_fn=lambda module, batch: ... chooses the loss the probe runs.")
 
-    def __init__(
-        self,
-        every_n_steps: int | None = 1000,
-        on_validation: bool = False,
-        sweep_every_n_steps: int | None = None,
-        probe_batch: Any = None,
-        probe_size: int | None = PROBE_WINDOWS,
-        loss_fn: Callable[[LightningModule, Any], Any] | None = None,
-        final_norm: str | None = None,
-        cases: Sequence[str] = CASES,
-        scales: Sequence[float] = SWEEP_SCALES,
-        summary: bool = True,
-        keep_history: bool | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings | None = None, *, on_validation: bool = False,
+                 sweep_every_n_steps: int | None = None, probe_batch: Any = None,
+                 loss_fn: Callable[[LightningModule, Any], Any] | None = None, **fields) -> None:
         with misconfiguration():
-            self.every_n_steps = arguments.positive_int(every_n_steps, "every_n_steps")
+            self.settings = Settings.build(settings, fields, "FinalNormInvarianceMonitor", READS)
             self.on_validation = arguments.flag(on_validation, "on_validation")
-            if self.every_n_steps is None and not self.on_validation:
+            if self.settings.invariance_every_n_steps is None and not self.on_validation:
                 raise MisconfigurationException(
-                    "FinalNormInvarianceMonitor would never run: set every_n_steps to a positive "
+                    "FinalNormInvarianceMonitor would never run: set invariance_every_n_steps to a positive "
                     "integer or on_validation=True"
                 )
             self.sweep_every_n_steps = arguments.positive_int(sweep_every_n_steps, "sweep_every_n_steps")
-            self.probe_batch = probe_batch
-            self.probe_size = arguments.positive_int(probe_size, "probe_size", unit="samples")
             self.loss_fn = arguments.function(
                 loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
             )
-            self.final_norm = arguments.module_name(final_norm, "final_norm", "model.lnf")
-            self.cases = arguments.choices(cases, "cases", CASES)
-            self.scales = arguments.scales(scales, "scales")
-            self.summary = arguments.flag(summary, "summary")
-        with misconfiguration():
-            keep_history = arguments.optional_flag(keep_history, "keep_history")
-        super().__init__(keep_history)
+        self.probe_batch = probe_batch
+        s = self.settings
+        self.invariance_every_n_steps, self.probe_size = s.invariance_every_n_steps, s.probe_size
+        self.final_norm = s.final_norm
+        self.cases, self.scales, self.summary = s.cases, s.scales, s.summary
+        super().__init__(s.keep_history)
         self._sink.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
         self._reset()
 
@@ -195,7 +177,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, cases=self.cases)
+        # the key's name is the one older checkpoints saved it under
+        return self._generate_state_key(every_n_steps=self.invariance_every_n_steps, cases=self.cases)
 
     # -- one fit (or validation run) -------------------------------------------------
 
@@ -239,7 +222,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     @override
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.every_n_steps is not None:  # the point after the last update (its sweep), unless taken
+        if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
             step = self._sink.last_step
@@ -247,19 +230,15 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             head = f"lnmonitor summary: final norm {self._final_name!r}"
             self._say("\n".join([head, *invariance_lines(point)]))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
-            when = (f"every {self.every_n_steps} optimizer steps" if self.every_n_steps else "")
+            every = self.invariance_every_n_steps
+            when = f"every {every} optimizer steps" if every else ""
             if self.on_validation:
                 when += (" and " if when else "") + "after each validation"
             self._sink.warn_once(
                 "never-ran",
                 f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
-                "came (no validation ran?). Set every_n_steps, or add validation data.",
+                "came (no validation ran?). Set invariance_every_n_steps, or add validation data.",
             )
-
-    @property
-    def disabled_reason(self) -> str | None:
-        """Why the monitor is off for the rest of this run (None while it is on)."""
-        return self.off_reason
 
     def _disable(self, reason: str) -> None:
         self._enabled = False
@@ -279,7 +258,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if step == self._last_started_step:
             return  # a later micro-batch of the same optimizer step
         self._last_started_step = step
-        if self.every_n_steps is not None and due(step, self.every_n_steps):
+        if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override
@@ -293,7 +272,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # follow at the same global step reuses it, so a fit resumed from this checkpoint
         # neither repeats nor misses it (this includes the point after the last update).
         step = trainer.global_step
-        if self.every_n_steps is not None and due(step, self.every_n_steps):
+        if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
             self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
 
     @override

@@ -8,7 +8,7 @@ Watch every normalisation layer's 1/sigma ladder and dead-plane share while trai
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,17 +16,15 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lnmonitor.core.after_step import AfterStep
-from lnmonitor.core.findings.reader import door_reader, reads_growth
-from lnmonitor.core.hooks import model_class
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.meter.row_stats import RowStats
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.shared import due, guarded
+from lnmonitor.core.monitor.monitor import Monitor
+from lnmonitor.core.monitor.settings import Settings
+from lnmonitor.core.monitor.shared import guarded
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final
 from lnmonitor.core.output.metric_names import LADDER_LAYOUT, hist_metric
-from lnmonitor.core.settings import LadderSettings
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.sink import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
@@ -55,43 +53,12 @@ class LayerNormMonitor(MonitorCallback):
     and read on the host once.
 
     Args:
-        every_n_steps: measure the steps whose index (``trainer.global_step`` before the
-            update) is a multiple of this; ``None`` uses ``trainer.log_every_n_steps``.
-        include: glob pattern(s) over qualified module names (``fnmatch``: ``"*.ln1"``,
-            ``"model.blocks.*"``); only matching norms are measured.  ``None``: all.
-        exclude: glob pattern(s) of norms to leave out.
-        final_norm: qualified name of the final norm (the ladder's last rung); ``None``
-            takes the last norm to run whose input gradient does not go around it.
-        ladder: glob pattern(s) naming the norms that read the residual stream, the rungs
-            of the 1/sigma ladder (e.g. ``"model.layers.*.input_layernorm"``); ``None``
-            finds them on the first measured step: a norm whose input flows on past it
-            (part of the gradient there goes around the norm) reads the stream, a QK-norm or
-            a norm of a branch's output does not.  All selected norms are measured either
-            way; only the rungs enter the attenuation and growth.
+        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (what to measure, how often,
+            the findings, the pictures; ``every_n_steps`` defaults to the Trainer's
+            ``log_every_n_steps``; gradient accumulation does not multiply the count), or pass
+            its fields as keyword arguments.  ``loss_blowup`` reads the loss ``training_step``
+            returns; ``on_finding`` returning True stops the fit (``trainer.should_stop``).
         histograms: also write TensorBoard histograms of the per-row share and sigma.
-        images: log the ladder as a picture (1/sigma and rms of each rung against depth,
-            the final norm marked; about 5 ms and 10 KB each) at measured steps at least
-            ``image_every_n_steps`` apart and at the last, and 1/sigma of every rung against
-            depth and step at the end of the fit, to every logger that takes images.
-        row_mask: which rows (tokens) of a batch to measure: None (default) leaves out the
-            padding a mapping batch marks (its ``attention_mask``),
-            said once; ``False`` measures every row; a callable ``row_mask(batch)`` returns a
-            bool tensor with one entry per row (True: measure it), or None.
-        image_every_n_steps: the least number of optimizer steps between two ladder
-            pictures (default 50: every measured step at the default cadence, one in 50
-            when every step is measured).
-        summary: print a one-screen summary of the ladder and the shares at the end of the
-            fit (global rank zero).
-        findings: the findings read from each measured step (docs/findings.md): None for the
-            default thresholds, a dict ``{kind: threshold}`` (None turns a kind off), or False
-            for none.  Each kind is warned once per fit (``lnmonitor.HealthWarning``) and
-            logged as ``lnmonitor/health/<kind>`` (1 while it holds, 0 after); a fit resumed from
-            a checkpoint continues the same training (the kinds raised are in the checkpoint).
-            ``loss_blowup`` reads the loss ``training_step`` returns.
-        on_finding: called with each :class:`~lnmonitor.core.findings.reader.Finding` once per kind
-            per fit; returning True stops the fit (``trainer.should_stop``).
-        keep_history: keep every logged dict in ``history``; ``None`` keeps them only
-            when the Trainer has no logger.
 
     Raises:
         MisconfigurationException: in ``__init__`` for an argument of the wrong type or
@@ -172,42 +139,23 @@ class LayerNormMonitor(MonitorCallback):
       the hooks) is named in a warning, once; nothing is made up for it.
     """
 
-    def __init__(
-        self,
-        every_n_steps: int | None = None,
-        include: str | Sequence[str] | None = None,
-        exclude: str | Sequence[str] | None = None,
-        final_norm: str | None = None,
-        histograms: bool = False,
-        keep_history: bool | None = None,
-        ladder: str | Sequence[str] | None = None,
-        images: bool = True,
-        image_every_n_steps: int = 50,
-        summary: bool = True,
-        row_mask: Callable | bool | None = None,
-        findings: Mapping[str, float | None] | bool | None = None,
-        on_finding: Callable | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings | None = None, *, histograms: bool = False, **fields) -> None:
         with misconfiguration():
-            self.settings = LadderSettings(
-                every_n_steps=every_n_steps, include=include, exclude=exclude, final_norm=final_norm,
-                ladder=ladder, row_mask=row_mask, images=images, image_every_n_steps=image_every_n_steps,
-                summary=summary, keep_history=keep_history)
+            self.settings = Settings.build(settings, fields, "LayerNormMonitor")
             self.histograms = arguments.flag(histograms, "histograms")
         super().__init__(self.settings.keep_history)
-        with misconfiguration():
-            self.findings = door_reader(findings, on_finding, lambda: self.voice.speaks, self.owner,
-                                        self._say)
-        self.every_n_steps: int | None = self.settings.every_n_steps
+        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews)
+        self.findings = self.monitor.findings
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []
-        self._order: list[str] = []  # a resumed fit's forward order, until the meter has its own
-        self._measuring: int | None = None
         self._stepping: int | None = None  # the optimizer step whose batches are running
-        self._last_step: int | None = None
-        self._after_step: AfterStep | None = None  # the fit's post-step sequence, views and summary
         self._columns: str | None = None  # the norm the HPARAMS columns name, until a step checks it
         self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
+
+    @property
+    def every_n_steps(self) -> int | None:
+        """The cadence of this fit (the settings', else the Trainer's ``log_every_n_steps``)."""
+        return self.monitor.every_n_steps
 
     @property
     def norms(self) -> list[NormInfo]:
@@ -217,7 +165,7 @@ class LayerNormMonitor(MonitorCallback):
     @property
     def order(self) -> list[str]:
         """The norms' names in the order the forward first ran them."""
-        return self.meter.order if self.meter is not None and self.meter.order else self._order
+        return self.meter.order if self.meter is not None and self.meter.order else self.monitor.order
 
     @property
     def state_key(self) -> str:
@@ -233,22 +181,20 @@ class LayerNormMonitor(MonitorCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._stop()
-        self.meter, self.last_row_stats, self._order = None, [], []
-        self._after_step = None  # once per fit, so a fit resumed into a new log has the positions too
-        self.every_n_steps = self.settings.every_n_steps or max(int(trainer.log_every_n_steps), 1)
+        self.monitor.reset()  # each kind is raised once per fit (a resumed fit's come back next)
+        self.meter, self.last_row_stats, self._stepping = None, [], None
         self._sink.setup(trainer, hparams=True)
-        if self.findings is not None:
-            self.findings.reset()  # each kind is raised once per fit (a resumed fit's come back next)
 
     @override
     @guarded
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
+        last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        log = lambda step, metrics, result: self._log(trainer, step, metrics, result)  # noqa: E731
         with misconfiguration():
-            self.meter = self.settings.meter(pl_module, self.owner, self._say, self._warn,
-                                             watch_growth=reads_growth(self.findings))
-        self.meter.order = list(self._order)
+            self.meter = self.monitor.begin(pl_module, log, speaks=lambda: trainer.is_global_zero,
+                                            every_n_steps=max(int(trainer.log_every_n_steps), 1),
+                                            last_step=int(last) - 1 if math.isfinite(last) else None)
         # TensorBoard keeps the session written now, before a step has found the roles: its columns
         # name the final norm the meter's rule expects from what is known (checked at the first step)
         by_name = {n.name: n for n in self.meter.norms}
@@ -256,34 +202,27 @@ class LayerNormMonitor(MonitorCallback):
                                        self.settings.final_norm)
         if not self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
             self._columns = None
-        last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self._last_step = int(last) - 1 if math.isfinite(last) else None
 
     @override
     @guarded
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._stop()
+        self.shut()
 
     @override
     @guarded
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._stop()
+        self.shut()
 
     @override
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._stop()
-        if self._after_step is not None:
-            self._after_step.end(self._image_writer(trainer), f"{model_class(pl_module)}, end of training")
+        self.shut()
+        self.monitor.end(self._image_writer(trainer))
 
     def shut(self) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
         """End the fit's measuring (an exception, the end of the fit): no hook, no row left."""
-        if self.meter is not None:
-            self.meter.close()
-        self._measuring = self._stepping = None
+        self.monitor.close()
+        self._stepping = None
 
     # -- the measured step -----------------------------------------------------------
 
@@ -294,16 +233,10 @@ class LayerNormMonitor(MonitorCallback):
     ) -> None:
         if self.meter is None or self.meter.off_reason:
             return
-        step = trainer.global_step
         if self._stepping is None:
-            self._stepping = step
-        starts = self._measuring is None and step > self._sink.last_step
-        asked = self._after_step is not None and self._after_step.wants_measurement
-        if starts and (due(step, self.every_n_steps, self._last_step) or asked):
-            self._measuring = step
-            self.meter.start()
-        if self._measuring is not None:
-            self.meter.use_batch(batch)  # each micro-batch's padding
+            self._stepping = trainer.global_step
+        self.monitor.start(trainer.global_step)
+        self.monitor.use_batch(batch)  # each micro-batch's padding
 
     @override
     @guarded
@@ -312,39 +245,21 @@ class LayerNormMonitor(MonitorCallback):
     ) -> None:
         if self._stepping is None:
             return
-        after = self._after(trainer)
-        after.add_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
+        self.monitor.add_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         if trainer.global_step == self._stepping:
             return  # still accumulating gradients for this step
         step, self._stepping = self._stepping, None
+        first = self.monitor.after.positions  # the fit's first logged measured step: the roles are known
         stop = lambda: setattr(trainer, "should_stop", True)  # noqa: E731
-        log = lambda s, metrics, result: self._log(trainer, s, metrics, result)  # noqa: E731
-        after.every_step(step, log, stop, measured=self._measuring is not None)
-        after.loss(step, log, stop)
-        if self._measuring is None:
-            return
-        self._measuring = None
-        first = after.positions  # the fit's first logged measured step: the roles are known
-        metrics = after.measured(step, log, stop, counts=self.histograms,
-                                 label=f"the measured step {step}", write_image=self._image_writer(trainer),
-                                 last=step == self._last_step)
+        metrics = self.monitor.end_step(step, stop, counts=self.histograms, label=f"the measured step {step}",
+                                        write_image=self._image_writer(trainer))
         if metrics is not None:
-            self.last_row_stats = after.last_result.row_stats
+            self.last_row_stats = self.monitor.last_result.row_stats
             if first:
-                self._check_columns(after.last_result.figures.final)
-
-    def _new_views(self) -> RunViews:
-        return RunViews.of(self.settings, self.owner, self._say, self._warn)
+                self._check_columns(self.monitor.last_result.figures.final)
 
     def _image_writer(self, trainer: Trainer):
         return lambda tag, image, step: self._sink.log_image(trainer, tag, step, image)
-
-    def _after(self, trainer: Trainer) -> AfterStep:
-        """This fit's post-step sequence (one per fit, made at its first step)."""
-        if self._after_step is None:
-            self._after_step = AfterStep(self.meter, self.findings, self._new_views(), owner=self.owner,
-                                         speaks=lambda: trainer.is_global_zero, warn=self._warn)
-        return self._after_step
 
     def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], result: LadderResult | None,
              ) -> bool:
@@ -378,18 +293,9 @@ class LayerNormMonitor(MonitorCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "every_n_steps": self.every_n_steps, "order": list(self.order)}
-        if self.findings is not None:  # a resumed fit is the same training: no kind raised twice
-            state["findings"] = self.findings.state_dict()
-        return state
+        return {**super().state_dict(), **self.monitor.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        if self.findings is not None and "findings" in state_dict:  # older checkpoints have none
-            self.findings.load_state_dict(state_dict["findings"])
-        if self.settings.every_n_steps is None and state_dict.get("every_n_steps"):
-            self.every_n_steps = int(state_dict["every_n_steps"])
-        self._order = list(state_dict.get("order", []))
-        if self.meter is not None:
-            self.meter.order = list(self._order)
+        self.monitor.load_state_dict(state_dict)

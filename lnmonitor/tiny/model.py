@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnmonitor.core.kinds import KINDS
+from lnmonitor.core.kinds import NORM_KINDS
 from lnmonitor.tiny.recipe import ATTENTIONS, INITS
 
 __all__ = ["MLP", "Block", "CausalSelfAttention", "GPTConfig", "make_norm", "TinyGPT"]
@@ -48,8 +48,8 @@ class GPTConfig:
                 f"width {self.width} is not divisible by heads {self.heads}: "
                 "choose a width that is a multiple of the number of heads"
             )
-        if self.norm not in KINDS:
-            raise ValueError(f"norm must be one of {KINDS}, got {self.norm!r}")
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"norm must be one of {NORM_KINDS}, got {self.norm!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
         if self.attention not in ATTENTIONS:

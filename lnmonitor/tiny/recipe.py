@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from lnmonitor.core.kinds import KINDS
+from lnmonitor.core.kinds import NORM_KINDS
 from lnmonitor.errors import UsageError
 
 __all__ = ["ATTENTIONS", "DECAYS", "INITS", "LATER_OPTIONS", "Recipe", "SCHEDULES"]
@@ -68,8 +68,8 @@ class Recipe:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
-        if self.norm not in KINDS:
-            raise UsageError(f"norm must be one of {', '.join(KINDS)}, got {self.norm!r}")
+        if self.norm not in NORM_KINDS:
+            raise UsageError(f"norm must be one of {', '.join(NORM_KINDS)}, got {self.norm!r}")
         if not isinstance(self.qk_norm, bool):
             raise UsageError(f"qk-norm must be true or false, got {self.qk_norm!r}")
         for name, allowed in (("attention", ATTENTIONS), ("init", INITS), ("decay", DECAYS),

@@ -11,7 +11,7 @@ pictures off with one warning; the metrics go on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lnmonitor.core.output.metric_names import per_norm, run_metric
 from lnmonitor.views.summary import Trail, summary_text
@@ -41,13 +41,6 @@ class RunViews:
         self._last_picture = -math.inf
         self._ended = False
 
-    @classmethod
-    def of(cls, settings, owner: str, say: Callable[[str], None], warn: Callable[[str, str], None],
-           ) -> RunViews:
-        """The views a door's :class:`~lnmonitor.core.settings.LadderSettings` ask for."""
-        return cls(owner, say, warn, images=settings.images, summary=settings.summary,
-                   image_every_n_steps=settings.image_every_n_steps)
-
     def add(self, step: int, metrics: dict[str, float]) -> None:
         """A dict the door logged at ``step``."""
         self.trail.add(step, metrics)
@@ -64,9 +57,9 @@ class RunViews:
             self._picture(write, run_metric("ladder"), lambda: step_picture(result.figures, step), step)
 
     def end(self, write: WriteImage | None, title: str, watched: Sequence[str] | None = None,
-            start: tuple[int, float] | None = None) -> None:
+            start: tuple[int, float] | None = None, settings: Mapping[str, object] | None = None) -> None:
         """Once per run: the ladder over training (a picture) and the summary titled ``title``
-        (``watched``, ``start``: the findings', as :func:`~lnmonitor.views.summary.summary_text`
+        (``watched``, ``start``, ``settings``: as :func:`~lnmonitor.views.summary.summary_text`
         takes them)."""
         if self._ended or not self.trail:
             return
@@ -79,7 +72,7 @@ class RunViews:
             if heatmap is not None:
                 self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
         if self.summary:
-            self._say(summary_text(curves, title, watched, start))
+            self._say(summary_text(curves, title, watched, start, settings))
 
     def _picture(self, write: WriteImage, tag: str, draw: Callable, step: int) -> None:
         try:

@@ -136,16 +136,25 @@ def _f(value: float, digits: int = 3) -> str:
 
 
 def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None = None,
-                 start: tuple[int, float] | None = None) -> str:
+                 start: tuple[int, float] | None = None, settings: Mapping[str, object] | None = None) -> str:
     """The summary (see the module docstring); says so when nothing of lnmonitor was logged.
     ``watched``: the finding kinds the run judged (None: not known, as for a log read back);
-    ``start``: the ``(step, growth)`` they judged the growth from (None: the first logged)."""
+    ``start``: the ``(step, growth)`` they judged the growth from (None: the first logged);
+    ``settings``: the monitor's settings that differ from the defaults (None: not known)."""
     steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
     if not steps:
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
-    head = f"lnmonitor summary{': ' + title if title else ''}"
-    return "\n".join([head, *ladder_lines(curves, start), *invariance_lines(curves),
+    head = [f"lnmonitor summary{': ' + title if title else ''}"]
+    if settings is not None:
+        changed = ", ".join(f"{name}={_setting(value)}" for name, value in settings.items())
+        head.append(f"settings: {changed or 'the defaults'} (lnmonitor.Settings)")
+    return "\n".join([*head, *ladder_lines(curves, start), *invariance_lines(curves),
                       *health_lines(curves, watched)])
+
+
+def _setting(value: object) -> str:
+    """A setting as the summary prints it: a function by its name, anything else as Python writes it."""
+    return getattr(value, "__qualname__", None) or repr(value) if callable(value) else repr(value)
 
 
 def health_lines(curves: Curves, watched: Sequence[str] | None = None) -> list[str]:

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors
-from lnmonitor.core.hooks import Hooks, restored, sharded
+from lnmonitor.core.hooks import Hooks, restored
 from lnmonitor.core.invariance.final_norm import find_final_norm, named_norm
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
 from lnmonitor.core.invariance.replay import PrefixReplay
@@ -81,6 +81,7 @@ from lnmonitor.core.invariance.results import (
 from lnmonitor.core.invariance.sweep import FIT_RANGE, ROUNDING_BELOW, fit_sweep, fitted
 from lnmonitor.core.maths.geometry import normalise
 from lnmonitor.core.norms.find import NormInfo, find_norms
+from lnmonitor.core.wrappers import sharded
 
 __all__ = ["final_norm_invariance"]
 

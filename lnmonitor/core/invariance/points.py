@@ -39,14 +39,14 @@ LOSS_FN_ADVICE = (
     "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
 
-# why a door's probe is off for an FSDP1 model (core.hooks.fsdp1): its units gather their weights only
+# why a door's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
 # inside the root's forward, and the probe's passes call the model itself
 FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Lightning's and Fabric's "
                  "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
                  "the probe's passes call the model itself; the ladder is not affected. Shard with FSDP2 "
                  "(fully_shard, Lightning's ModelParallelStrategy) or use DDP to probe the final norm.")
 
-# why the transformers.Trainer door's probe is off for a sharded model (core.hooks.sharded): it probes on
+# why the transformers.Trainer door's probe is off for a sharded model (core.wrappers.sharded): it probes on
 # the main process alone, and such a model's forward gathers its parameters from every process
 SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP, DeepSpeed ZeRO-3), so "
                    "its forward is a collective every process must join, and this door probes on the main "

@@ -14,7 +14,7 @@ the user's batch is held or changed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lnmonitor.core.meter.padding import padding_mask
 
-__all__ = ["Padding", "first_samples", "map_tensors", "pad_id_of", "probe_batch"]
+__all__ = ["Padding", "first_samples", "labels_problem", "map_tensors", "pad_id_of", "probe_batch"]
 
 LABEL_PAD = -100  # the ignore_index of torch's cross entropy, and of every transformers loss
 # the value each known key is padded with; the ids' pad value is the model's (Padding)
@@ -198,3 +198,19 @@ def probe_batch(batch, size: int | None):
     if size is not None:
         batch = map_tensors(batch, lambda t: t[:size] if t.ndim > 0 else t)
     return map_tensors(batch, lambda t: t.detach().clone())
+
+
+def labels_problem(batch, label_names: Sequence[str]) -> str | None:
+    """Why ``model(**batch).loss`` gives the probe no loss on ``batch`` (None: it does): no
+    batch, not a mapping of the model's inputs, or none of ``label_names`` among its keys."""
+    if batch is None:
+        return "there is no eval or training data to take probe rows from"
+    if not isinstance(batch, Mapping):
+        return (f"the collator's batches are a {type(batch).__name__}, not a mapping of tensors: the probe "
+                "calls model(**batch) as the Trainer does")
+    if not any(name in batch for name in label_names):
+        return (f"the probe rows have no {' or '.join(map(repr, label_names))} (their keys: "
+                f"{', '.join(map(str, batch))}), so model(**batch) gives no loss: a collator that adds "
+                "labels (DataCollatorForLanguageModeling(tokenizer, mlm=False) for a causal LM) gives the "
+                "probe one")
+    return None

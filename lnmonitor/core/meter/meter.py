@@ -20,19 +20,23 @@ inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no
 once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.meter.ladder.ladder_figures`.
 
-The path of one number, the dead-plane share median of one norm, in four forms (rows,
+The path of one number, the dead-plane share median of one norm, from the hook to the logger
+(14 modules; its forms: each call's rows, the step's rows, one flat vector of histograms,
 statistics, figures, metrics)::
 
-    taps.NormTap          hooks of the measured step: each call's per-row reductions
-                          (maths.reductions), kept on the device
-      -> step_rows.StepRows           rows: every call's rows of the step, finished together
-    row_stats.histogram_rows          the rows of every norm as one flat vector of histograms
-      -> processes.merge_processes    all-reduced over processes (fixed bytes a rank) -> row_stats.read
-      -> row_stats.RowStats           statistics: one per norm, the step's one host sync
-    ladder.norm_figures / ladder_figures
-      -> ladder.LadderFigures         figures: sigma, 1/sigma, shares, baselines, the ladder
-    LadderFigures.metrics -> LadderResult.metrics (output.metric_names: the tags)
-      -> dict[str, float]             metrics: what every door hands its logger
+    taps.NormTap               hooks of the measured step (registered through core.hooks.Hooks):
+                               each call's per-row reductions (maths.reductions), on the device
+      -> step_rows.StepRows    the step's rows: every call's, finished together
+    row_stats.histogram_rows   every norm's rows as one flat vector of histograms (maths.histograms)
+      -> processes.merge_processes   all-reduced over processes (a fixed number of bytes a rank)
+      -> row_stats.read -> RowStats  statistics: one per norm, the step's one host sync
+    ladder.norm_figures -> NormFigures -> ladder_figures -> LadderFigures
+                               figures: sigma, 1/sigma, shares, baselines, the ladder
+    LadderResult.metrics -> dict[str, float]   metrics, tagged by output.metric_names
+    after_step.AfterStep.measured -> monitor.Monitor.log   the findings added; the framework's log
+    the callback's log: lightning.sink.MetricSink.log -> Logger.log_metrics (Lightning),
+                        LoopMonitor._emit -> output.writers (a SummaryWriter or your function),
+                        LNMonitorCallback._report -> each report_to integration's on_log
 
 The meter never raises into training: a hook that cannot measure the model turns it off
 (:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.hooks import Hooks, compiled, eager, measuring, unknown_wrapper, unwrap
+from lnmonitor.core.hooks import Hooks, eager, measuring
 from lnmonitor.core.maths.histograms import Layout
 from lnmonitor.core.meter import messages
 from lnmonitor.core.meter.growth_watch import GrowthWatch
@@ -64,6 +68,7 @@ from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, mea
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
 from lnmonitor.core.output.metric_names import finite_metrics
+from lnmonitor.core.wrappers import compiled, unknown_wrapper, unwrap
 
 __all__ = ["LadderMeter", "LadderResult"]
 

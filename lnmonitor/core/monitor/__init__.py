@@ -1,5 +1,7 @@
-"""What every monitor (the Lightning callbacks, the Trainer callback, the plain loop's monitor)
-shares below the measurement: ``shared`` (how it speaks, the one guard around its entry points,
-the one "off for the rest of this run" sentence, its history) and ``arguments`` (the checks of
-its constructor arguments).  The post-step sequence that sits on top of the measurement is
-:mod:`lnmonitor.core.after_step`."""
+"""The monitor every callback drives, framework-free: :mod:`~lnmonitor.core.monitor.monitor`
+(:class:`Monitor`: cadence, the post-step sequence, the end of a run, its state),
+:mod:`~lnmonitor.core.monitor.settings` (:class:`Settings`, the one configuration),
+:mod:`~lnmonitor.core.monitor.after_step` (what follows a step: findings, metrics, log, pictures),
+:mod:`~lnmonitor.core.monitor.arguments` (the checks of every setting) and
+:mod:`~lnmonitor.core.monitor.shared` (how a monitor speaks, the guard around its entry points,
+its history)."""

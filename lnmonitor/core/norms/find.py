@@ -18,12 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors
-from lnmonitor.core.hooks import unwrap, user_name
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.maths.geometry import dead_dim
 from lnmonitor.core.monitor.arguments import patterns
 from lnmonitor.core.norms.identify import identify, width_of
 from lnmonitor.core.norms.registry import NormSpec, norm_eps
+from lnmonitor.core.wrappers import unwrap, user_name
 
 __all__ = [
     "Discovery",
@@ -114,8 +114,8 @@ def describe_norm(module: nn.Module, name: str = "") -> NormInfo | None:
 def discover_norms(module: nn.Module) -> Discovery:
     """Every normalisation layer of ``module`` in ``named_modules()`` order, each checked against
     its own output, and the candidates refused (with the reason).  Names are the user's model's
-    own, whatever wraps it (Fabric, DDP, ``torch.compile``, FSDP1: :func:`~lnmonitor.core.hooks.unwrap`,
-    :func:`~lnmonitor.core.hooks.user_name`)."""
+    own, whatever wraps it (Fabric, DDP, ``torch.compile``, FSDP1: :func:`~lnmonitor.core.wrappers.unwrap`,
+    :func:`~lnmonitor.core.wrappers.user_name`)."""
     norms, refused = [], []
     for name, sub in unwrap(module).named_modules():
         name = user_name(name)

@@ -1,7 +1,7 @@
 """The float64 check: which spec a candidate norm computes, or why it is refused.
 
 Every candidate (:func:`lnmonitor.core.norms.registry.candidates`) is checked once against its own
-output: a float64 twin of the module (:func:`lnmonitor.core.hooks.float64_twin`) runs on four
+output: a float64 twin of the module (:func:`lnmonitor.core.float64.float64_twin`) runs on four
 designed rows and must reproduce ``gain * xhat + bias`` of its kind to 1e-4.  A declared or
 registered norm is checked as declared; for the others lnmonitor tries the kinds and the
 gains ``weight``, ``1 + weight`` (Gemma, LitGPT's ``add_unit_offset``) and none, and keeps
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors, zero3
-from lnmonitor.core.hooks import float64_twin, unmeasured
+from lnmonitor.core.float64 import float64_twin
+from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms.registry import NormSpec, candidates, norm_eps, registry_version
 

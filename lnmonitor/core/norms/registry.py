@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors
-from lnmonitor.core.kinds import KINDS, NormKind
+from lnmonitor.core.kinds import NORM_KINDS, NormKind
 
 __all__ = [
     "GainFn", "NormSpec", "candidates", "norm_eps", "register_norm", "registry_version", "unregister_norm",
@@ -101,7 +101,7 @@ def register_norm(
     """
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"register_norm needs an nn.Module subclass, got {cls!r}")
-    if kind not in KINDS:
+    if kind not in NORM_KINDS:
         raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
     if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
         eps = float(eps)
@@ -143,7 +143,7 @@ def candidates(module: nn.Module) -> tuple[list[NormSpec], bool] | None:
     if declared is None:
         return None
     if declared is not False:
-        if declared not in KINDS:
+        if declared not in NORM_KINDS:
             raise ValueError(
                 f"{type(module).__name__}.lnmonitor_norm_kind must be 'layer', 'rms' or None, "
                 f"got {declared!r}"

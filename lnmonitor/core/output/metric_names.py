@@ -23,7 +23,7 @@ from typing import NamedTuple
 __all__ = [
     "CATEGORY_ORDER", "FAMILIES", "FINAL", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES",
     "INVARIANCE_LAYOUT", "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "TRAIN_LOSS", "VAL_LOSS",
-    "Family", "Metric", "baseline_metric", "family_of", "final_metric", "finite_metrics",
+    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric", "finite_metrics",
     "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
     "run_metric", "unsplit",
 ]
@@ -199,6 +199,15 @@ INVARIANCE_LAYOUT = {
 
 # the order of lnmonitor's custom-scalars categories in TensorBoard
 CATEGORY_ORDER = (*LADDER_LAYOUT, *INVARIANCE_LAYOUT)
+
+
+def custom_scalars(probed: bool, prefix: str = "") -> dict[str, dict]:
+    """The Custom Scalars layout of a run (the invariance charts too when ``probed``), each tag's
+    regex after ``prefix`` (the ``train/`` a Trainer's TensorBoard puts before every tag)."""
+    categories = {**LADDER_LAYOUT, **(INVARIANCE_LAYOUT if probed else {})}
+    return {name: {chart: [kind, [prefix + regex for regex in regexes]]
+                   for chart, (kind, regexes) in categories[name].items()}
+            for name in CATEGORY_ORDER if name in categories}
 
 
 class Family(NamedTuple):

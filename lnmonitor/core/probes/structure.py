@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.hooks import float64_twin
+from lnmonitor.core.float64 import float64_twin
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.maths import geometry
 from lnmonitor.core.norms.find import NormInfo, describe_norm
@@ -150,7 +150,7 @@ def probe_norm_jacobian(
 
     ``norm`` is a ``NormInfo`` from :func:`lnmonitor.core.norms.find.find_norms` or a norm module
     (``kind``/``eps`` read from it when :mod:`lnmonitor.core.norms.find` recognises it).  The
-    module's float64 twin (:func:`lnmonitor.core.hooks.float64_twin`) is differentiated; the
+    module's float64 twin (:func:`lnmonitor.core.float64.float64_twin`) is differentiated; the
     model is not touched.  The rank and spectrum use the eps the module applies to float32
     input; the error is measured against the closed form at the eps it applies to float64
     input (the two differ only for an eps of None, the dtype's machine epsilon).

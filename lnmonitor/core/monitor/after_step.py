@@ -21,7 +21,7 @@ nothing itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -43,7 +43,7 @@ class Views(Protocol):
     def add(self, step: int, metrics: dict[str, float]) -> None: ...
     def step(self, write, result, step: int, last: bool = False) -> None: ...
     def end(self, write, title: str, watched: Sequence[str] | None = None,
-            start: tuple[int, float] | None = None) -> None: ...
+            start: tuple[int, float] | None = None, settings: Mapping[str, object] | None = None) -> None: ...
 
 
 class AfterStep:
@@ -161,10 +161,10 @@ class AfterStep:
             self.views.add(step, metrics)
         return logged
 
-    def end(self, write_image, title: str) -> None:
+    def end(self, write_image, title: str, settings: Mapping[str, object] | None = None) -> None:
         """The run ended: the ladder over training and the summary titled ``title`` (rank zero,
-        once), with the finding kinds watched and the start they judged from; a failure there is
-        said and the run goes on."""
+        once), with the ``settings`` that differ from the defaults, the finding kinds watched and
+        the start they judged from; a failure there is said and the run goes on."""
         if not self._speaks():
             return
         watched, start = [], None
@@ -173,6 +173,6 @@ class AfterStep:
                        if threshold is not None]
             start = self.findings.start
         try:
-            self.views.end(write_image, title, watched, start)
+            self.views.end(write_image, title, watched, start, settings)
         except Exception as err:  # noqa: BLE001 - the end-of-run views must never fail a run
             self._warn("end", f"{self.owner}: no end-of-run summary or picture: {err!r}")
