@@ -1,181 +1,113 @@
-"""What the findings add to training, side by side.
+"""What the findings' own work costs: the every-step growth watch alone, and a measured step's read.
 
-Two costs (docs/findings.md, "Cost"):
-
-* **every step**: the ladder's growth on every training step (the meter's
+* **every step**: the ladder's growth watch (the meter's
   :class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
-  reduction each) and its reading (:func:`lnmonitor.core.findings.reader.every_step`).  Timed two ways:
-  (a) whole training steps (forward, backward, AdamW, and the door's end-of-step call) of one model
-  with the watch beside an identical copy without, interleaved block by block, as the median of
-  the per-block ratios -- the honest whole, but on a shared machine its blocks scatter by
-  +-10-20%, more than the watch costs; (b) the watch's own work, the two hooks on the step's real
-  rung inputs and the end-of-step read, timed alone and divided by the plain step's median time:
-  the same cost, resolved to a few microseconds;
-* **measured steps**: :meth:`FindingsReader.read` of a measured step's figures (no tensor, no
-  host sync), against that measured step.
+  reduction each) and the door's end-of-step read (``FindingsReader.read_growth``): the two rungs'
+  forwards on one step's real inputs with the watch and the read, less the same forwards without,
+  taken in turns (``stepping.in_turns``), against the plain training step (``stepping.train_step``).
+  The watch's work resolved to microseconds, with its operators and data in the caches; inside a
+  training step it costs more (``small_models.py``: the defaults against ``findings off``);
+* **measured steps**: ``FindingsReader.read`` of a measured step's figures (no tensor, no host
+  sync), against that measured step.
 
-The shapes: nanoGPT's smallest (2 layers, width 64, 2 heads, context 64, batch 12) and the tiny
-model at width 64 and 128 (4 layers, context 64, batch 32), one torch thread.
-
-    python benchmarks/findings_cost.py [--blocks 15] [--steps 10]
+    python benchmarks/findings_cost.py
+    python benchmarks/findings_cost.py --shapes 16,1,2 --turns 2 --repeats 10  # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
+import stepping
 import torch
 
-from lnmonitor.core.findings.reader import FindingsReader, every_step
+from lnmonitor.core.findings.reader import FindingsReader
 from lnmonitor.core.meter.growth_watch import GrowthWatch
 from lnmonitor.core.meter.meter import LadderMeter
-from lnmonitor.tiny.model import GPTConfig, TinyGPT
-
-SHAPES = {
-    "nanoGPT smallest (2 x 64, batch 12)": (GPTConfig(width=64, depth=2, heads=2, context=64), 12),
-    "tiny, width 64 (4 x 64, batch 32)": (GPTConfig(width=64, depth=4, heads=4, context=64), 32),
-    "tiny, width 128 (4 x 128, batch 32)": (GPTConfig(width=128, depth=4, heads=4, context=64), 32),
-}
 
 
-def _trainer(model: TinyGPT, x: torch.Tensor, meter: LadderMeter | None, reader: FindingsReader | None):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    counter = [0]
-
-    def step() -> None:
-        model(x, x)[1].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        counter[0] += 1
-        if meter is not None:
-            every_step(reader, meter, counter[0], lambda: None)
-
-    return step
-
-
-def every_step_ratio(config: GPTConfig, batch: int, blocks: int, steps: int) -> tuple[float, float, float]:
-    """(median ratio watched / plain, its min, its max) over ``blocks`` interleaved blocks."""
-    torch.manual_seed(0)
-    plain_model = TinyGPT(config)
-    watched_model = copy.deepcopy(plain_model)
-    x = torch.randint(0, config.vocab_size, (batch, config.context))
-    meter = LadderMeter(watched_model, say=lambda _: None)
-    reader = FindingsReader(warn=lambda _: None)
-    with meter.step():  # the fit's first measured step: the roles, the growth's start, the watch
-        watched_model(x, x)[1].backward()
-    reader.read(0, meter.result())
-    watched_model.zero_grad(set_to_none=True)
-    variants = [_trainer(plain_model, x, None, None), _trainer(watched_model, x, meter, reader)]
-    for run in variants:  # warm-up
-        for _ in range(steps):
-            run()
-    ratios = []
-    for block in range(blocks):
-        times = [0.0, 0.0]
-        for k in ((0, 1) if block % 2 == 0 else (1, 0)):
-            start = time.perf_counter()
-            for _ in range(steps):
-                variants[k]()
-            times[k] = time.perf_counter() - start
-        ratios.append(times[1] / times[0])
-    meter.close()
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
-def watch_ratio(config: GPTConfig, batch: int, repeats: int = 2000) -> tuple[float, float, float]:
-    """(the watch's own microseconds per step, the plain step's milliseconds, 1 + their ratio):
-    the two rungs' forwards on their real inputs of one step with the watch's hooks (and the
-    door's end-of-step read) minus the same forwards without, the median of 7 interleaved pairs."""
-    torch.manual_seed(0)
-    model = TinyGPT(config)
-    x = torch.randint(0, config.vocab_size, (batch, config.context))
-    meter = LadderMeter(model, say=lambda _: None)
-    reader = FindingsReader(warn=lambda _: None)
+def measured(meter: LadderMeter, model: torch.nn.Module, tokens: torch.Tensor):
+    """One measured forward and backward: its result (the gradients cleared after)."""
     with meter.step():
-        model(x, x)[1].backward()
-    reader.read(0, meter.result())
+        model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    model.zero_grad(set_to_none=True)
+    return meter.result()
+
+
+def first_measured(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[LadderMeter, FindingsReader]:
+    """A fit's first measured step (the roles, the growth's start), read by the findings."""
+    meter, reader = LadderMeter(model, say=lambda _: None), FindingsReader(warn=lambda _: None)
+    reader.read(0, measured(meter, model, tokens))
+    return meter, reader
+
+
+def watch_cost(width: int, depth: int, batch: int, turns: int, repeats: int) -> tuple[float, float]:
+    """``(the watch's own seconds a step, the plain step's seconds)`` (see the module docstring)."""
+    model, tokens = stepping.tiny_gpt(width, depth), stepping.token_batches(1, batch, 64)[0]
+    meter, reader = first_measured(model, tokens)
     meter.close()
-    first, last = {}, {}
-    h1 = model.blocks[0].ln1.register_forward_pre_hook(lambda m, a: first.__setitem__("x", a[0]))
-    h2 = model.lnf.register_forward_pre_hook(lambda m, a: last.__setitem__("x", a[0]))
-    plain = _trainer(model, x, None, None)
-    for _ in range(5):
-        plain()
-    h1.remove()
-    h2.remove()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(10):
-            plain()
-        times.append((time.perf_counter() - start) / 10)
-    step = statistics.median(times)
+    ln1, lnf, inputs = model.blocks[0].ln1, model.lnf, {}
+    handles = [m.register_forward_pre_hook(lambda m, a: inputs.__setitem__(m, a[0])) for m in (ln1, lnf)]
+    optimizer = stepping.adamw(model)
+    plain = [stepping.train_step(model, optimizer, tokens) for _ in range(13)][3:]  # 3 untimed
+    for handle in handles:
+        handle.remove()
     watch = GrowthWatch()
-    ln1, lnf, a, b = model.blocks[0].ln1, model.lnf, first["x"], last["x"]
 
-    def rungs(watched: bool) -> float:  # the two rungs' forwards (and the read), timed
-        if watched:
+    def rungs(mode: str, turn: int) -> float:
+        if mode == "watched":
             watch.attach(ln1, lnf)
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         for i in range(repeats):
-            ln1(a)
-            lnf(b)
-            if watched:
+            ln1(inputs[ln1])
+            lnf(inputs[lnf])
+            if mode == "watched":
                 reader.read_growth(*watch.take(i + 1))
-        elapsed = (time.perf_counter() - start) / repeats
+        seconds = (time.perf_counter() - t0) / repeats
         watch.detach()
-        return elapsed
+        return seconds
 
-    costs = [rungs(True) - rungs(False) for _ in range(7)]
-    cost = statistics.median(costs)
-    return cost * 1e6, step * 1e3, 1 + cost / step
+    times = stepping.in_turns(rungs, ("plain", "watched"), turns)
+    return stepping.median_extra(times, "watched"), statistics.median(plain)
 
 
-def read_cost(repeats: int = 5, reads: int = 2000) -> None:
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig())
-    x = torch.randint(0, 65, (32, 64))
-    meter = LadderMeter(model, say=lambda _: None)
-
-    def measured():
-        with meter.step():
-            model(x, x)[1].backward()
-        return meter.result()
-
-    result = measured()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        result = measured()
-    step = (time.perf_counter() - start) / repeats
+def read_cost(reads: int) -> tuple[float, float]:
+    """``(one read's seconds, a measured step's)``: the tiny model's second measured step, read
+    ``reads`` times."""
+    model, tokens = stepping.tiny_gpt(128, 4), stepping.token_batches(1, 32, 64)[0]
+    meter, reader = first_measured(model, tokens)
+    t0 = time.perf_counter()
+    result = measured(meter, model, tokens)
+    step = time.perf_counter() - t0
     meter.close()
-    reader = FindingsReader(warn=lambda _: None)
-    start = time.perf_counter()
+    t0 = time.perf_counter()
     for i in range(reads):
-        reader.read(i, result)
-    read = (time.perf_counter() - start) / reads
-    print(f"findings read of a measured step: {read * 1e6:.1f} us, {read / step:.1e} of that measured step "
-          f"({step * 1e3:.1f} ms)")
+        reader.read(i + 1, result)
+    return (time.perf_counter() - t0) / reads, step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=15, help="interleaved blocks per shape")
-    parser.add_argument("--steps", type=int, default=10, help="training steps per block")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    print("| shape | plain step | the watch's own work per step | its ratio | whole steps, with / without: "
-          "median (min to max) |")
-    print("|---|---:|---:|---:|---|")
-    for name, (config, batch) in SHAPES.items():
-        own, step, ratio = watch_ratio(config, batch)
-        median, low, high = every_step_ratio(config, batch, args.blocks, args.steps)
-        print(f"| {name} | {step:.2f} ms | {own:.1f} us | {ratio:.4f}x "
-              f"| {median:.4f}x ({low:.4f} to {high:.4f}) |", flush=True)
-    read_cost()
+    stepping.add_shapes(parser)
+    parser.add_argument("--turns", type=int, default=7, help="turns of watched and plain rungs (default 7)")
+    parser.add_argument("--repeats", type=int, default=2000,
+                        help="rung forwards a turn, and reads (default 2000)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = parser.parse_args(argv)
+    stepping.set_threads(args.threads)
+    print("| width x depth, batch | plain step | the watch's own work a step | its ratio |")
+    print("|---|---:|---:|---:|")
+    for width, depth, batch in args.shapes:
+        own, step = watch_cost(width, depth, batch, args.turns, args.repeats)
+        print(f"| {width} x {depth}, {batch} | {step * 1e3:.2f} ms | {own * 1e6:.1f} us "
+              f"| {1 + own / step:.4f}x |", flush=True)
+    read, step = read_cost(args.repeats)
+    print(f"\nfindings read of a measured step: {read * 1e6:.1f} us, {read / step:.1e} of that measured step "
+          f"({step * 1e3:.1f} ms)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

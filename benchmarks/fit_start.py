@@ -170,8 +170,9 @@ def door_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, floa
         out["loop_probe"] = t1 - t0
         model.zero_grad(set_to_none=True)
         plain.append(_plain_step(model, batch))
-        if monitor.off_reason or monitor.invariance_off or monitor.last_result is None:
-            raise SystemExit(f"LoopMonitor measured nothing: {monitor.off_reason or monitor.invariance_off}")
+        if monitor.off_reason or monitor.invariance_off_reason or monitor.last_result is None:
+            why = monitor.off_reason or monitor.invariance_off_reason
+            raise SystemExit(f"LoopMonitor measured nothing: {why}")
         out["loop_step0_extra"] = step0 - statistics.median(plain)
         monitor.shut()  # hooks off, no end-of-run sweep and summary: not a fit's start
         writer.close()

@@ -11,7 +11,7 @@
 2. ``benchmarks/overhead.py --device cuda``: the train-tiny recipe and wider models
    (widths 512, 1024, 2048, context 256), every step and at the defaults, paired ratios
    with synchronised timing, peak memory from ``torch.cuda.max_memory_allocated``;
-3. ``benchmarks/overhead.py --device cuda --sweep``: the cost model, widths 128 to 4096 x
+3. ``benchmarks/cost_model.py --device cuda``: the cost model, widths 128 to 4096 x
    depths 4, 12, 24 at context 256 (cells over 80% of the GPU's memory are skipped and
    named), and its figure ``cost_model_cuda.png``.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OVERHEAD = ["--device", "cuda", "--widths", "128", "512", "1024", "2048", "--context", "256",
             "--batch-size", "32", "--steps", "16", "--rounds", "2"]
-SWEEP = ["--device", "cuda", "--widths", "--sweep", "--context", "256", "--batch-size", "32",
-         "--sweep-steps", "16", "--cell-budget", "120"]
+COST_MODEL = ["--device", "cuda", "--context", "256", "--batch-size", "32", "--steps", "16",
+              "--cell-budget", "120"]
 
 
 def versions() -> dict[str, str]:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         ran = within([sys.executable, "benchmarks/overhead.py", *OVERHEAD, "--markdown", str(table)], 420)
         result["overhead_table"] = table.read_text() if table.is_file() else f"(not measured: {ran})"
         table, figure = args.out / "cost_model.md", args.out / "cost_model_cuda.png"
-        ran = within([sys.executable, "benchmarks/overhead.py", *SWEEP, "--markdown", str(table),
+        ran = within([sys.executable, "benchmarks/cost_model.py", *COST_MODEL, "--markdown", str(table),
                       "--figure", str(figure)], 600)
         result["cost_model_table"] = table.read_text() if table.is_file() else f"(not measured: {ran})"
     result["seconds"] = time.monotonic() - start

@@ -16,25 +16,21 @@ measuring every step, and for each measured step measures, on every rank:
   gave a reading, and its median time beside a step's forward and backward).
 
 The table gives the largest rank's figures (bytes are the same on every rank), medians over the
-measured steps.  ``--rev REV`` measures the library as it was at a git revision instead of the
-working tree's (the same model, batches and steps), so a change is read beside the code before
-it.  docs/performance.md ("Past one machine") has the figures and the cost model built on them.
+measured steps.  docs/performance.md ("Past one machine") has the figures and the cost model built
+on them.
 
     python benchmarks/ranks.py                       # 2, 4, 8 and 16 processes, depth 24
-    python benchmarks/ranks.py --rev 13d5213         # the same, on the library before the merge
+    python benchmarks/ranks.py --processes 2 --depth 1 --width 8 --context 4 --steps 1  # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +40,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
 KIB = 1024.0
 
 
@@ -94,10 +89,7 @@ class Metered(TorchDispatchMode):
         return self.peak - self.start
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, library: str | None,
-            out: str) -> None:
-    if library:
-        sys.path.insert(0, library)
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -122,7 +114,6 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
     model = TinyGPT(config)
     ddp = DistributedDataParallel(model)
     meter = LadderMeter(ddp, say=lambda _: None, warn=lambda *_: None)
-    merge = {"merge": True} if "merge" in inspect.signature(meter.result).parameters else {"gather": dist}
     batches = torch.Generator().manual_seed(1 + rank)
     received, extra, seconds, collectives = [], [], [], 0
     for step in range(1 + 2 * args.steps):  # the first finds the roles
@@ -134,13 +125,13 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
         dist.barrier()
         if step % 2:  # metered: bytes and memory
             with Metered() as metered:
-                meter.result(**merge)
+                meter.result(merge=True)
             received.append(metered.received)
             extra.append(metered.extra)
             collectives = metered.collectives
         else:  # timed
             t = time.perf_counter()
-            meter.result(**merge)
+            meter.result(merge=True)
             if step:
                 seconds.append(time.perf_counter() - t)
     step_seconds, take_seconds, read = [], [], 0
@@ -168,11 +159,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(processes: int, args: argparse.Namespace, library: str | None) -> dict:
+def measure(processes: int, args: argparse.Namespace) -> dict:
     """One run on ``processes`` gloo processes: per rank figures, the largest rank's kept."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
-        mp.spawn(_worker, args=(processes, _free_port(), args, library, str(out)), nprocs=processes,
+        mp.spawn(_worker, args=(processes, _free_port(), args, str(out)), nprocs=processes,
                  join=True)
         ranks = json.loads(out.read_text())
     keys = ("received", "extra", "merge_ms", "take_us", "step_ms")
@@ -182,20 +173,9 @@ def measure(processes: int, args: argparse.Namespace, library: str | None) -> di
             **{k: max(r[k] for r in ranks) for k in keys}}
 
 
-def library_at(rev: str, into: str) -> str:
-    """The ``lnmonitor`` package as it was at ``rev``, unpacked under ``into``."""
-    archive = subprocess.run(["git", "archive", rev, "lnmonitor"], cwd=ROOT, check=True,
-                             capture_output=True).stdout
-    path = Path(into) / "lnmonitor.tar"
-    path.write_bytes(archive)
-    with tarfile.open(path) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
-def table(rows: list[dict], label: str, steps: int) -> str:
+def table(rows: list[dict], steps: int) -> str:
     first = rows[0]
-    lines = [f"{label}: {first['norms']} norms, a step vector of {first['vector'] / KIB:,.0f} KiB a rank",
+    lines = [f"{first['norms']} norms, a step vector of {first['vector'] / KIB:,.0f} KiB a rank",
              "| processes | received per rank (KiB) | vs the first | peak extra memory (KiB) | merge (ms)"
              " | collectives | every-step growth read | its cost a step (us) | a step (ms) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -215,7 +195,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=16)
     p.add_argument("--batch", type=int, default=2, help="sequences a rank")
     p.add_argument("--steps", type=int, default=5, help="measured steps metered, and as many timed")
-    p.add_argument("--rev", help="measure the library at this git revision instead of the working tree's")
     p.add_argument("--json", help="write the rows here")
     return p
 
@@ -227,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                        "at least 1")
     if args.width % 2:
         parser().error("--width must be even (2 heads)")
-    with tempfile.TemporaryDirectory() as tmp:
-        library = library_at(args.rev, tmp) if args.rev else None
-        rows = [measure(p, args, library) for p in args.processes]
-    print(table(rows, f"lnmonitor at {args.rev}" if args.rev else "lnmonitor (working tree)", args.steps))
+    rows = [measure(p, args) for p in args.processes]
+    print(table(rows, args.steps))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -1,11 +1,13 @@
-"""lnmonitor.core.meter.row_stats: the rows histogrammed equal a per-norm reference, and an empty
-step reads as nan (merged over processes like one batch: tests/test_processes.py)."""
+"""lnmonitor.core.meter.row_stats: the rows histogrammed equal a per-norm reference, read back they
+give each norm's medians within a bin, and an empty step reads as nan (merged over processes like
+one batch: tests/test_processes.py)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from lnmonitor.core.maths import histograms as H
@@ -81,3 +83,26 @@ def test_rows_without_a_target_are_the_final_norms_rows_without_gradient():
     unjudged = R.count_targets([stats(30, 4), stats(32, 3)], [None, 1])
     assert all(math.isnan(s.vanished_grad_rows) for s in unjudged[:1]) and unjudged[0].zero_grad_rows == 4
     assert math.isnan(R.count_targets([stats(30, 4), stats(32, 3)], [1, 1])[0].without_target)
+
+
+def test_read_gives_each_norms_medians_within_a_bin_of_its_rows():
+    """read: each norm's var and ms medians within a bin (``VAR_RESOLUTION``) of its rows' own, the
+    norms' values orders of magnitude apart, and its share median within ``SHARE_RESOLUTION``."""
+    from lnmonitor.core.meter.step_rows import CallRecord
+
+    g = torch.Generator().manual_seed(7)
+    rows, d = 41, 16  # an odd count: each median is one row's value
+    recs = [CallRecord(0, rows, d, 1e-5, 1), CallRecord(1, rows, d, 1e-5, 1)]
+    scale = torch.tensor([1e-4, 1e3]).repeat_interleave(rows)
+    var = torch.exp(torch.randn(2 * rows, generator=g) * 2) * scale
+    ms = var * (1 + torch.rand(2 * rows, generator=g))
+    share = 0.05 + 0.9 * torch.rand(2 * rows, generator=g)
+    data = torch.stack([var, ms, torch.zeros(2 * rows), torch.ones(2 * rows), d * share**2])
+    layout = H.Layout(2)
+    flat = R.histogram_rows(StepRows(data, recs, [], {}), layout, "cpu")
+    for i, stats in enumerate(R.read(flat[: layout.max_end], layout)):
+        mine = slice(i * rows, (i + 1) * rows)
+        assert stats.rows == stats.share_rows == rows
+        assert stats.var_median == pytest.approx(var[mine].median().item(), rel=H.VAR_RESOLUTION)
+        assert stats.ms_median == pytest.approx(ms[mine].median().item(), rel=H.VAR_RESOLUTION)
+        assert stats.share_median == pytest.approx(share[mine].median().item(), abs=H.SHARE_RESOLUTION)

@@ -23,7 +23,7 @@ CASES = INVARIANCE_CASES
 # eps-compare): the first PROBE_WINDOWS samples of the held-out data.  Across disjoint sets
 # of windows spanning the held-out text, the spread of a real delta-loss (scale 3 at
 # eps = 0.1) falls as 1/sqrt(windows): 0.37, 0.18, 0.08 of its mean at 8, 32, 128
-# (benchmarks/probe_rows.py).
+# (measured by benchmarks/probe_rows.py as of 4bc27ae, removed since).
 PROBE_WINDOWS = 64
 SWEEP_SCALES = (1e3, 1e1, 1.0, 1e-1, 1e-2, 3e-3, 1e-3, 1e-4)
 
