@@ -43,12 +43,9 @@ def test_the_arguments_snippet_runs_on_the_llama_it_names(tmp_path):
         sys.path.remove(str(ROOT / "examples"))
     import lightning as L
 
-    from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-
     module, train, val = build("llama")
     x, y = next(iter(val))
-    scope = {"LayerNormMonitor": LayerNormMonitor, "FinalNormInvarianceMonitor": FinalNormInvarianceMonitor,
-             "x": x, "y": y}
+    scope = {"x": x, "y": y}
     exec(python_block("monitors = ["), scope)
     ln, inv = scope["monitors"]
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -133,12 +130,13 @@ def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
     tok = char_tokenizer("".join(lines))
     config = transformers.GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=2, n_head=2,
                                      pad_token_id=tok.pad_token_id)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1,
-                                          per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
-                                          report_to=["tensorboard"], disable_tqdm=True)
-    scope = {"model": transformers.GPT2LMHeadModel(config), "args": args, "tok": tok,
+    scope = {"model": transformers.GPT2LMHeadModel(config), "tok": tok,
              "train": [tok(line) for line in lines[:16]], "val": [tok(line) for line in lines[16:]]}
-    exec(python_block("LNMonitorCallback"), scope)
+    snippet = python_block("LNMonitorCallback")
+    assert 'TrainingArguments("out", max_steps=3000, logging_steps=50,' in snippet
+    exec(snippet.replace('"out", max_steps=3000, logging_steps=50,',
+                         f'"{tmp_path / "out"}", max_steps=2, logging_steps=1, per_device_train_batch_size=4, '
+                         'use_cpu=True, save_strategy="no", disable_tqdm=True,'), scope)
     tags = set(events(tmp_path / "tb").Tags()["scalars"])
     assert "train/lnmonitor/ladder/attenuation" in tags and "train/lnmonitor/invariance/axis_5/dloss" in tags
 
