@@ -206,3 +206,11 @@ def test_logging_first_step_is_measured_too(tmp_path):
     loss_steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
     assert loss_steps == [1, 2, 4]
     assert [h["step"] for h in callback.history] == [1, 2, 4, 5]
+
+
+def test_a_ratio_logging_steps_is_a_share_of_max_steps():
+    """The Trainer reads ``logging_steps`` below 1 as a ratio of ``max_steps`` (rounded up); the
+    callback's default cadence follows it, whole-number values as they are."""
+    from lnmonitor.integrations.transformers import _logging_steps
+
+    assert [_logging_steps(v, 200) for v in (0.1, 0.001, 0.333, 1, 50.0)] == [20, 1, 67, 1, 50]

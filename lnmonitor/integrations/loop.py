@@ -18,15 +18,13 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor.core.invariance.points import FSDP1_REFUSED, LOSS_FN_ADVICE, InvariancePoints
+from lnmonitor.core.invariance.points import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
-from lnmonitor.core.invariance.results import InvarianceResult
-from lnmonitor.core.meter.meter import LadderResult
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.monitor import Monitor
+from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import History, Voice, due, guarded
+from lnmonitor.core.monitor.shared import Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
@@ -36,7 +34,7 @@ from lnmonitor.views.run_views import RunViews
 __all__ = ["LoopMonitor"]
 
 
-class LoopMonitor:
+class LoopMonitor(MonitorAttributes):
     r"""Measure a model's norms on every ``every_n_steps``-th optimizer step of a plain loop.
 
     Call :meth:`start` before the forward and backward passes of a step (all its
@@ -110,13 +108,12 @@ class LoopMonitor:
         self._write_image = _image_writer(writer) if self.settings.images else None
         self.owner = "LoopMonitor"
         self.voice = Voice(speaks=_rank_zero())
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews)
+        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews, advice=LOSS_FN_ADVICE)
         self.findings = self.monitor.findings
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
-        self._kept = History(self.settings.keep_history)
-        self._kept.reset(receivers=writer is not None)
-        self._points = InvariancePoints(self.owner, self.voice, advice=LOSS_FN_ADVICE)
+        self.monitor.history.reset(receivers=writer is not None)
+        self._points = self.monitor.points
         last = self.max_steps - 1 if self.max_steps else None
         self.meter = self.monitor.begin(model, self._emit, speaks=_rank_zero, last_step=last)
         self._started: int | None = None  # the last step given to start()
@@ -124,30 +121,6 @@ class LoopMonitor:
         self._every_rank = False  # a sharded model's probe forward is a collective: every rank runs it
         if every is not None:
             self._start_probe(probe_batch, loss_fn)
-
-    @property
-    def invariance_off_reason(self) -> str | None:
-        """Why the invariance probe is off for this run (None while it is on, or never asked for)."""
-        return self._points.off_reason
-
-    @property
-    def last_invariance(self) -> InvarianceResult | None:
-        """The last invariance point's full result (its sweep points included)."""
-        return self._points.last
-
-    @property
-    def last_result(self) -> LadderResult | None:
-        """The last measured step's result."""
-        return self.monitor.last_result
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every dict written, with its ``step`` (see ``keep_history``)."""
-        return self._kept.rows
-
-    def shut(self) -> None:
-        """Remove every hook and forget the step in progress (the guard tripped, or the run ended)."""
-        self.monitor.close()
 
     def state_dict(self) -> dict:
         """What a resumed run needs (save it with your checkpoint): the last step logged, the
@@ -239,7 +212,7 @@ class LoopMonitor:
         step's merged numbers)."""
         if not _rank_zero():
             return True
-        self._kept.add(step, metrics)
+        self.monitor.history.add(step, metrics)
         if self._write is not None:
             try:
                 self._write(metrics, step)

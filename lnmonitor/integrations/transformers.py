@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -18,9 +18,9 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
         "lnmonitor.integrations.transformers needs transformers: pip install 'lnmonitor[hf]'"
     ) from err
 
-from lnmonitor.core.findings.reader import state_from_health
+from lnmonitor.core.findings.reader import START_GROWTH, state_from_log
 from lnmonitor.core.invariance.loss_contract import default_loss
-from lnmonitor.core.invariance.points import SHARDED_REFUSED, InvariancePoints
+from lnmonitor.core.invariance.points import SHARDED_REFUSED
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import (
     first_samples,
@@ -29,28 +29,25 @@ from lnmonitor.core.invariance.probe_rows import (
     pad_id_of,
     probe_batch,
 )
-from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor import arguments
-from lnmonitor.core.monitor.monitor import Monitor
+from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import History, Voice, due, guarded
+from lnmonitor.core.monitor.shared import Voice, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (
     TRAINER_SPLIT,
     custom_scalars,
     health_metric,
-    ladder_metric,
-    parse,
 )
 from lnmonitor.core.wrappers import sharded
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
 
-START_GROWTH = ladder_metric("growth")  # kept in log_history at the fit's start, for a resumed fit
 
 
-class LNMonitorCallback(TrainerCallback):
+class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     r"""Watch the norms of the model a ``transformers.Trainer`` trains.
 
     The norms are measured over every micro-batch of the optimizer steps whose update brings
@@ -124,26 +121,11 @@ class LNMonitorCallback(TrainerCallback):
         self.findings = self.monitor.findings
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None
-        self._kept = History(self.settings.keep_history)
-        self._points = InvariancePoints(self.owner, self.voice)
+        self._points = self.monitor.points
         self._reporters: list = []
         self._main = True
         self._held: set[str] = set()  # the finding kinds holding as last kept in log_history
         self._layout_written = False
-
-    @property
-    def last_result(self) -> LadderResult | None:
-        """The last measured step's result."""
-        return self.monitor.last_result
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every reported dict, with its ``step`` (see ``keep_history``)."""
-        return self._kept.rows
-
-    def shut(self) -> None:
-        """Remove every hook and forget the step in progress (the guard tripped, or training ended)."""
-        self.monitor.close()
 
     # -- training ----------------------------------------------------------------------
 
@@ -153,7 +135,7 @@ class LNMonitorCallback(TrainerCallback):
         self.voice.reset(speaks=self._main)
         self.monitor.reset()
         if self.findings is not None:  # each kind is raised once per fit; a resumed fit's are in log_history
-            self.findings.load_state_dict(state_from_health(*_health_points(state.log_history)))
+            self.findings.load_state_dict(state_from_log(state.log_history))
         self._held = set(self.findings.holding) if self.findings is not None else set()
         self._layout_written = False
 
@@ -171,7 +153,7 @@ class LNMonitorCallback(TrainerCallback):
                                           "so its metrics go to no report_to integration: they are kept in "
                                           ".history. trainer.add_callback(LNMonitorCallback(trainer)) "
                                           "reports them.")
-        self._kept.reset(receivers=bool(self._reporters))
+        self.monitor.history.reset(receivers=bool(self._reporters))
         self._points.begin(None, None)
         if self.settings.invariance_every_n_steps is not None:
             self._start_probe(model, kwargs)
@@ -213,9 +195,10 @@ class LNMonitorCallback(TrainerCallback):
         self.shut()
 
     def _keep_health(self, state, metrics: Mapping[str, float]) -> None:
-        """Append to ``state.log_history`` what a resumed fit restores (:func:`_health_points`):
-        the health tags that changed since they were last kept, and the ladder's growth at the
-        fit's start, the step the findings judge from."""
+        """Append to ``state.log_history`` what a resumed fit restores
+        (:func:`~lnmonitor.core.findings.reader.state_from_log`): the health tags that changed
+        since they were last kept, and the ladder's growth at the fit's start, the step the
+        findings judge from."""
         if self.findings is None:
             return
         now = set(self.findings.holding)
@@ -271,11 +254,6 @@ class LNMonitorCallback(TrainerCallback):
             report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
             self.monitor.after.log(state.global_step, taken[0], report)
 
-    @property
-    def invariance_off_reason(self) -> str | None:
-        """Why the invariance probe is off for this run (None while it is on)."""
-        return self._points.off_reason
-
     # -- reporting ---------------------------------------------------------------------
 
     def _report(self, metrics: dict[str, float], args, state, control) -> bool:
@@ -283,7 +261,7 @@ class LNMonitorCallback(TrainerCallback):
         reported."""
         if not self._main or not metrics:
             return False
-        self._kept.add(state.global_step, metrics)
+        self.monitor.history.add(state.global_step, metrics)
         if not self._layout_written:
             self._layout_written = True
             self._write_layout()
@@ -317,23 +295,6 @@ class LNMonitorCallback(TrainerCallback):
                 except Exception as err:  # noqa: BLE001 - a layout must never stop training
                     self.voice.warn("layout",
                                     f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
-
-
-def _health_points(log_history: Sequence[Mapping]) -> tuple[list[tuple[int, str, float]], tuple | None]:
-    """``(step, kind, value)`` of every ``lnmonitor/health/<kind>`` in the Trainer's
-    ``log_history`` (restored from a checkpoint's trainer_state.json before ``on_train_begin``;
-    empty on a fresh fit), in its order, and the fit's start ``(step, growth)`` (None: none kept)."""
-    points, start = [], None
-    for entry in log_history:
-        if "step" not in entry:
-            continue
-        if START_GROWTH in entry and start is None:
-            start = (entry["step"], entry[START_GROWTH])
-        for tag, value in entry.items():
-            metric = parse(tag)
-            if metric is not None and metric.group == "health":
-                points.append((entry["step"], metric.statistic, value))
-    return points, start
 
 
 def _logging_steps(value: float, max_steps: int) -> int:

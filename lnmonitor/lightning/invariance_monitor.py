@@ -25,7 +25,6 @@ from lnmonitor.core.norms.discovery import choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.output.metric_names import (
     INVARIANCE_LAYOUT,
-    finite_metrics,
     invariance_metric,
     run_metric,
 )
@@ -33,7 +32,7 @@ from lnmonitor.core.wrappers import fsdp1, sharded
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.layernorm_monitor import LayerNormMonitor
 from lnmonitor.lightning.probe_loss import probe_loss
-from lnmonitor.views.summary import invariance_lines
+from lnmonitor.views.summary import invariance_summary
 
 __all__ = ["FinalNormInvarianceMonitor"]
 
@@ -170,7 +169,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
         self._points = InvariancePoints(self.owner, self.voice, on_off=self._disable)
-        self._last_started_step = -1
         self._sharded = False
         self._final_name: str | None = self.final_norm
         self._enabled = False
@@ -225,10 +223,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
-            step = self._sink.last_step
-            point = {tag: [(step, v)] for tag, v in finite_metrics(self.last_result.metrics()).items()}
-            head = f"lnmonitor summary: final norm {self._final_name!r}"
-            self._say("\n".join([head, *invariance_lines(point)]))
+            self._say(invariance_summary(self._final_name, self._sink.last_step, self.last_result.metrics(),
+                                         self.settings.changed()))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
             every = self.invariance_every_n_steps
             when = f"every {every} optimizer steps" if every else ""
@@ -252,14 +248,9 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
         if self._first_train_batch is None and self.probe_batch is None:
             self._first_train_batch = batch
-        if step == self._last_started_step:
-            return  # a later micro-batch of the same optimizer step
-        self._last_started_step = step
-        if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
-            self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
+        self._take_due(trainer, pl_module)  # the fit's first point (the others come at the batch's end)
 
     @override
     @guarded
@@ -271,9 +262,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # runs after the other callbacks) then records it, and the validation that may
         # follow at the same global step reuses it, so a fit resumed from this checkpoint
         # neither repeats nor misses it (this includes the point after the last update).
-        step = trainer.global_step
-        if self.invariance_every_n_steps is not None and due(step, self.invariance_every_n_steps):
-            self._run(trainer, pl_module, step, sweep=self._sweep_due(step))
+        self._take_due(trainer, pl_module)
 
     @override
     @guarded
@@ -283,8 +272,11 @@ class FinalNormInvarianceMonitor(MonitorCallback):
 
     # -- one run -----------------------------------------------------------------------
 
-    def _sweep_due(self, step: int) -> bool:
-        return self.sweep_every_n_steps is not None and due(step, self.sweep_every_n_steps)
+    def _take_due(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The point of the step the Trainer is at, when the cadence has one there (once)."""
+        step, every, sweeps = trainer.global_step, self.invariance_every_n_steps, self.sweep_every_n_steps
+        if every is not None and due(step, every):
+            self._run(trainer, pl_module, step, sweep=sweeps is not None and due(step, sweeps))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
         """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its

@@ -35,8 +35,8 @@ from lnmonitor.core.output.metric_names import (
 from lnmonitor.views.names import NAME_WIDTH, name_prefix, short_names
 
 __all__ = [
-    "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "ladder_grid", "ladder_lines",
-    "ladder_of",
+    "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "invariance_summary",
+    "ladder_grid", "ladder_lines", "ladder_of", "settings_lines",
     "last", "summary_text",
 ]
 
@@ -144,12 +144,25 @@ def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None 
     steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
     if not steps:
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
-    head = [f"lnmonitor summary{': ' + title if title else ''}"]
-    if settings is not None:
-        changed = ", ".join(f"{name}={_setting(value)}" for name, value in settings.items())
-        head.append(f"settings: {changed or 'the defaults'} (lnmonitor.Settings)")
+    head = [f"lnmonitor summary{': ' + title if title else ''}", *settings_lines(settings)]
     return "\n".join([*head, *ladder_lines(curves, start), *invariance_lines(curves),
                       *health_lines(curves, watched)])
+
+
+def invariance_summary(final_norm: str | None, step: int, metrics: Mapping[str, float],
+                       settings: Mapping[str, object] | None = None) -> str:
+    """The summary of one invariance point (``metrics`` of ``step``): its residuals per case."""
+    point = {tag: [(step, value)] for tag, value in metrics.items() if math.isfinite(value)}
+    return "\n".join([f"lnmonitor summary: final norm {final_norm!r}", *settings_lines(settings),
+                      *invariance_lines(point)])
+
+
+def settings_lines(settings: Mapping[str, object] | None) -> list[str]:
+    """The header's line of the settings that differ from the defaults (none when not known)."""
+    if settings is None:
+        return []
+    changed = ", ".join(f"{name}={_setting(value)}" for name, value in settings.items())
+    return [f"settings: {changed or 'the defaults'} (lnmonitor.Settings)"]
 
 
 def _setting(value: object) -> str:

@@ -29,17 +29,20 @@ from lnmonitor.core.findings.loss_rule import LadderSnapshot, LossRule, what_the
 from lnmonitor.core.findings.signals import crosses, growth_over_start, step_signals
 from lnmonitor.core.monitor.arguments import ArgumentError, function
 from lnmonitor.core.monitor.shared import warn_at_user
-from lnmonitor.core.output.metric_names import health_metric
+from lnmonitor.core.output.metric_names import health_metric, ladder_metric, parse
 from lnmonitor.errors import HealthWarning
 
 if TYPE_CHECKING:
     from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 
 __all__ = [
-    "KINDS", "TALL_AT_START", "Finding", "FindingKind", "FindingsReader", "Reading", "door_reader",
-    "every_step", "finding_thresholds", "health", "long_form", "reads_growth", "state_from_health",
-    "tall_start_message",
+    "KINDS", "START_GROWTH", "TALL_AT_START", "Finding", "FindingKind", "FindingsReader", "Reading",
+    "door_reader", "every_step", "finding_thresholds", "health", "long_form", "reads_growth",
+    "state_from_health", "state_from_log", "tall_start_message",
 ]
+
+# the ladder's growth at a fit's start, kept in a framework's log for a resumed fit (state_from_log)
+START_GROWTH = ladder_metric("growth")
 
 # the signals read from the ladder's growth, which the every-step watch feeds
 GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
@@ -348,6 +351,24 @@ def state_from_health(points: Iterable[tuple[int, str, float]],
     if start is not None:
         state["start"] = list(start)
     return state
+
+
+def state_from_log(entries: Iterable[Mapping]) -> dict:
+    """:func:`state_from_health` of a framework's log of dicts, each with its ``step`` (the
+    Trainer's ``log_history``, restored from a checkpoint; empty on a fresh fit): every
+    ``lnmonitor/health/<kind>`` in it, in its order, and the first ``lnmonitor/ladder/growth``
+    as the fit's start (a door keeps that one at the fit's start for this)."""
+    points, start = [], None
+    for entry in entries:
+        if "step" not in entry:
+            continue
+        if START_GROWTH in entry and start is None:
+            start = (entry["step"], entry[START_GROWTH])
+        for tag, value in entry.items():
+            metric = parse(tag)
+            if metric is not None and metric.group == "health":
+                points.append((entry["step"], metric.statistic, value))
+    return state_from_health(points, start)
 
 
 def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,

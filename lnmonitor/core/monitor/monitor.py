@@ -20,9 +20,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lnmonitor.core.findings.reader import door_reader, reads_growth
+from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.invariance.results import InvarianceResult
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor.after_step import AfterStep, Log
 from lnmonitor.core.monitor.settings import Settings
+from lnmonitor.core.monitor.shared import History
 from lnmonitor.core.wrappers import model_class
 
 if TYPE_CHECKING:
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
 
     from lnmonitor.core.monitor.shared import Voice
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "MonitorAttributes"]
 
 LOOP_EVERY_N_STEPS = 50  # the cadence of a framework with no log cadence of its own (a plain loop)
 
@@ -46,11 +49,18 @@ class Monitor:
             pictures and summary (:class:`lnmonitor.views.run_views.RunViews`; core draws nothing).
         first_step: the number the framework gives a run's first step (it is measured whatever
             the cadence: the start the findings judge growth from).
+        advice: what the invariance probe's message adds when its default loss failed.
+
+    Attributes:
+        history: the logged dicts, kept where nothing else receives them (``keep_history``).
+        points: the invariance probe's points (:class:`~lnmonitor.core.invariance.points.InvariancePoints`).
     """
 
     def __init__(self, settings: Settings, owner: str, voice: Voice, views: Callable, *,
-                 first_step: int = 0) -> None:
+                 first_step: int = 0, advice: str = "") -> None:
         self.settings, self.owner, self.voice, self._views = settings, owner, voice, views
+        self.history = History(settings.keep_history)
+        self.points = InvariancePoints(owner, voice, advice=advice)
         self.findings = door_reader(settings.findings, settings.on_finding, lambda: voice.speaks, owner,
                                     voice.say)
         self.first_step = first_step
@@ -182,3 +192,33 @@ class Monitor:
         self.order = list(state.get("order", []))
         if self.meter is not None:
             self.meter.order = list(self.order)
+
+
+class MonitorAttributes:
+    """What a user reads of a callback built on a :class:`Monitor` (``self.monitor``)."""
+
+    monitor: Monitor
+
+    @property
+    def last_result(self) -> LadderResult | None:
+        """The last measured step's result."""
+        return self.monitor.last_result
+
+    @property
+    def last_invariance(self) -> InvarianceResult | None:
+        """The last invariance point's full result (its sweep points included)."""
+        return self.monitor.points.last
+
+    @property
+    def invariance_off_reason(self) -> str | None:
+        """Why the invariance probe is off for this run (None while it is on, or never asked for)."""
+        return self.monitor.points.off_reason
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every logged dict, with its ``step`` (see ``keep_history``)."""
+        return self.monitor.history.rows
+
+    def shut(self) -> None:
+        """Remove every hook and forget the step in progress (the guard tripped, or the run ended)."""
+        self.monitor.close()
