@@ -58,9 +58,9 @@ class Recording(LayerNormMonitor):
     rows: dict[int, list[int]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = self._measuring
+        step = self.monitor.measuring
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if step is not None and self._measuring is None:
+        if step is not None and self.monitor.measuring is None:
             Recording.rows[step] = [s.rows for s in self.last_row_stats]
 
 

@@ -81,17 +81,87 @@ def test_the_package_names_its_three_doors_and_importing_the_loop_door_loads_not
 
 
 def test_no_folder_holds_more_than_a_dozen_modules():
-    """docs/layout.md: folders by job, each a part with a public face (its ``__init__``'s
-    docstring names its modules) and at most a dozen modules."""
     root = Path(lnmonitor.__file__).parent
-    crowded, faceless = [], []
-    for init in sorted(root.rglob("__init__.py")):
-        folder = init.parent
-        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
-        if len(modules) > 12:
-            crowded.append(f"{folder.relative_to(root)}: {len(modules)}")
-        text = init.read_text()
-        if folder.parent.name == "core" and not all(p.stem in text for p in modules):
-            faceless.append(str(folder.relative_to(root)))
+    crowded = [f"{init.parent.relative_to(root)}: {n}" for init in sorted(root.rglob("__init__.py"))
+               if (n := len([p for p in init.parent.glob("*.py") if p.name != "__init__.py"])) > 12]
     assert not crowded, crowded
-    assert not faceless, f"these parts' __init__ docstrings do not name all their modules: {faceless}"
+
+
+# -- docs/layout.md's claims, read from its text ------------------------------------------
+
+LAYOUT = (Path(__file__).resolve().parent.parent / "docs" / "layout.md").read_text()
+PACKAGE = Path(lnmonitor.__file__).parent
+
+
+def _folders() -> dict[str, set[str]]:
+    """Every folder of the package (``core/maths``) with its modules (no ``__init__``)."""
+    return {str(init.parent.relative_to(PACKAGE)): {p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+            for init in PACKAGE.rglob("__init__.py") if init.parent != PACKAGE}
+
+
+def test_the_layout_page_lists_every_folder_and_module_of_the_package():
+    rows = re.findall(r"^\| `([\w/]+)` \| ([^|]+) \|", LAYOUT, re.M)
+    listed = {folder: set(re.findall(r"`(\w+)`", modules)) for folder, modules in rows}
+    assert listed == _folders()
+
+
+def test_every_folders_docstring_names_its_modules():
+    faceless = {folder: sorted(m for m in modules if m not in (PACKAGE / folder / "__init__.py").read_text())
+                for folder, modules in _folders().items()}
+    assert not {f: m for f, m in faceless.items() if m}, "their __init__ docstrings do not name these"
+
+
+def test_the_levels_on_the_layout_page_are_the_ones_checked():
+    levels = re.findall(r"^\d\. (`\w+`(?: and `\w+`)?)", LAYOUT, re.M)
+    assert [tuple(re.findall(r"`(\w+)`", level)) for level in levels] == FLOORS
+
+
+def test_the_path_of_one_number_names_real_code_and_counts_it():
+    import importlib
+
+    block = re.search(r"## The path of one number.*?```text\n(.*?)```", LAYOUT, re.S).group(1)
+    names = block.split()
+    modules = []
+    for name in names:
+        module, attr = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), attr), name
+        modules.append(module)
+    modules = list(dict.fromkeys(modules))
+    said = re.search(r"That is (\d+) modules, and the number takes (\d+) types on the way: (.*?)\. ",
+                     LAYOUT, re.S)
+    assert int(said.group(1)) == len(modules)
+    types = re.findall(r"`(\w+)`", said.group(3))
+    assert int(said.group(2)) == len(types)
+    defined = {name.rsplit(".", 1)[1] for name in names}
+    assert [t for t in types if t not in defined and t not in ("Tensor", "dict")] == []
+    meter_doc = importlib.import_module("lnmonitor.core.meter.meter").__doc__
+    assert "docs/layout.md" in meter_doc  # the path where a reader of the meter starts
+
+
+def test_commands_do_not_import_each_other():
+    wrong = [f"{path.name} imports commands.{name}" for path in sorted((PACKAGE / "commands").glob("*.py"))
+             for name in re.findall(r"^\s*from lnmonitor\.commands\.(\w+)", path.read_text(), re.M)
+             if name not in ("recipe_arguments", path.stem) and path.stem != "cli"]
+    assert not wrong, wrong
+
+
+def test_every_code_name_in_the_glossary_exists():
+    """The glossary's module paths (``lnmonitor/...py``) and dotted names (``lnmonitor.x.y``)."""
+    import importlib
+
+    glossary = (Path(__file__).resolve().parent.parent / "docs" / "glossary.md").read_text()
+    root = PACKAGE.parent
+    missing = [p for p in re.findall(r"`(lnmonitor/[\w/]+\.py)`", glossary) if not (root / p).exists()]
+    for dotted in set(re.findall(r"`(lnmonitor(?:\.\w+)+)`", glossary)):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(dotted)
+            break
+    assert not missing, missing

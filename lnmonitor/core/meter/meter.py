@@ -21,22 +21,17 @@ once, assigns the norms' roles on the first step, and computes every figure with
 :func:`lnmonitor.core.meter.ladder.ladder_figures`.
 
 The path of one number, the dead-plane share median of one norm, from the hook to the logger
-(14 modules; its forms: each call's rows, the step's rows, one flat vector of histograms,
-statistics, figures, metrics)::
+(docs/layout.md lists it name by name, and a test resolves every name)::
 
-    taps.NormTap               hooks of the measured step (registered through core.hooks.Hooks):
-                               each call's per-row reductions (maths.reductions), on the device
-      -> step_rows.StepRows    the step's rows: every call's, finished together
-    row_stats.histogram_rows   every norm's rows as one flat vector of histograms (maths.histograms)
+    taps.NormTap              the hooks of the measured step: each call's rows (step_rows.RawCall,
+                              maths.reductions), on the device
+      -> step_rows.StepRows   the step's rows, finished together
+    row_stats.histogram_rows  every norm's rows as one flat vector of histograms (maths.histograms)
       -> processes.merge_processes   all-reduced over processes (a fixed number of bytes a rank)
-      -> row_stats.read -> RowStats  statistics: one per norm, the step's one host sync
-    ladder.norm_figures -> NormFigures -> ladder_figures -> LadderFigures
-                               figures: sigma, 1/sigma, shares, baselines, the ladder
-    LadderResult.metrics -> dict[str, float]   metrics, tagged by output.metric_names
-    after_step.AfterStep.measured -> monitor.Monitor.log   the findings added; the framework's log
-    the callback's log: lightning.sink.MetricSink.log -> Logger.log_metrics (Lightning),
-                        LoopMonitor._emit -> output.writers (a SummaryWriter or your function),
-                        LNMonitorCallback._report -> each report_to integration's on_log
+      -> row_stats.read -> RowStats  a norm's statistics: the step's one host sync
+    ladder.norm_figures -> NormFigures -> LadderFigures   the figures (sigma, 1/sigma, shares, ...)
+      -> LadderResult.metrics -> dict[str, float]          the metrics, tagged by output.metric_names
+    monitor.after_step.AfterStep -> monitor.monitor.Monitor.log -> the callback's logger
 
 The meter never raises into training: a hook that cannot measure the model turns it off
 (:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
