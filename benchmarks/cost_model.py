@@ -116,7 +116,7 @@ def measure(width: int, depth: int, steps: int, args) -> Cell:
     model = stepping.tiny_gpt(width, depth, args.context, device=args.device)
     optimizer = stepping.adamw(model)
     tokens = stepping.token_batches(1, args.batch_size, args.context, args.device)[0]
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
     inside, parts = [0.0], []  # (hooks, stop, result) seconds of each measured step
 
     def start() -> None:

@@ -38,7 +38,7 @@ def measured(meter: LadderMeter, model: torch.nn.Module, tokens: torch.Tensor):
 
 def first_measured(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[LadderMeter, FindingsReader]:
     """A fit's first measured step (the roles, the growth's start), read by the findings."""
-    meter, reader = LadderMeter(model, say=lambda _: None), FindingsReader(warn=lambda _: None)
+    meter, reader = LadderMeter(model, info=lambda _: None), FindingsReader(warn=lambda _: None)
     reader.read(0, measured(meter, model, tokens))
     return meter, reader
 

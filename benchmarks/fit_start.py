@@ -126,7 +126,7 @@ def meter_repeat(build: Callable, batch: dict, later: int) -> dict[str, float]:
     plain = [_plain_step(model, batch)]
     TIMERS.reset()
     t0 = CLOCK[0]()
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
     ctor = CLOCK[0]() - t0
     discovery = TIMERS.spent.get("choose_norms", 0.0)
     TIMERS.reset()
@@ -174,7 +174,7 @@ def door_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, floa
             why = monitor.off_reason or monitor.invariance_off_reason
             raise SystemExit(f"LoopMonitor measured nothing: {why}")
         out["loop_step0_extra"] = step0 - statistics.median(plain)
-        monitor.shut()  # hooks off, no end-of-run sweep and summary: not a fit's start
+        monitor.detach()  # hooks off, no end-of-run sweep and summary: not a fit's start
         writer.close()
         if lightning:
             out["lightning_fit_start"] = _lightning_fit_start(build(), tmp)

@@ -22,7 +22,7 @@ def _measure(meter, model):
 
 def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_logged():
     model, said, warned = _model(), [], []
-    meter = LadderMeter(model, say=said.append, warn=lambda k, t: warned.append(t))
+    meter = LadderMeter(model, info=said.append, warn=lambda k, t: warned.append(t))
     views = RunViews("Test", said.append, lambda k, t: warned.append(t), images=False, image_every_n_steps=1,
                      summary=True)
     after = AfterStep(meter, None, views, speaks=lambda: True, warn=lambda k, t: warned.append(t),
@@ -64,11 +64,11 @@ def test_a_failing_summary_is_said_and_the_run_goes_on():
 
     warned = []
     model = _model()
-    after = AfterStep(LadderMeter(model, say=lambda s: None), None, Broken(), speaks=lambda: True,
+    after = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: True,
                       warn=lambda k, t: warned.append(t), owner="Test")
     after.end(None, "title")
     assert warned == ["Test: no end-of-run summary or picture: RuntimeError('no screen')"]
-    quiet = AfterStep(LadderMeter(model, say=lambda s: None), None, Broken(), speaks=lambda: False,
+    quiet = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: False,
                       warn=lambda k, t: warned.append(t), owner="Test")
     quiet.end(None, "title")  # not the process that speaks: nothing drawn, nothing said
     assert len(warned) == 1

@@ -41,7 +41,7 @@ def fine_tune(tmp_path, model, lr: float, steps: int = 20, **kw):
         lr_scheduler_type="constant", dataloader_num_workers=0)
     callback = LNMonitorCallback(keep_history=True, invariance_every_n_steps=None, **kw)
     said = []
-    callback.voice._say = said.append
+    callback.messages._info = said.append
     trainer = transformers.Trainer(model=model, args=args, train_dataset=records, callbacks=[callback])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -269,7 +269,7 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
     model = bert()
     x = torch.randint(1, VOCAB, (4, CONTEXT))
     told: list[str] = []
-    meter = LadderMeter(model, say=told.append)
+    meter = LadderMeter(model, info=told.append)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with meter.step():

@@ -18,7 +18,7 @@ from conftest import gpt, loader
 from lightning.pytorch.callbacks import Callback
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core.monitor.shared import History, Voice, entry_points, guarded
+from lnmonitor.core.monitor.shared import History, Messages, entry_points, guarded
 from lnmonitor.integrations.loop import LoopMonitor
 
 STEPS = 4
@@ -141,8 +141,8 @@ def test_a_logger_that_raises_on_lnmonitor_metrics_turns_the_monitor_off_with_it
 def test_every_public_method_of_the_loop_door_runs_inside_the_guard():
     public = {n for n, v in vars(LoopMonitor).items() if callable(v) and not n.startswith("_")}
     inside = set(entry_points(LoopMonitor))
-    # shut is what the guard calls; the state is plain data to save and load, with nothing to trip
-    assert public - {"step", "shut", "state_dict", "load_state_dict"} <= inside, public - inside
+    # detach is what the guard calls; the state is plain data to save and load, with nothing to trip
+    assert public - {"step", "detach", "state_dict", "load_state_dict"} <= inside, public - inside
 
 
 @pytest.mark.parametrize("entry", ["start", "stop"])
@@ -236,17 +236,17 @@ def test_an_exception_in_any_trainer_event_turns_the_door_off_and_training_finis
 # -- the parts -------------------------------------------------------------------------
 
 
-def test_the_guard_names_the_cause_and_where_and_shuts_once():
-    shut: list[int] = []
+def test_the_guard_names_the_cause_and_where_and_detaches_once():
+    detached: list[int] = []
 
     class Door:
-        refusals = (KeyError,)
+        configuration_errors = (KeyError,)
 
         def __init__(self):
-            self.voice, self.off_reason, self.owner = Voice(warn=said.append), None, "Door"
+            self.messages, self.off_reason, self.owner = Messages(warn=said.append), None, "Door"
 
-        def shut(self):
-            shut.append(1)
+        def detach(self):
+            detached.append(1)
 
         @guarded
         def entry(self, x):
@@ -263,20 +263,20 @@ def test_the_guard_names_the_cause_and_where_and_shuts_once():
     assert door.off_reason is None
     door.entry([])  # a list is unhashable: TypeError, not a refusal
     assert door.off_reason.startswith("TypeError") and "test_door.py" in door.off_reason
-    assert shut == [1] and len(said) == 1 and "Door is off" in said[0]
+    assert detached == [1] and len(said) == 1 and "Door is off" in said[0]
     assert door.entry("a") is None  # off
     assert door.begin() == "on" and door.off_reason is None  # a new run
 
 
-def test_voice_says_each_key_once_and_only_where_it_speaks():
+def test_messages_warn_each_key_once_and_only_where_it_speaks():
     said: list[str] = []
-    voice = Voice(say=said.append, warn=said.append)
-    voice.warn("k", "one")
-    voice.warn("k", "again")
-    voice.say("info")
-    voice.reset(speaks=False)
-    voice.warn("k", "rank one")
-    voice.say("rank one")
+    messages = Messages(info=said.append, warn=said.append)
+    messages.warn("k", "one")
+    messages.warn("k", "again")
+    messages.info("info")
+    messages.reset(speaks=False)
+    messages.warn("k", "rank one")
+    messages.info("rank one")
     assert said == ["one", "info"]
 
 

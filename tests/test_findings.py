@@ -33,7 +33,7 @@ from lnmonitor.tiny.recipe import Recipe
 
 
 def _measured(model, x):
-    meter = LadderMeter(model, say=lambda _: None)
+    meter = LadderMeter(model, info=lambda _: None)
     with meter.step():
         model(x, x)[1].backward()
     return meter.result()
@@ -231,7 +231,7 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
     torch.manual_seed(0)
     module = compatibility.Wrapped(family.build(), family.hf)
     batch = next(iter(compatibility.data(0, None, family.decoder)))
-    meter = LadderMeter(module, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(module, info=lambda _: None, warn=lambda *_: None)
     with meter.step():
         module.training_step(batch, 0).backward()
     said = []

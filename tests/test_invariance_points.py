@@ -14,14 +14,14 @@ from conftest import gpt, windows
 
 from lnmonitor.core.invariance.points import LOSS_FN_ADVICE, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
-from lnmonitor.core.monitor.shared import Voice
+from lnmonitor.core.monitor.shared import Messages
 
 
 def _points(loss_fn=None, scales=(1e-1, 1e-2, 1e-3), model=None,
             advice="") -> tuple[InvariancePoints, list[str]]:
     said: list[str] = []
     model = model if model is not None else gpt().model
-    points = InvariancePoints("Door", Voice(warn=said.append), advice=advice)
+    points = InvariancePoints("Door", Messages(warn=said.append), advice=advice)
     points.begin(InvarianceProbe(model, loss_fn, scales=scales), windows(4))
     return points, said
 
@@ -100,7 +100,7 @@ def test_when_calling_the_model_with_the_batch_fails_the_message_names_loss_fn()
 
 def test_a_door_whose_probe_is_the_door_turns_itself_off():
     reasons: list[str] = []
-    points = InvariancePoints("Door", Voice(warn=reasons.append),
+    points = InvariancePoints("Door", Messages(warn=reasons.append),
                               on_off=lambda reason: reasons.append("off: " + reason))
     points.begin(InvarianceProbe(gpt().model, lambda m, b: torch.tensor(1.0) + b.foo), windows(4))
     points.take(0, sweep=False)

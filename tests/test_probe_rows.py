@@ -34,7 +34,7 @@ def test_joined_rows_equal_the_collators_padding_of_all_rows_at_once(side):
     tok = tokenizer(side)
     rows = records(tok, 32, 2)
     said: list[str] = []
-    joined = first_samples(_collated(tok, rows, 8), 32, pad=pad_id_of(None, tok), say=said.append,
+    joined = first_samples(_collated(tok, rows, 8), 32, pad=pad_id_of(None, tok), info=said.append,
                            warn=pytest.fail)
     whole = next(iter(_collated(tok, rows, 32)))
     assert len({len(r["input_ids"]) for r in rows}) > 1 and joined.keys() == whole.keys()

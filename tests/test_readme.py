@@ -134,9 +134,9 @@ def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
              "train": [tok(line) for line in lines[:16]], "val": [tok(line) for line in lines[16:]]}
     snippet = python_block("LNMonitorCallback")
     assert 'TrainingArguments("out", max_steps=3000, logging_steps=50,' in snippet
-    exec(snippet.replace('"out", max_steps=3000, logging_steps=50,',
-                         f'"{tmp_path / "out"}", max_steps=2, logging_steps=1, per_device_train_batch_size=4, '
-                         'use_cpu=True, save_strategy="no", disable_tqdm=True,'), scope)
+    short = (f'"{tmp_path / "out"}", max_steps=2, logging_steps=1, per_device_train_batch_size=4, '
+             'use_cpu=True, save_strategy="no", disable_tqdm=True,')
+    exec(snippet.replace('"out", max_steps=3000, logging_steps=50,', short), scope)
     tags = set(events(tmp_path / "tb").Tags()["scalars"])
     assert "train/lnmonitor/ladder/attenuation" in tags and "train/lnmonitor/invariance/axis_5/dloss" in tags
 

@@ -24,7 +24,7 @@ from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import Voice, due, guarded
+from lnmonitor.core.monitor.shared import Messages, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
@@ -85,7 +85,7 @@ class LoopMonitor(MonitorAttributes):
         (0, True)
 
     Notes (the eps it measured, the rungs, the summary) are printed on rank zero, as
-    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Voice`: where logging shows
+    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Messages`: where logging shows
     the ``lnmonitor`` logger's INFO, they go there instead); what went wrong is a warning,
     said once.  A writer that raises is said once and dropped; a probe that fails is turned
     off with its reason (:attr:`invariance_off_reason`).  :meth:`start`, :meth:`stop` and
@@ -93,7 +93,7 @@ class LoopMonitor(MonitorAttributes):
     the monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
     """
 
-    refusals = (arguments.ArgumentError, NormSelectionError)
+    configuration_errors = (arguments.ArgumentError, NormSelectionError)
 
     def __init__(self, model: nn.Module, writer=None, *, settings: Settings | None = None,
                  max_steps: int | None = None, probe_batch=None, loss_fn: Callable | None = None,
@@ -107,8 +107,8 @@ class LoopMonitor(MonitorAttributes):
         self._write: Callable | None = metric_writer(writer, layout)
         self._write_image = _image_writer(writer) if self.settings.images else None
         self.owner = "LoopMonitor"
-        self.voice = Voice(speaks=_rank_zero())
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews, advice=LOSS_FN_ADVICE)
+        self.messages = Messages(speaks=_rank_zero())
+        self.monitor = Monitor(self.settings, self.owner, self.messages, RunViews, advice=LOSS_FN_ADVICE)
         self.findings = self.monitor.findings
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
@@ -189,7 +189,7 @@ class LoopMonitor(MonitorAttributes):
         """End the run, after the last update (once; nothing more when the last step of
         ``max_steps`` ended it): the invariance point after that update with its scale sweep,
         the ladder over training (a picture) and the summary.  A step still open is dropped."""
-        self.shut()
+        self.detach()
         if self._started is not None:
             self._end(self._started + 1)
 
@@ -218,8 +218,8 @@ class LoopMonitor(MonitorAttributes):
                 self._write(metrics, step)
             except Exception as err:  # noqa: BLE001 - the user's writer must not stop training
                 self._write = None
-                self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
-                                          "written (training goes on)")
+                self.messages.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
+                                             "written (training goes on)")
         return True
 
     # -- the invariance probe ----------------------------------------------------------
@@ -231,9 +231,9 @@ class LoopMonitor(MonitorAttributes):
         (its forward is a collective)."""
         model = self.meter.model
         if batch is None:
-            self.voice.say("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not run; "
-                           "pass held-out rows (probe_batch=(x, y), or a dict of the model's inputs) to "
-                           "have it.")
+            self.messages.info("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not "
+                               "run; pass held-out rows (probe_batch=(x, y), or a dict of the model's "
+                               "inputs) to have it.")
             return
         if fsdp1(model):
             self._points.off(FSDP1_REFUSED)

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnmonitor.core.monitor.arguments import ArgumentError
-from lnmonitor.core.monitor.shared import Voice, warn_at_user
+from lnmonitor.core.monitor.shared import Messages, warn_at_user
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.lightning.sink import MetricSink
 
@@ -36,19 +36,19 @@ class MonitorCallback(Callback):
 
     Its hooks run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off for the rest of the fit with one warning naming the cause (``off_reason``),
-    :meth:`shut` removes what it had hooked, and the fit goes on.  A configuration Lightning
+    :meth:`detach` removes what it had hooked, and the fit goes on.  A configuration Lightning
     cannot run (``MisconfigurationException``: bad arguments, a model with no norm to measure)
     is raised, as Lightning's own callbacks raise it."""
 
-    refusals = (MisconfigurationException,)
+    configuration_errors = (MisconfigurationException,)
 
     def __init__(self, keep_history: bool | None) -> None:
         self.owner = type(self).__name__
-        self.voice = Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
+        self.messages = Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.off_reason: str | None = None
-        self._sink = MetricSink(self.owner, keep_history, self.voice)
+        self._sink = MetricSink(self.owner, keep_history, self.messages)
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped)."""
 
     @property
@@ -56,11 +56,11 @@ class MonitorCallback(Callback):
         """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
         return self._sink.history
 
-    def _say(self, text: str) -> None:
-        self.voice.say(text)
+    def _info(self, text: str) -> None:
+        self.messages.info(text)
 
     def _warn(self, key: str, text: str) -> None:
-        self.voice.warn(key, text)
+        self.messages.warn(key, text)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -168,7 +168,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._probe: Any = None
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
-        self._points = InvariancePoints(self.owner, self.voice, on_off=self._disable)
+        self._points = InvariancePoints(self.owner, self.messages, on_off=self._disable)
         self._sharded = False
         self._final_name: str | None = self.final_norm
         self._enabled = False
@@ -209,7 +209,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                                        self._warn)
         said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
         if said:
-            self._say(said)
+            self._info(said)
         self._sharded = sharded(pl_module)
         if fsdp1(pl_module):  # its units gather their weights only inside the wrapper's forward
             self._disable(FSDP1_REFUSED)
@@ -223,8 +223,8 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
-            self._say(invariance_summary(self._final_name, self._sink.last_step, self.last_result.metrics(),
-                                         self.settings.changed()))
+            self._info(invariance_summary(self._final_name, self._sink.last_step, self.last_result.metrics(),
+                                          self.settings.changed()))
         if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
             every = self.invariance_every_n_steps
             when = f"every {every} optimizer steps" if every else ""
@@ -321,7 +321,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if batch is None:
             batch = first_samples(
                 trainer.val_dataloaders, self.probe_size, pad=pad_id_of(pl_module),
-                say=lambda text: self._say(f"FinalNormInvarianceMonitor: {text}."),
+                info=lambda text: self._info(f"FinalNormInvarianceMonitor: {text}."),
                 warn=lambda text: self._warn("probe-rows", f"FinalNormInvarianceMonitor: {text}."))
         if batch is None:
             batch = self._first_train_batch

@@ -144,7 +144,7 @@ class LayerNormMonitor(MonitorCallback):
             self.settings = Settings.build(settings, fields, "LayerNormMonitor")
             self.histograms = arguments.flag(histograms, "histograms")
         super().__init__(self.settings.keep_history)
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews)
+        self.monitor = Monitor(self.settings, self.owner, self.messages, RunViews)
         self.findings = self.monitor.findings
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []
@@ -206,20 +206,20 @@ class LayerNormMonitor(MonitorCallback):
     @override
     @guarded
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.shut()
+        self.detach()
 
     @override
     @guarded
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self.shut()
+        self.detach()
 
     @override
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.shut()
+        self.detach()
         self.monitor.end(self._image_writer(trainer))
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """End the fit's measuring (an exception, the end of the fit): no hook, no row left."""
         self.monitor.close()
         self._stepping = None

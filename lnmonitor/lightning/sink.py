@@ -25,7 +25,7 @@ from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 
-from lnmonitor.core.monitor.shared import History, Voice, warn_at_user
+from lnmonitor.core.monitor.shared import History, Messages, warn_at_user
 from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
 from lnmonitor.core.output.writers import write_scalars
 
@@ -54,12 +54,12 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
 
 
 class MetricSink:
-    """The logging side of one callback (``owner`` is its class name, for messages; ``voice``
+    """The logging side of one callback (``owner`` is its class name, for messages; ``messages``
     says them, once per key and fit)."""
 
-    def __init__(self, owner: str, keep_history: bool | None, voice: Voice | None = None) -> None:
+    def __init__(self, owner: str, keep_history: bool | None, messages: Messages | None = None) -> None:
         self.owner = owner
-        self.voice = voice or Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
+        self.messages = messages or Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.kept = History(keep_history)
         self.last_step = -1
         self._layout: dict[str, dict] = {}
@@ -77,7 +77,7 @@ class MetricSink:
         (given later by :meth:`give_hparams`)."""
         self.last_step = -1
         self._ready = weakref.WeakSet()
-        self.voice.reset(speaks=trainer.is_global_zero)
+        self.messages.reset(speaks=trainer.is_global_zero)
         self.kept.reset(receivers=bool(trainer.loggers))
         if not trainer.loggers and trainer.is_global_zero:
             self.warn_once(
@@ -167,7 +167,7 @@ class MetricSink:
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (global rank zero) the first time ``key`` comes up in this fit."""
-        self.voice.warn(key, message)
+        self.messages.warn(key, message)
 
 
 def _write_layout(logger: TensorBoardLogger, categories: dict[str, dict]) -> None:

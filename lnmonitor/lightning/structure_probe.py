@@ -208,7 +208,7 @@ class StructureProbe(MonitorCallback):
         if self._capture is not None:
             self._capture.detach()
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         self._release()
 
     def _release(self) -> SequenceCapture | None:

@@ -26,16 +26,16 @@ class RunViews:
 
     Args:
         owner: the name warnings start with.
-        say, warn: the door's ``say(text)`` and ``warn(key, text)``.
+        info, warn: the monitor's ``info(text)`` and ``warn(key, text)``.
         images: log the pictures at all.
         image_every_n_steps: the least number of steps between two ladder pictures (the last
             step gets one regardless).
         summary: say the summary at the end.
     """
 
-    def __init__(self, owner: str, say: Callable[[str], None], warn: Callable[[str, str], None], *,
+    def __init__(self, owner: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
                  images: bool, image_every_n_steps: int, summary: bool) -> None:
-        self.owner, self._say, self._warn = owner, say, warn
+        self.owner, self._info, self._warn = owner, info, warn
         self.images, self.image_every_n_steps, self.summary = images, image_every_n_steps, summary
         self.trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
@@ -72,7 +72,7 @@ class RunViews:
             if heatmap is not None:
                 self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
         if self.summary:
-            self._say(summary_text(curves, title, watched, start, settings))
+            self._info(summary_text(curves, title, watched, start, settings))
 
     def _picture(self, write: WriteImage, tag: str, draw: Callable, step: int) -> None:
         try:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KINDS", "START_GROWTH", "TALL_AT_START", "Finding", "FindingKind", "FindingsReader", "Reading",
-    "door_reader", "every_step", "finding_thresholds", "health", "long_form", "reads_growth",
+    "every_step", "finding_thresholds", "findings_reader", "health", "long_form", "reads_growth",
     "state_from_health", "state_from_log", "tall_start_message",
 ]
 
@@ -187,12 +187,13 @@ class FindingsReader:
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
                  on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
-                 warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None,
+                 info: Callable[[str], None] | None = None) -> None:
         self.thresholds = _thresholds(thresholds, "thresholds")
         self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
         self.owner = owner
         self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
-        self._say = say or (lambda message: None)
+        self._info = info or (lambda message: None)
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
@@ -214,7 +215,7 @@ class FindingsReader:
         if self.start is None and math.isfinite(growth) and growth > 0:
             self.start, self.first = (step, growth), self.last
             if growth > TALL_AT_START:
-                self._say(tall_start_message(self.owner, step, growth))
+                self._info(tall_start_message(self.owner, step, growth))
         reading = self._judge(step, signals)
         if self.pending_loss is None:
             return reading
@@ -371,8 +372,8 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
     return state_from_health(points, start)
 
 
-def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
-                say: Callable[[str], None] | None = None) -> FindingsReader | None:
+def findings_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
+                info: Callable[[str], None] | None = None) -> FindingsReader | None:
     """The reader a door builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
@@ -385,7 +386,7 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
         if speaks():
             warn_at_user(message, HealthWarning)
 
-    return FindingsReader(thresholds=thresholds, on_finding=on_finding, owner=owner, warn=warn, say=say)
+    return FindingsReader(thresholds=thresholds, on_finding=on_finding, owner=owner, warn=warn, info=info)
 
 
 def finding_thresholds(findings) -> dict[str, float | None] | None:

@@ -11,8 +11,8 @@ naming ``loss_fn=`` when it was the door's default call of the model with the ba
 
 Example::
 
-    >>> from lnmonitor.core.monitor.shared import Voice
-    >>> points = InvariancePoints("Door", Voice(warn=print))
+    >>> from lnmonitor.core.monitor.shared import Messages
+    >>> points = InvariancePoints("Door", Messages(warn=print))
     >>> points.take(0, sweep=False) is None  # no probe yet: nothing to take
     True
 """
@@ -25,7 +25,7 @@ import math
 from lnmonitor.core.invariance.loss_contract import default_loss
 from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance.results import InvarianceResult
-from lnmonitor.core.monitor.shared import Voice, off_message, where
+from lnmonitor.core.monitor.shared import Messages, off_message, where
 
 __all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "SHARDED_REFUSED", "InvariancePoints"]
 
@@ -57,7 +57,7 @@ SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP,
 
 class InvariancePoints:
     """The points of one run of ``prober`` on ``batch`` (:meth:`begin`), taken by :meth:`take`;
-    ``owner`` starts the messages ``voice`` says, and ``on_off(reason)``, when given, is called
+    ``owner`` starts the messages ``messages`` says, and ``on_off(reason)``, when given, is called
     instead of the message when the probe turns off; ``advice`` ends that message when the probe
     failed running the default loss (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a door
     with a ``loss_fn=`` argument passes :data:`LOSS_FN_ADVICE`.
@@ -69,9 +69,9 @@ class InvariancePoints:
         last: the last point's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
     """
 
-    def __init__(self, owner: str, voice: Voice, on_off=None, advice: str = "") -> None:
+    def __init__(self, owner: str, messages: Messages, on_off=None, advice: str = "") -> None:
         self.owner = owner
-        self.voice = voice
+        self.messages = messages
         self.advice = advice
         self._noted: set[str] = set()
         self._on_off = on_off  # a door whose probe is the door itself turns itself off (and says so)
@@ -93,7 +93,7 @@ class InvariancePoints:
         if self._on_off is not None:
             self._on_off(reason)
             return
-        self.voice.warn("invariance-off", off_message(f"{self.owner}: the invariance probe", reason))
+        self.messages.warn("invariance-off", off_message(f"{self.owner}: the invariance probe", reason))
 
     def wanted(self, step: int, *, sweep: bool) -> bool:
         """Whether :meth:`take` would probe ``step`` (its sweep too with ``sweep``)."""
@@ -112,8 +112,8 @@ class InvariancePoints:
         try:
             result, metrics = self.prober.point(self.batch, step, sweep=sweep)
         except NonFiniteLoss as err:  # this point only: a later one may be finite again
-            self.voice.warn("nan-loss", f"{self.owner}: no invariance point at step {step}: {err}. Said "
-                                        "once; the next point is probed again.")
+            self.messages.warn("nan-loss", f"{self.owner}: no invariance point at step {step}: {err}. Said "
+                                           "once; the next point is probed again.")
             return None
         except Exception as err:  # noqa: BLE001 - the probe's failure stops the probe, not the training
             advice = f" {self.advice}" if self.advice and self.prober.loss_fn is default_loss else ""

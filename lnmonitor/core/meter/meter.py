@@ -39,8 +39,8 @@ statistics, figures, metrics)::
                         LNMonitorCallback._report -> each report_to integration's on_log
 
 The meter never raises into training: a hook that cannot measure the model turns it off
-(:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
-key), by default a :class:`~lnmonitor.core.monitor.shared.Voice`; its words are
+(:attr:`LadderMeter.off_reason`, said once); it speaks through ``info`` and ``warn`` (once per
+key), by default a :class:`~lnmonitor.core.monitor.shared.Messages`; its words are
 :mod:`lnmonitor.core.meter.messages`.
 """
 
@@ -63,7 +63,7 @@ from lnmonitor.core.meter.padding import RowMasks
 from lnmonitor.core.meter.processes import StepMaximum, merge_processes, several_processes
 from lnmonitor.core.meter.row_stats import RowStats, count_targets, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.core.monitor.shared import Voice, off_message
+from lnmonitor.core.monitor.shared import Messages, off_message
 from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
@@ -107,7 +107,7 @@ class LadderMeter:
             encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
             counts.
         owner: the name messages start with (the callback's class name).
-        say: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Voice`'s: the
+        info: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Messages`'s: the
             ``lnmonitor`` logger when logging is configured, else standard error).
         warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
         watch_growth: take the ladder's growth on every training step once the roles are known
@@ -130,16 +130,16 @@ class LadderMeter:
         ladder: str | Sequence[str] | None = None,
         row_mask: Callable | bool | None = None,
         owner: str = "LadderMeter",
-        say: Callable[[str], None] | None = None,
+        info: Callable[[str], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
         watch_growth: bool = True,
     ) -> None:
         self.owner = owner
         self.final_norm = final_norm
         self.ladder = ladder
-        voice = Voice()
-        self._say = say or voice.say
-        self._warn = warn or voice.warn
+        default = Messages()
+        self._info = info or default.info
+        self._warn = warn or default.warn
         self.model = unwrap(model)  # names and inputs are the user's model's, whatever wraps it
         self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
         wrapper = unknown_wrapper(self.model)
@@ -149,11 +149,11 @@ class LadderMeter:
                 f"({wrapper} holds the model): every norm's name starts with it. Pass the model inside it "
                 "to keep the "
                 "names the same whatever wraps the model. Said once."))
-        for info in self.norms:
-            if info.width is not None and info.width <= info.dead_dim:
-                raise NormSelectionError(messages.narrow_message(owner, info.name, info.width, info.dead_dim,
-                                                              info.kind))
-        self._names = [info.name for info in self.norms]
+        for norm in self.norms:
+            if norm.width is not None and norm.width <= norm.dead_dim:
+                raise NormSelectionError(messages.narrow_message(owner, norm.name, norm.width, norm.dead_dim,
+                                                              norm.kind))
+        self._names = [norm.name for norm in self.norms]
         self.layout = Layout(len(self.norms))
         self.order: list[str] = []
         self.roles_known = False
@@ -182,9 +182,9 @@ class LadderMeter:
         self.watch_growth = watch_growth
         said = measured_eps_message(owner, self.norms)
         if said:
-            self._say(said)
+            self._info(said)
         if compiled(model):
-            self._say(messages.compiled_message(owner))
+            self._info(messages.compiled_message(owner))
 
     # -- one measured step -------------------------------------------------------------
 
@@ -332,7 +332,7 @@ class LadderMeter:
         unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
-            self._say(messages.no_backward_message(self.owner, label))
+            self._info(messages.no_backward_message(self.owner, label))
             return None
         if unmeasured:
             said = messages.unmeasured_message(self.owner, label, unmeasured, len(self.norms))
@@ -375,7 +375,7 @@ class LadderMeter:
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
-            self._say(messages.zero_grad_message(self.owner, zero))
+            self._info(messages.zero_grad_message(self.owner, zero))
         if vanished:
             self._warn("vanished", messages.vanished_grad_message(self.owner, vanished))
         if self._unmasked:
@@ -428,7 +428,7 @@ class LadderMeter:
         ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
         self.main_stack = self.stack_of[self.final_norm if self.final_norm in self.stack_of else ran[-1]]
         decided = self._roles(ordered, roles)
-        self._say(messages.roles_message(self.owner, decided, bool(self.ladder)))
+        self._info(messages.roles_message(self.owner, decided, bool(self.ladder)))
         short = messages.short_ladder_message(self.owner, decided)
         if short:
             self._warn("one-rung", short)

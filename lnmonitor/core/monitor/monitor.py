@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lnmonitor.core.findings.reader import door_reader, reads_growth
+from lnmonitor.core.findings.reader import findings_reader, reads_growth
 from lnmonitor.core.invariance.points import InvariancePoints
 from lnmonitor.core.invariance.results import InvarianceResult
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
@@ -31,7 +31,7 @@ from lnmonitor.core.wrappers import model_class
 if TYPE_CHECKING:
     from torch import nn
 
-    from lnmonitor.core.monitor.shared import Voice
+    from lnmonitor.core.monitor.shared import Messages
 
 __all__ = ["Monitor", "MonitorAttributes"]
 
@@ -44,8 +44,8 @@ class Monitor:
     Args:
         settings: the monitor's :class:`~lnmonitor.core.monitor.settings.Settings`.
         owner: the name its messages start with.
-        voice: how it speaks (:class:`~lnmonitor.core.monitor.shared.Voice`).
-        views: ``views(owner, say, warn, images=, image_every_n_steps=, summary=)``: the run's
+        messages: how it speaks (:class:`~lnmonitor.core.monitor.shared.Messages`).
+        views: ``views(owner, info, warn, images=, image_every_n_steps=, summary=)``: the run's
             pictures and summary (:class:`lnmonitor.views.run_views.RunViews`; core draws nothing).
         first_step: the number the framework gives a run's first step (it is measured whatever
             the cadence: the start the findings judge growth from).
@@ -56,13 +56,13 @@ class Monitor:
         points: the invariance probe's points (:class:`~lnmonitor.core.invariance.points.InvariancePoints`).
     """
 
-    def __init__(self, settings: Settings, owner: str, voice: Voice, views: Callable, *,
+    def __init__(self, settings: Settings, owner: str, messages: Messages, views: Callable, *,
                  first_step: int = 0, advice: str = "") -> None:
-        self.settings, self.owner, self.voice, self._views = settings, owner, voice, views
+        self.settings, self.owner, self.messages, self._views = settings, owner, messages, views
         self.history = History(settings.keep_history)
-        self.points = InvariancePoints(owner, voice, advice=advice)
-        self.findings = door_reader(settings.findings, settings.on_finding, lambda: voice.speaks, owner,
-                                    voice.say)
+        self.points = InvariancePoints(owner, messages, advice=advice)
+        self.findings = findings_reader(settings.findings, settings.on_finding, lambda: messages.speaks,
+                                        owner, messages.info)
         self.first_step = first_step
         self.every_n_steps = settings.every_n_steps
         self.meter: LadderMeter | None = None
@@ -95,12 +95,13 @@ class Monitor:
         s = self.settings
         self.close()
         self.meter = LadderMeter(model, include=s.include, exclude=s.exclude, final_norm=s.final_norm,
-                                 ladder=s.ladder, row_mask=s.row_mask, owner=self.owner, say=self.voice.say,
-                                 warn=self.voice.warn, watch_growth=reads_growth(self.findings))
+                                 ladder=s.ladder, row_mask=s.row_mask, owner=self.owner,
+                                 info=self.messages.info, warn=self.messages.warn,
+                                 watch_growth=reads_growth(self.findings))
         self.meter.order = list(self.order)
-        views = self._views(self.owner, self.voice.say, self.voice.warn, images=s.images,
+        views = self._views(self.owner, self.messages.info, self.messages.warn, images=s.images,
                             image_every_n_steps=s.image_every_n_steps, summary=s.summary)
-        self.after = AfterStep(self.meter, self.findings, views, speaks=speaks, warn=self.voice.warn,
+        self.after = AfterStep(self.meter, self.findings, views, speaks=speaks, warn=self.messages.warn,
                                owner=self.owner)
         self.every_n_steps = s.every_n_steps or self._resumed_every or every_n_steps or LOOP_EVERY_N_STEPS
         self.last_step, self._log, self.measuring = last_step, log, None
@@ -219,6 +220,6 @@ class MonitorAttributes:
         """Every logged dict, with its ``step`` (see ``keep_history``)."""
         return self.monitor.history.rows
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped, or the run ended)."""
         self.monitor.close()

@@ -4,22 +4,22 @@ A door (the Lightning callbacks, the ``transformers.Trainer`` callback, the plai
 monitor) only decides when to measure and where the numbers go; what they all need is
 written here, once, with no framework imported:
 
-* :class:`Voice` -- information (``say``) and warnings said once per key (``warn``), from
+* :class:`Messages` -- information (``info``) and warnings said once per key (``warn``), from
   the process that speaks (rank zero) only;
 * :func:`guarded` -- every entry point of a door runs inside it: an exception from
   lnmonitor, or from the user's code it calls, turns that door off with one message naming
   the cause and where it was raised, its hooks are removed, and training goes on.  Only the
-  refusals a door lists (bad arguments, a model with no norm to measure) pass through;
+  configuration_errors a door lists (bad arguments, a model with no norm to measure) pass through;
 * :class:`History` -- the logged dicts of a run, kept when nothing else receives them.
 
 Example::
 
     >>> class Door:
-    ...     refusals = (ValueError,)
+    ...     configuration_errors = (ValueError,)
     ...     def __init__(self):
-    ...         self.voice = Voice(warn=lambda text: None)
+    ...         self.messages = Messages(warn=lambda text: None)
     ...         self.off_reason = None
-    ...     def shut(self):
+    ...     def detach(self):
     ...         pass  # remove hooks, forget the step
     ...     @guarded
     ...     def on_step(self, step):
@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["History", "Voice", "due", "entry_points", "guarded", "where"]
+__all__ = ["History", "Messages", "due", "entry_points", "guarded", "where"]
 
 _log = logging.getLogger("lnmonitor")
 
@@ -93,26 +93,26 @@ def _warn(text: str) -> None:
     warn_at_user(text)
 
 
-class Voice:
-    """What a door says: ``say(text)`` for information, ``warn(key, text)`` once per key.
+class Messages:
+    """What a door says: ``info(text)`` for information, ``warn(key, text)`` once per key.
 
     Args:
-        say: where information goes (default: the ``lnmonitor`` logger when logging is
+        info: where information goes (default: the ``lnmonitor`` logger when logging is
             configured, else standard error, so it is seen either way).
         warn: ``warn(text)`` for a warning (default ``warnings.warn``).
         speaks: whether this process speaks (False on every rank but zero).
     """
 
-    def __init__(self, say: Callable[[str], None] | None = None,
+    def __init__(self, info: Callable[[str], None] | None = None,
                  warn: Callable[[str], None] | None = None, speaks: bool = True) -> None:
-        self._say = say or _print_info
+        self._info = info or _print_info
         self._warn = warn or _warn
         self.speaks = speaks
         self._warned: set[str] = set()
 
-    def say(self, text: str) -> None:
+    def info(self, text: str) -> None:
         if self.speaks:
-            self._say(text)
+            self._info(text)
 
     def warn(self, key: str, text: str) -> None:
         """Warn the first time ``key`` comes up (until :meth:`reset`)."""
@@ -169,9 +169,9 @@ def where(err: BaseException) -> str:
 def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Callable:
     """Run a door's entry point inside the guard.
 
-    The door has ``off_reason`` (None while on), ``voice`` (a :class:`Voice`), ``shut()``
+    The door has ``off_reason`` (None while on), ``messages`` (a :class:`Messages`), ``detach()``
     (remove every hook, forget the step: called once when the guard trips), and may have
-    ``refusals`` (the exception types that pass through: bad configuration) and ``advice``
+    ``configuration_errors`` (the exception types that pass through: bad configuration) and ``advice``
     (a sentence added to the message).  While the
     door is off the entry point does nothing and returns None.  ``starts_run``: the entry
     point that begins a run (a fit's ``setup``, ``on_train_begin``) turns the door on again
@@ -187,7 +187,7 @@ def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Call
                 return None
             try:
                 return entry.__wrapped__(self, *args, **kwargs)
-            except tuple(getattr(self, "refusals", ())):
+            except tuple(getattr(self, "configuration_errors", ())):
                 raise
             except Exception as err:  # noqa: BLE001 - the one place a door swallows an error
                 _trip(self, fn.__name__, err)
@@ -202,14 +202,14 @@ def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Call
 def _trip(door, entry: str, err: Exception) -> None:
     door.off_reason = f"{type(err).__name__}: {err} (raised at {where(err)}, during {entry})"
     try:
-        door.shut()
+        door.detach()
     except Exception as again:  # noqa: BLE001 - say both, stop nothing
         door.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
     owner = getattr(door, "owner", type(door).__name__)
     advice = getattr(door, "advice", "")
-    door.voice.warn("guard", off_message(owner, door.off_reason) + ". Training goes "
-                             "on; nothing more is measured or logged by it. " + (advice or
-                             "Please report this with the message if the model and batch look ordinary."))
+    door.messages.warn("guard", off_message(owner, door.off_reason) + ". Training goes "
+                                "on; nothing more is measured or logged by it. " + (advice or
+                                "Please report this with the message if the model and batch look ordinary."))
 
 
 def entry_points(cls: type) -> list[str]:
