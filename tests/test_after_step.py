@@ -26,7 +26,7 @@ def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_log
     views = RunViews("Test", said.append, lambda k, t: warned.append(t), images=False, image_every_n_steps=1,
                      summary=True)
     after = AfterStep(meter, None, views, speaks=lambda: True, warn=lambda k, t: warned.append(t),
-                      owner="Test")
+                      name="Test")
     logged, refuse = [], [True]
 
     def log(step, metrics, result):
@@ -65,10 +65,10 @@ def test_a_failing_summary_is_said_and_the_run_goes_on():
     warned = []
     model = _model()
     after = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: True,
-                      warn=lambda k, t: warned.append(t), owner="Test")
+                      warn=lambda k, t: warned.append(t), name="Test")
     after.end(None, "title")
     assert warned == ["Test: no end-of-run summary or picture: RuntimeError('no screen')"]
     quiet = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: False,
-                      warn=lambda k, t: warned.append(t), owner="Test")
+                      warn=lambda k, t: warned.append(t), name="Test")
     quiet.end(None, "title")  # not the process that speaks: nothing drawn, nothing said
     assert len(warned) == 1

@@ -243,7 +243,7 @@ def test_the_guard_names_the_cause_and_where_and_detaches_once():
         configuration_errors = (KeyError,)
 
         def __init__(self):
-            self.messages, self.off_reason, self.owner = Messages(warn=said.append), None, "Door"
+            self.messages, self.off_reason, self.name = Messages(warn=said.append), None, "Door"
 
         def detach(self):
             detached.append(1)

@@ -57,7 +57,7 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     torch.manual_seed(0)
     result = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
     seen, said = [], []
-    reader = FindingsReader(on_finding=seen.append, warn=said.append, owner="T")
+    reader = FindingsReader(on_finding=seen.append, warn=said.append, name="T")
     assert reader.read(0, result).raised == []  # a healthy step says nothing
     big = _Figures(result, growth=50.0)
     first = reader.read(5, big)

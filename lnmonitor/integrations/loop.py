@@ -106,9 +106,9 @@ class LoopMonitor(MonitorAttributes):
         layout = {**LADDER_LAYOUT, **INVARIANCE_LAYOUT} if probed else LADDER_LAYOUT
         self._write: Callable | None = metric_writer(writer, layout)
         self._write_image = _image_writer(writer) if self.settings.images else None
-        self.owner = "LoopMonitor"
+        self.name = "LoopMonitor"
         self.messages = Messages(speaks=_rank_zero())
-        self.monitor = Monitor(self.settings, self.owner, self.messages, RunViews, advice=LOSS_FN_ADVICE)
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews, advice=LOSS_FN_ADVICE)
         self.findings = self.monitor.findings
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None

@@ -115,9 +115,9 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 f"{type(trainer).__name__}: pass the settings by name, LNMonitorCallback(every_n_steps=...)")
         self.trainer = trainer
         self.settings = Settings.build(settings, fields, "LNMonitorCallback")
-        self.owner = "LNMonitorCallback"
+        self.name = "LNMonitorCallback"
         self.messages = Messages()
-        self.monitor = Monitor(self.settings, self.owner, self.messages, RunViews, first_step=1)
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews, first_step=1)
         self.findings = self.monitor.findings
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None

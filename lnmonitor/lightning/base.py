@@ -43,10 +43,10 @@ class MonitorCallback(Callback):
     configuration_errors = (MisconfigurationException,)
 
     def __init__(self, keep_history: bool | None) -> None:
-        self.owner = type(self).__name__
+        self.name = type(self).__name__
         self.messages = Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.off_reason: str | None = None
-        self._sink = MetricSink(self.owner, keep_history, self.messages)
+        self._sink = MetricSink(self.name, keep_history, self.messages)
 
     def detach(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped)."""

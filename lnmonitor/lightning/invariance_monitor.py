@@ -168,7 +168,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._probe: Any = None
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
-        self._points = InvariancePoints(self.owner, self.messages, on_off=self._disable)
+        self._points = InvariancePoints(self.name, self.messages, on_off=self._disable)
         self._sharded = False
         self._final_name: str | None = self.final_norm
         self._enabled = False
@@ -213,7 +213,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._sharded = sharded(pl_module)
         if fsdp1(pl_module):  # its units gather their weights only inside the wrapper's forward
             self._disable(FSDP1_REFUSED)
-            self._warn("off", off_message(self.owner, FSDP1_REFUSED))
+            self._warn("off", off_message(self.name, FSDP1_REFUSED))
             return
         self._enabled = True
 

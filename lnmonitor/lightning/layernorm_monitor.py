@@ -144,7 +144,7 @@ class LayerNormMonitor(MonitorCallback):
             self.settings = Settings.build(settings, fields, "LayerNormMonitor")
             self.histograms = arguments.flag(histograms, "histograms")
         super().__init__(self.settings.keep_history)
-        self.monitor = Monitor(self.settings, self.owner, self.messages, RunViews)
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews)
         self.findings = self.monitor.findings
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []

@@ -54,11 +54,11 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
 
 
 class MetricSink:
-    """The logging side of one callback (``owner`` is its class name, for messages; ``messages``
+    """The logging side of one callback (``name`` is its class name, for messages; ``messages``
     says them, once per key and fit)."""
 
-    def __init__(self, owner: str, keep_history: bool | None, messages: Messages | None = None) -> None:
-        self.owner = owner
+    def __init__(self, name: str, keep_history: bool | None, messages: Messages | None = None) -> None:
+        self.name = name
         self.messages = messages or Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.kept = History(keep_history)
         self.last_step = -1
@@ -82,8 +82,8 @@ class MetricSink:
         if not trainer.loggers and trainer.is_global_zero:
             self.warn_once(
                 "no-logger",
-                f"{self.owner}: the Trainer has no logger, so the metrics stay in "
-                f"`{self.owner}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
+                f"{self.name}: the Trainer has no logger, so the metrics stay in "
+                f"`{self.name}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
                 "TensorBoardLogger) to see them in a dashboard.",
             )
         if hparams and trainer.is_global_zero:
@@ -142,7 +142,7 @@ class MetricSink:
                 try:
                     tensorboard_extra(logger.experiment, step)
                 except Exception as err:  # noqa: BLE001 - extras must never stop training
-                    self.warn_once("extras", f"{self.owner}: TensorBoard extras skipped: {err!r}")
+                    self.warn_once("extras", f"{self.name}: TensorBoard extras skipped: {err!r}")
             if not _write_scalars(logger, metrics, step):
                 logger.log_metrics(metrics, step=step)
         return True
@@ -163,7 +163,7 @@ class MetricSink:
                     logger.log_image(key=tag, images=[image], step=step)
             except Exception as err:  # noqa: BLE001 - a picture must never stop training
                 where = type(logger).__name__
-                self.warn_once("images", f"{self.owner}: pictures not logged to {where}: {err!r}")
+                self.warn_once("images", f"{self.name}: pictures not logged to {where}: {err!r}")
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (global rank zero) the first time ``key`` comes up in this fit."""

@@ -25,7 +25,7 @@ class RunViews:
     """The pictures and summary of one run.
 
     Args:
-        owner: the name warnings start with.
+        name: the name warnings start with.
         info, warn: the monitor's ``info(text)`` and ``warn(key, text)``.
         images: log the pictures at all.
         image_every_n_steps: the least number of steps between two ladder pictures (the last
@@ -33,9 +33,9 @@ class RunViews:
         summary: say the summary at the end.
     """
 
-    def __init__(self, owner: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
+    def __init__(self, name: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
                  images: bool, image_every_n_steps: int, summary: bool) -> None:
-        self.owner, self._info, self._warn = owner, info, warn
+        self.name, self._info, self._warn = name, info, warn
         self.images, self.image_every_n_steps, self.summary = images, image_every_n_steps, summary
         self.trail = Trail(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
@@ -79,4 +79,4 @@ class RunViews:
             write(tag, draw(), step)
         except Exception as err:  # noqa: BLE001 - a picture must never stop training
             self.images = False
-            self._warn("images", f"{self.owner}: no more pictures ({err!r}); the metrics go on")
+            self._warn("images", f"{self.name}: no more pictures ({err!r}); the metrics go on")

@@ -177,7 +177,7 @@ class FindingsReader:
         on_finding: called with each :class:`Finding` once per kind per fit; returning True
             asks the door to stop the run; an exception from it is said once and it is not
             called again (training goes on).
-        owner: the name messages start with.
+        name: the name messages start with.
         warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
 
     Raises:
@@ -186,12 +186,12 @@ class FindingsReader:
     """
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
-                 on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
+                 on_finding: Callable[[Finding], object] | None = None, name: str = "lnmonitor",
                  warn: Callable[[str], None] | None = None,
                  info: Callable[[str], None] | None = None) -> None:
         self.thresholds = _thresholds(thresholds, "thresholds")
         self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
-        self.owner = owner
+        self.name = name
         self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
         self._info = info or (lambda message: None)
         self.raised: dict[str, Finding] = {}
@@ -215,7 +215,7 @@ class FindingsReader:
         if self.start is None and math.isfinite(growth) and growth > 0:
             self.start, self.first = (step, growth), self.last
             if growth > TALL_AT_START:
-                self._info(tall_start_message(self.owner, step, growth))
+                self._info(tall_start_message(self.name, step, growth))
         reading = self._judge(step, signals)
         if self.pending_loss is None:
             return reading
@@ -289,7 +289,7 @@ class FindingsReader:
         seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start,
                                 growth=signals.get("growth", math.nan), loss=signals.get("loss", math.nan),
                                 minimum=signals.get("loss_minimum", math.nan), diagnosis=diagnosis)
-        return f"{self.owner}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
+        return f"{self.name}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
 
     def _say_finding(self, finding: Finding) -> bool:
         """Warn, and call ``on_finding``; True when it asks to stop the run."""
@@ -300,7 +300,7 @@ class FindingsReader:
             return self.on_finding(finding) is True
         except Exception as err:  # noqa: BLE001 - the user's callable must not stop training
             self.on_finding = None
-            self._warn(f"{self.owner}: on_finding raised {type(err).__name__}: {err}; it is not called "
+            self._warn(f"{self.name}: on_finding raised {type(err).__name__}: {err}; it is not called "
                        "again in this fit (training goes on). To stop the run from it, return True.")
             return False
 
@@ -372,7 +372,7 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
     return state_from_health(points, start)
 
 
-def findings_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
+def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
                 info: Callable[[str], None] | None = None) -> FindingsReader | None:
     """The reader a door builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
@@ -386,7 +386,7 @@ def findings_reader(findings, on_finding, speaks: Callable[[], bool], owner: str
         if speaks():
             warn_at_user(message, HealthWarning)
 
-    return FindingsReader(thresholds=thresholds, on_finding=on_finding, owner=owner, warn=warn, info=info)
+    return FindingsReader(thresholds=thresholds, on_finding=on_finding, name=name, warn=warn, info=info)
 
 
 def finding_thresholds(findings) -> dict[str, float | None] | None:
@@ -437,8 +437,8 @@ def reads_growth(reader: FindingsReader | None) -> bool:
         kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())
 
 
-def tall_start_message(owner: str, step: int, growth: float) -> str:
-    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first step ({step}, before any "
+def tall_start_message(name: str, step: int, growth: float) -> str:
+    return (f"{name}: the ladder is already {growth:,.0f}x at the fit's first step ({step}, before any "
             "update): a fact of the model this fit starts from (a pretrained checkpoint's stream grows "
             "tens to hundreds of times over depth), not a finding; stream_growth judges the growth from "
             "here.")

@@ -57,7 +57,7 @@ SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP,
 
 class InvariancePoints:
     """The points of one run of ``prober`` on ``batch`` (:meth:`begin`), taken by :meth:`take`;
-    ``owner`` starts the messages ``messages`` says, and ``on_off(reason)``, when given, is called
+    ``name`` starts the messages ``messages`` says, and ``on_off(reason)``, when given, is called
     instead of the message when the probe turns off; ``advice`` ends that message when the probe
     failed running the default loss (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a door
     with a ``loss_fn=`` argument passes :data:`LOSS_FN_ADVICE`.
@@ -69,8 +69,8 @@ class InvariancePoints:
         last: the last point's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
     """
 
-    def __init__(self, owner: str, messages: Messages, on_off=None, advice: str = "") -> None:
-        self.owner = owner
+    def __init__(self, name: str, messages: Messages, on_off=None, advice: str = "") -> None:
+        self.name = name
         self.messages = messages
         self.advice = advice
         self._noted: set[str] = set()
@@ -93,7 +93,7 @@ class InvariancePoints:
         if self._on_off is not None:
             self._on_off(reason)
             return
-        self.messages.warn("invariance-off", off_message(f"{self.owner}: the invariance probe", reason))
+        self.messages.warn("invariance-off", off_message(f"{self.name}: the invariance probe", reason))
 
     def wanted(self, step: int, *, sweep: bool) -> bool:
         """Whether :meth:`take` would probe ``step`` (its sweep too with ``sweep``)."""
@@ -112,7 +112,7 @@ class InvariancePoints:
         try:
             result, metrics = self.prober.point(self.batch, step, sweep=sweep)
         except NonFiniteLoss as err:  # this point only: a later one may be finite again
-            self.messages.warn("nan-loss", f"{self.owner}: no invariance point at step {step}: {err}. Said "
+            self.messages.warn("nan-loss", f"{self.name}: no invariance point at step {step}: {err}. Said "
                                            "once; the next point is probed again.")
             return None
         except Exception as err:  # noqa: BLE001 - the probe's failure stops the probe, not the training
@@ -122,6 +122,6 @@ class InvariancePoints:
         self.last = result
         if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
             self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
-            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.owner, step,
+            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.name, step,
                       result.fit_note)
         return metrics, extend

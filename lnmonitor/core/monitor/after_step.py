@@ -55,13 +55,13 @@ class AfterStep:
         views: its pictures and summary (rank zero's).
         speaks: whether this process draws and keeps the summary (rank zero).
         warn: ``warn(key, text)``, said once per key.
-        owner: the name messages start with.
+        name: the name messages start with.
     """
 
     def __init__(self, meter: LadderMeter, findings: FindingsReader | None, views: Views, *,
-                 speaks: Callable[[], bool], warn: Callable[[str, str], None], owner: str) -> None:
+                 speaks: Callable[[], bool], warn: Callable[[str, str], None], name: str) -> None:
         self.meter, self.findings, self.views = meter, findings, views
-        self._speaks, self._warn, self.owner = speaks, warn, owner
+        self._speaks, self._warn, self.name = speaks, warn, name
         self.positions = True  # each norm's ladder position goes with the first logged measured step
         self.last_result: LadderResult | None = None
         self._losses: StepMaximum | None = None  # the losses on their way to the host
@@ -99,7 +99,7 @@ class AfterStep:
             self._step_losses.append(float(value))
         else:
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
-            self._warn("loss", f"{self.owner}: the loss handed over is a {type(value).__name__}{shape}, not "
+            self._warn("loss", f"{self.name}: the loss handed over is a {type(value).__name__}{shape}, not "
                                "a number or a one-element tensor: the loss rule (loss_blowup) leaves it out.")
         self._fed = self._fed or bool(self._step_losses)
 
@@ -175,4 +175,4 @@ class AfterStep:
         try:
             self.views.end(write_image, title, watched, start, settings)
         except Exception as err:  # noqa: BLE001 - the end-of-run views must never fail a run
-            self._warn("end", f"{self.owner}: no end-of-run summary or picture: {err!r}")
+            self._warn("end", f"{self.name}: no end-of-run summary or picture: {err!r}")

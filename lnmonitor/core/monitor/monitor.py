@@ -43,9 +43,9 @@ class Monitor:
 
     Args:
         settings: the monitor's :class:`~lnmonitor.core.monitor.settings.Settings`.
-        owner: the name its messages start with.
+        name: the name its messages start with.
         messages: how it speaks (:class:`~lnmonitor.core.monitor.shared.Messages`).
-        views: ``views(owner, info, warn, images=, image_every_n_steps=, summary=)``: the run's
+        views: ``views(name, info, warn, images=, image_every_n_steps=, summary=)``: the run's
             pictures and summary (:class:`lnmonitor.views.run_views.RunViews`; core draws nothing).
         first_step: the number the framework gives a run's first step (it is measured whatever
             the cadence: the start the findings judge growth from).
@@ -56,13 +56,13 @@ class Monitor:
         points: the invariance probe's points (:class:`~lnmonitor.core.invariance.points.InvariancePoints`).
     """
 
-    def __init__(self, settings: Settings, owner: str, messages: Messages, views: Callable, *,
+    def __init__(self, settings: Settings, name: str, messages: Messages, views: Callable, *,
                  first_step: int = 0, advice: str = "") -> None:
-        self.settings, self.owner, self.messages, self._views = settings, owner, messages, views
+        self.settings, self.name, self.messages, self._views = settings, name, messages, views
         self.history = History(settings.keep_history)
-        self.points = InvariancePoints(owner, messages, advice=advice)
+        self.points = InvariancePoints(name, messages, advice=advice)
         self.findings = findings_reader(settings.findings, settings.on_finding, lambda: messages.speaks,
-                                        owner, messages.info)
+                                        name, messages.info)
         self.first_step = first_step
         self.every_n_steps = settings.every_n_steps
         self.meter: LadderMeter | None = None
@@ -95,14 +95,14 @@ class Monitor:
         s = self.settings
         self.close()
         self.meter = LadderMeter(model, include=s.include, exclude=s.exclude, final_norm=s.final_norm,
-                                 ladder=s.ladder, row_mask=s.row_mask, owner=self.owner,
+                                 ladder=s.ladder, row_mask=s.row_mask, name=self.name,
                                  info=self.messages.info, warn=self.messages.warn,
                                  watch_growth=reads_growth(self.findings))
         self.meter.order = list(self.order)
-        views = self._views(self.owner, self.messages.info, self.messages.warn, images=s.images,
+        views = self._views(self.name, self.messages.info, self.messages.warn, images=s.images,
                             image_every_n_steps=s.image_every_n_steps, summary=s.summary)
         self.after = AfterStep(self.meter, self.findings, views, speaks=speaks, warn=self.messages.warn,
-                               owner=self.owner)
+                               name=self.name)
         self.every_n_steps = s.every_n_steps or self._resumed_every or every_n_steps or LOOP_EVERY_N_STEPS
         self.last_step, self._log, self.measuring = last_step, log, None
         return self.meter

@@ -205,9 +205,9 @@ def _trip(door, entry: str, err: Exception) -> None:
         door.detach()
     except Exception as again:  # noqa: BLE001 - say both, stop nothing
         door.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
-    owner = getattr(door, "owner", type(door).__name__)
+    name = getattr(door, "name", type(door).__name__)
     advice = getattr(door, "advice", "")
-    door.messages.warn("guard", off_message(owner, door.off_reason) + ". Training goes "
+    door.messages.warn("guard", off_message(name, door.off_reason) + ". Training goes "
                                 "on; nothing more is measured or logged by it. " + (advice or
                                 "Please report this with the message if the model and batch look ordinary."))
 
