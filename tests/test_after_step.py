@@ -37,7 +37,7 @@ def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_log
 
     _measure(meter, model)
     first = after.measured(0, log, lambda: None)
-    assert any("ladder_position" in k for k in first) and logged == [] and not views.trail
+    assert any("ladder_position" in k for k in first) and logged == [] and not views.curves
     refuse[0] = False
     _measure(meter, model)
     second = after.measured(1, log, lambda: None)
@@ -45,7 +45,7 @@ def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_log
     _measure(meter, model)
     third = after.measured(2, log, lambda: None)
     assert not any("ladder_position" in k for k in third) and [s for s, _ in logged] == [1, 2]
-    assert after.last_result is not None and views.trail
+    assert after.last_result is not None and views.curves
     assert after.every_step(4, log, lambda: None, measured=False) is False  # no findings reader
     after.end(None, "Sequential, end of training")
     assert sum("lnmonitor summary: Sequential, end of training" in s for s in said) == 1

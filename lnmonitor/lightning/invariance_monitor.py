@@ -157,7 +157,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self.final_norm = s.final_norm
         self.cases, self.scales, self.summary = s.cases, s.scales, s.summary
         super().__init__(s.keep_history)
-        self._sink.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
+        self._loggers.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
         self._reset()
 
     def _reset(self) -> None:
@@ -184,7 +184,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._reset()
-        self._sink.setup(trainer, hparams=stage == "fit")
+        self._loggers.setup(trainer, hparams=stage == "fit")
 
     @override
     @guarded
@@ -194,7 +194,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.scales:
             metrics.append(invariance_metric("scale_slope"))
         params = {run_metric("final_norm"): self._final_name or "auto"}
-        self._sink.give_hparams(trainer, pl_module, params, metrics)
+        self._loggers.give_hparams(trainer, pl_module, params, metrics)
 
     @override
     @guarded
@@ -223,14 +223,14 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
-            self._info(invariance_summary(self._final_name, self._sink.last_step, self.last_result.metrics(),
-                                          self.settings.changed()))
-        if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
+            self._info(invariance_summary(self._final_name, self._loggers.last_step,
+                                          self.last_result.metrics(), self.settings.changed()))
+        if self._enabled and self._loggers.last_step < 0 and trainer.is_global_zero:
             every = self.invariance_every_n_steps
             when = f"every {every} optimizer steps" if every else ""
             if self.on_validation:
                 when += (" and " if when else "") + "after each validation"
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "never-ran",
                 f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
                 "came (no validation ran?). Set invariance_every_n_steps, or add validation data.",
@@ -239,7 +239,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def _disable(self, reason: str) -> None:
         self._enabled = False
         self.off_reason = reason
-        self._sink.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
+        self._loggers.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
 
     # -- when to run -----------------------------------------------------------------
 
@@ -282,10 +282,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its
         sweep, when asked)."""
         add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
-        if not self._enabled or (step <= self._sink.last_step and not add_sweep):
+        if not self._enabled or (step <= self._loggers.last_step and not add_sweep):
             return
         if not trainer.is_global_zero and not self._sharded:
-            self._sink.last_step = step
+            self._loggers.last_step = step
             return
         probe = self._get_probe(trainer, pl_module)
         if probe is None:
@@ -293,14 +293,14 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         points = self._points
         if points.prober is None:
             points.begin(self._prober_for(trainer, pl_module, probe), probe)
-        points.last_step = self._sink.last_step  # a resumed fit's, from the checkpoint
+        points.last_step = self._loggers.last_step  # a resumed fit's, from the checkpoint
         taken = points.take(step, sweep=sweep)
         if taken is None:
             return
         metrics, extend = taken
         self._final_name = self._prober.final_norm
         self.last_result = points.last
-        self._sink.log(trainer, step, metrics, extend=extend)
+        self._loggers.log(trainer, step, metrics, extend=extend)
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:
         if self._prober is None:
@@ -327,7 +327,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             batch = self._first_train_batch
             if batch is None:
                 return None
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "train-probe",
                 "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
                 "so it probes the first training batch; pass probe_batch=... to choose.",

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from lnmonitor.core.output.metric_names import per_norm, run_metric
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.summary import RunCurves, summary_text
 
 __all__ = ["RunViews", "WriteImage"]
 
@@ -30,20 +30,20 @@ class RunViews:
         images: log the pictures at all.
         image_every_n_steps: the least number of steps between two ladder pictures (the last
             step gets one regardless).
-        summary: say the summary at the end.
+        summary: print the summary at the end.
     """
 
     def __init__(self, name: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
                  images: bool, image_every_n_steps: int, summary: bool) -> None:
         self.name, self._info, self._warn = name, info, warn
         self.images, self.image_every_n_steps, self.summary = images, image_every_n_steps, summary
-        self.trail = Trail(series=(per_norm("inv_sigma", ""),))
+        self.curves = RunCurves(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
         self._ended = False
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
         """A dict the door logged at ``step``."""
-        self.trail.add(step, metrics)
+        self.curves.add(step, metrics)
 
     def step(self, write: WriteImage | None, result, step: int, last: bool = False) -> None:
         """A measured step's ladder picture, when ``image_every_n_steps`` have passed or it is
@@ -61,10 +61,10 @@ class RunViews:
         """Once per run: the ladder over training (a picture) and the summary titled ``title``
         (``watched``, ``start``, ``settings``: as :func:`~lnmonitor.views.summary.summary_text`
         takes them)."""
-        if self._ended or not self.trail:
+        if self._ended or not self.curves:
             return
         self._ended = True
-        curves = self.trail.curves()
+        curves = self.curves.curves()
         if write is not None and self.images:
             from lnmonitor.views.pictures import over_training_picture
 

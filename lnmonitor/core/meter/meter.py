@@ -34,7 +34,7 @@ statistics, figures, metrics)::
                                figures: sigma, 1/sigma, shares, baselines, the ladder
     LadderResult.metrics -> dict[str, float]   metrics, tagged by output.metric_names
     after_step.AfterStep.measured -> monitor.Monitor.log   the findings added; the framework's log
-    the callback's log: lightning.sink.MetricSink.log -> Logger.log_metrics (Lightning),
+    the callback's log: lightning.loggers.Loggers.log -> Logger.log_metrics (Lightning),
                         LoopMonitor._emit -> output.writers (a SummaryWriter or your function),
                         LNMonitorCallback._report -> each report_to integration's on_log
 

@@ -1,15 +1,15 @@
-"""The metric sink each lnmonitor callback owns: where its numbers go.
+"""Where each lnmonitor Lightning callback's numbers go: its :class:`Loggers`.
 
 * every logger in ``trainer.loggers`` (TensorBoard, CSV, W&B, MLflow), from global rank
   zero only; TensorBoard gets all of a step's scalars as one event;
-* :attr:`MetricSink.history`: the logged dicts of the current fit, kept when the Trainer
+* :attr:`Loggers.history`: the logged dicts of the current fit, kept when the Trainer
   has no logger (one warning says so) or when asked;
 * TensorBoard extras: a custom-scalars layout (the categories of every lnmonitor
   callback of the run, merged into one), the run's HPARAMS session (the module's
   hyperparameters next to every lnmonitor callback's own, written once) and histograms.
 
 A logged step never goes back, so a resumed fit does not log a step twice.  What
-belongs to one fit is reset by :meth:`MetricSink.setup`, so a callback reused for a
+belongs to one fit is reset by :meth:`Loggers.setup`, so a callback reused for a
 second fit logs that one too; what belongs to one logger is keyed by the logger object
 itself (weakly), never by its ``id``, which Python reuses.
 """
@@ -29,16 +29,16 @@ from lnmonitor.core.monitor.shared import History, Messages, warn_at_user
 from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
 from lnmonitor.core.output.writers import write_scalars
 
-__all__ = ["MetricSink", "write_histogram"]
+__all__ = ["Loggers", "write_histogram"]
 
 class _Board:
-    """What the lnmonitor sinks writing to one TensorBoard run share: the merged
-    custom-scalars layout and the run's one HPARAMS session."""
+    """What the :class:`Loggers` of the lnmonitor callbacks writing to one TensorBoard run share:
+    the merged custom-scalars layout and the run's one HPARAMS session."""
 
     def __init__(self) -> None:
         self.layout: dict[str, dict] = {}
         self.expected: weakref.WeakSet = weakref.WeakSet()
-        self.given: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sink -> (params, metrics)
+        self.given: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Loggers -> (params, metrics)
         self.written = False
 
 
@@ -53,7 +53,7 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
     return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
 
 
-class MetricSink:
+class Loggers:
     """The logging side of one callback (``name`` is its class name, for messages; ``messages``
     says them, once per key and fit)."""
 
@@ -96,7 +96,7 @@ class MetricSink:
         """This callback's columns of the run's HPARAMS session.  TensorBoard keeps a run's
         first session and Lightning writes the module's right after ``on_fit_start``, so the
         session -- the module's and datamodule's hyperparameters plus every lnmonitor
-        callback's -- is written when the last sink announced at setup has given its share.
+        callback's -- is written when the last callback announced at setup has given its share.
         True when a TensorBoard run's session takes them (global rank zero)."""
         taken = False
         for logger in _tensorboard_loggers(trainer) if trainer.is_global_zero else ():
@@ -105,7 +105,7 @@ class MetricSink:
                 continue
             board.given[self] = (params, metrics)
             taken = True
-            if all(sink in board.given for sink in board.expected):
+            if all(loggers in board.given for loggers in board.expected):
                 _write_session(logger, board, trainer, pl_module)
         return taken
 
