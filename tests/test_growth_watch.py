@@ -63,7 +63,7 @@ def test_the_watch_is_the_row_rms_of_the_last_rung_over_the_first_on_each_traini
 
 
 def test_a_float64_forward_is_watched_in_float64_not_refused():
-    """A probe's exact twin runs the model in float64 with the watch's hooks on it: the watch
+    """A probe's float64 reference runs the model in float64 with the watch's hooks on it: the watch
     must read it (it once raised there and turned the probe off)."""
     model, x = _model(), torch.randint(0, 65, (4, 16))
     watch = GrowthWatch()

@@ -61,7 +61,7 @@ class _CallsAtTrainStart(Callback):
 
 def test_building_a_door_runs_no_hook_the_user_put_on_a_norm(tmp_path):
     """The float64 self-check of every norm (when a meter, a loop monitor or a Lightning
-    monitor is set up) evaluates a float64 twin, never the user's module: a user's forward
+    monitor is set up) evaluates a float64 forward, never the user's module: a user's forward
     hook on a norm sees nothing until the user's own forward runs."""
     for build in (LadderMeter, LoopMonitor):
         model = tiny()  # a fresh model each time: a norm is checked once, then remembered
