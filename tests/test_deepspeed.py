@@ -27,7 +27,7 @@ from test_distributed import (
 from test_distributed import run as lightning_run
 from test_doors import _tolerance
 
-from lnmonitor.core.invariance.points import SHARDED_REFUSED
+from lnmonitor.core.invariance.runs import SHARDED_REFUSED
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (pip install -e '.[dev]')")

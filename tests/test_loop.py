@@ -14,7 +14,7 @@ from lightning.pytorch import Callback
 
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.invariance.points import FSDP1_REFUSED
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
@@ -351,8 +351,8 @@ def test_the_probe_checks_the_meters_final_norm_among_the_meters_norms():
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
                           probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
     _train(monitor, model, 2)
-    assert monitor.meter.final == "lnf" and monitor._points.prober.final_norm == "lnf"
-    names = [n.name for n in monitor._points.prober.norms]
+    assert monitor.meter.final == "lnf" and monitor._runs.prober.final_norm == "lnf"
+    names = [n.name for n in monitor._runs.prober.norms]
     assert names == [n.name for n in monitor.meter.norms] and monitor.invariance_off_reason is None
     model = tiny()
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1, exclude="lnf",

@@ -87,7 +87,7 @@ def test_padded_eval_batches_are_joined_and_the_probe_measures(fine_tune):
     callback, files, said = fine_tune
     assert callback.invariance_off_reason is None, callback.invariance_off_reason
     assert not [s for s in said if "probe" in s], said
-    rows = callback._points.batch
+    rows = callback._runs.batch
     assert isinstance(rows, transformers.BatchEncoding) and rows["input_ids"].shape[0] == 64
     pads = rows["attention_mask"] == 0
     assert pads.any() and (rows["input_ids"][pads] == PAD).all() and (rows["labels"][pads] == -100).all()
@@ -129,7 +129,7 @@ def test_the_custom_scalars_layout_names_the_trainers_tags(fine_tune):
     # every chart draws something of this run, but the sweep's fit, which this run has not (the
     # reason is kept, and noted on the lnmonitor logger: not a warning, there is nothing to do)
     callback = fine_tune[0]
-    assert callback._points.last.fit_note.startswith("no fit")
+    assert callback._runs.last.fit_note.startswith("no fit")
     assert not [s for s in said if "no scale-sweep slope" in s]
     tags = set(acc.Tags()["scalars"])
     for title, patterns in charts.items():

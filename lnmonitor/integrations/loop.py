@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor.core.invariance.points import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
@@ -113,7 +113,7 @@ class LoopMonitor(MonitorAttributes):
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
         self.monitor.history.reset(receivers=writer is not None)
-        self._points = self.monitor.points
+        self._runs = self.monitor.runs
         last = self.max_steps - 1 if self.max_steps else None
         self.meter = self.monitor.begin(model, self._emit, speaks=_rank_zero, last_step=last)
         self._started: int | None = None  # the last step given to start()
@@ -125,12 +125,12 @@ class LoopMonitor(MonitorAttributes):
     def state_dict(self) -> dict:
         """What a resumed run needs (save it with your checkpoint): the last step logged, the
         findings raised and the start they judge growth from, the last invariance point."""
-        return {**self.monitor.state_dict(), "invariance_last_step": self._points.last_step}
+        return {**self.monitor.state_dict(), "invariance_last_step": self._runs.last_step}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the run :meth:`state_dict` saved: no step logged twice, no finding raised twice."""
         self.monitor.load_state_dict(state)
-        self._points.last_step = int(state.get("invariance_last_step", -1))
+        self._runs.last_step = int(state.get("invariance_last_step", -1))
 
     # -- one step ----------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ class LoopMonitor(MonitorAttributes):
                                "inputs) to have it.")
             return
         if fsdp1(model):
-            self._points.off(FSDP1_REFUSED)
+            self._runs.off(FSDP1_REFUSED)
             return
         rows = probe_batch(batch, self.settings.probe_size)
         self._every_rank = sharded(model) and dist.is_available() and dist.is_initialized()
@@ -246,14 +246,14 @@ class LoopMonitor(MonitorAttributes):
         s = self.settings
         probe = InvarianceProbe(model, loss_fn, final_norm=s.final_norm, cases=s.cases, scales=s.scales,
                                 meter=self.meter)
-        self._points.begin(probe, map_tensors(rows, lambda t: t.to(device)))
+        self._runs.begin(probe, map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:
         """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero (every
         rank of a sharded model, which writes from rank zero)."""
         if not (self._every_rank or _rank_zero()):
             return
-        taken = self._points.take(step, sweep=sweep)
+        taken = self._runs.take(step, sweep=sweep)
         if taken is not None and _rank_zero():
             self.monitor.after.log(step, taken[0], self._emit)
 

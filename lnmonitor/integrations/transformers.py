@@ -20,7 +20,6 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 
 from lnmonitor.core.findings.reader import START_GROWTH, state_from_log
 from lnmonitor.core.invariance.loss_contract import default_loss
-from lnmonitor.core.invariance.points import SHARDED_REFUSED
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import (
     first_samples,
@@ -29,6 +28,7 @@ from lnmonitor.core.invariance.probe_rows import (
     pad_id_of,
     probe_batch,
 )
+from lnmonitor.core.invariance.runs import SHARDED_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
@@ -101,9 +101,9 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     Every event runs inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
     a failing integration is dropped with one warning.  Under FSDP and DeepSpeed ZeRO-3 the
-    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.points.SHARDED_REFUSED`);
+    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.runs.SHARDED_REFUSED`);
     the Lightning callback and the plain loop's monitor probe an FSDP2 or tensor-parallel model on
-    every process (FSDP1 they refuse too: :data:`~lnmonitor.core.invariance.points.FSDP1_REFUSED`).
+    every process (FSDP1 they refuse too: :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`).
     """
 
     configuration_errors = (arguments.ArgumentError, NormSelectionError)
@@ -121,7 +121,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         self.findings = self.monitor.findings
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None
-        self._points = self.monitor.points
+        self._runs = self.monitor.runs
         self._reporters: list = []
         self._main = True
         self._held: set[str] = set()  # the finding kinds holding as last kept in log_history
@@ -154,7 +154,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                                              "in .history. trainer.add_callback(LNMonitorCallback(trainer)) "
                                              "reports them.")
         self.monitor.history.reset(receivers=bool(self._reporters))
-        self._points.begin(None, None)
+        self._runs.begin(None, None)
         if self.settings.invariance_every_n_steps is not None:
             self._start_probe(model, kwargs)
 
@@ -233,13 +233,13 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         if not self._main:
             return  # the main process probes, alone
         if sharded(model):
-            self._points.off(SHARDED_REFUSED)
+            self._runs.off(SHARDED_REFUSED)
             return
         trainer, batch = self.trainer, self._probe_rows(model, kwargs)
         labels = (getattr(trainer, "label_names", None) if trainer is not None else None) or ["labels"]
         problem = labels_problem(batch, labels)
         if problem is not None:
-            self._points.off(problem)
+            self._runs.off(problem)
             return
         device = next(model.parameters()).device
         rows = map_tensors(probe_batch(batch, self.settings.probe_size), lambda t: t.to(device))
@@ -247,10 +247,10 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         s = self.settings
         probe = InvarianceProbe(model, default_loss, final_norm=s.final_norm, cases=s.cases, scales=s.scales,
                                 meter=self.meter, autocast=autocast)
-        self._points.begin(probe, rows)
+        self._runs.begin(probe, rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
-        taken = self._points.take(state.global_step, sweep=sweep)
+        taken = self._runs.take(state.global_step, sweep=sweep)
         if taken is not None:
             report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
             self.monitor.after.log(state.global_step, taken[0], report)

@@ -14,10 +14,10 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.core.invariance.points import FSDP1_REFUSED, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED, InvarianceRuns
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import due, guarded, off_message
@@ -168,7 +168,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._probe: Any = None
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
-        self._points = InvariancePoints(self.name, self.messages, on_off=self._disable)
+        self._runs = InvarianceRuns(self.name, self.messages, on_off=self._disable)
         self._sharded = False
         self._final_name: str | None = self.final_norm
         self._enabled = False
@@ -290,16 +290,16 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         probe = self._get_probe(trainer, pl_module)
         if probe is None:
             return
-        points = self._points
-        if points.prober is None:
-            points.begin(self._prober_for(trainer, pl_module, probe), probe)
-        points.last_step = self._loggers.last_step  # a resumed fit's, from the checkpoint
-        taken = points.take(step, sweep=sweep)
+        runs = self._runs
+        if runs.prober is None:
+            runs.begin(self._prober_for(trainer, pl_module, probe), probe)
+        runs.last_step = self._loggers.last_step  # a resumed fit's, from the checkpoint
+        taken = runs.take(step, sweep=sweep)
         if taken is None:
             return
         metrics, extend = taken
         self._final_name = self._prober.final_norm
-        self.last_result = points.last
+        self.last_result = runs.last
         self._loggers.log(trainer, step, metrics, extend=extend)
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lnmonitor.core.findings.reader import findings_reader, reads_growth
-from lnmonitor.core.invariance.points import InvariancePoints
 from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.invariance.runs import InvarianceRuns
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor.after_step import AfterStep, Log
 from lnmonitor.core.monitor.settings import Settings
@@ -53,14 +53,14 @@ class Monitor:
 
     Attributes:
         history: the logged dicts, kept where nothing else receives them (``keep_history``).
-        points: the invariance probe's points (:class:`~lnmonitor.core.invariance.points.InvariancePoints`).
+        runs: the invariance probe's runs (:class:`~lnmonitor.core.invariance.runs.InvarianceRuns`).
     """
 
     def __init__(self, settings: Settings, name: str, messages: Messages, views: Callable, *,
                  first_step: int = 0, advice: str = "") -> None:
         self.settings, self.name, self.messages, self._views = settings, name, messages, views
         self.history = History(settings.keep_history)
-        self.points = InvariancePoints(name, messages, advice=advice)
+        self.runs = InvarianceRuns(name, messages, advice=advice)
         self.findings = findings_reader(settings.findings, settings.on_finding, lambda: messages.speaks,
                                         name, messages.info)
         self.first_step = first_step
@@ -208,12 +208,12 @@ class MonitorAttributes:
     @property
     def last_invariance(self) -> InvarianceResult | None:
         """The last invariance point's full result (its sweep points included)."""
-        return self.monitor.points.last
+        return self.monitor.runs.last
 
     @property
     def invariance_off_reason(self) -> str | None:
         """Why the invariance probe is off for this run (None while it is on, or never asked for)."""
-        return self.monitor.points.off_reason
+        return self.monitor.runs.off_reason
 
     @property
     def history(self) -> list[dict[str, float]]:
