@@ -5,7 +5,7 @@ processes; rank zero writes what the monitor logged and what DeepSpeed did as JS
 ``DOOR`` is ``loop`` (:class:`LoopMonitor` around ``engine.module`` of ``deepspeed.initialize``, the
 tiny GPT of tests/distributed_monitor_script.py, the invariance probe at every step) or ``trainer``
 (:class:`LNMonitorCallback` in a ``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)``,
-the tiny GPT-2 of tests/test_doors.py as tests/hf_ddp_script.py trains it).  ``MODE`` is ``ddp``,
+the tiny GPT-2 of tests/test_three_callbacks.py as tests/hf_ddp_script.py trains it).  ``MODE`` is ``ddp``,
 ``zero2``, ``zero3`` (the default ``stage3_param_persistence_threshold``: parameters this small are
 gathered at the first forward and kept whole) or ``zero3-partitioned`` (the threshold 0: every
 parameter, the norms' too, partitioned outside its module's forward).
@@ -113,7 +113,7 @@ def loop(mode: str, world: int, rank: int) -> dict:
 
 def trainer(mode: str, world: int, rank: int) -> dict:
     import transformers
-    from test_doors import LR, ROWS, STEPS, gpt2, labels, tokens
+    from test_three_callbacks import LR, ROWS, STEPS, gpt2, labels, tokens
 
     from lnmonitor.integrations.transformers import LNMonitorCallback
 

@@ -25,7 +25,7 @@ from test_distributed import (
     single,  # noqa: F401 - the fixture of one process, for the Lightning door
 )
 from test_distributed import run as lightning_run
-from test_doors import _tolerance
+from test_three_callbacks import _tolerance
 
 from lnmonitor.core.invariance.runs import SHARDED_REFUSED
 

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from conftest import fit  # noqa: E402
-from test_transformers_door import PAD, llama, records, tokenizer  # noqa: E402
+from test_transformers_callback import PAD, llama, records, tokenizer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor  # noqa: E402

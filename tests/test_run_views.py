@@ -1,5 +1,5 @@
 """views/run_views.py: what every door shows beside its metrics (the doors' own output is
-compared in tests/test_doors.py)."""
+compared in tests/test_three_callbacks.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Everything the three doors log, as float hex: the check that a change of the code's shape
 changed no number.
 
-Runs the three-doors test's tiny transformers GPT-2 (tests/test_doors.py: random weights, fixed
+Runs the three-doors test's tiny transformers GPT-2 (tests/test_three_callbacks.py: random weights, fixed
 seeds, the same batch) through each door -- Lightning
 (:class:`~lnmonitor.LayerNormMonitor`, :class:`~lnmonitor.FinalNormInvarianceMonitor`),
 ``transformers.Trainer`` (:class:`~lnmonitor.LNMonitorCallback`) and a plain loop
@@ -10,9 +10,9 @@ logged value of every step as ``float.hex`` to one JSON file, with everything th
 (their notes and end-of-fit summaries).  Two dumps, one taken before a change and one after,
 must be equal wherever no number was meant to change::
 
-    python tools/door_dump.py before.json        # on the old commit
-    python tools/door_dump.py after.json         # on the new one
-    python tools/door_dump.py --compare before.json after.json
+    python tools/metrics_dump.py before.json        # on the old commit
+    python tools/metrics_dump.py after.json         # on the new one
+    python tools/metrics_dump.py --compare before.json after.json
 
 ``--compare`` prints each tag whose values differ (bit for bit) and exits 1 if any does.
 """
@@ -35,12 +35,12 @@ STEPS = 6  # three measured steps at every 2nd and the last
 
 
 def _parity():
-    """tests/test_doors.py, whose model, batch, labels and LightningModule the dump runs: one
+    """tests/test_three_callbacks.py, whose model, batch, labels and LightningModule the dump runs: one
     definition of the three doors' common ground."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "tests" / "test_doors.py"
-    spec = importlib.util.spec_from_file_location("test_doors", path)
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_three_callbacks.py"
+    spec = importlib.util.spec_from_file_location("test_three_callbacks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

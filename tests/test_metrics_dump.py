@@ -1,4 +1,4 @@
-"""tools/door_dump.py: the dump of what the three doors log, and its comparison bit for bit."""
+"""tools/metrics_dump.py: the dump of what the three doors log, and its comparison bit for bit."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "door_dump.py"
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "metrics_dump.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("door_dump", TOOL)
+    spec = importlib.util.spec_from_file_location("metrics_dump", TOOL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

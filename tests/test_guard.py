@@ -262,7 +262,7 @@ def test_the_guard_names_the_cause_and_where_and_detaches_once():
         door.entry("b")
     assert door.off_reason is None
     door.entry([])  # a list is unhashable: TypeError, not a refusal
-    assert door.off_reason.startswith("TypeError") and "test_door.py" in door.off_reason
+    assert door.off_reason.startswith("TypeError") and "test_guard.py" in door.off_reason
     assert detached == [1] and len(said) == 1 and "Door is off" in said[0]
     assert door.entry("a") is None  # off
     assert door.begin() == "on" and door.off_reason is None  # a new run

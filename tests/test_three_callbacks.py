@@ -110,7 +110,7 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
         disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    # the Trainer handed to it, as before (tests/test_transformers_door.py: callbacks=[...]); every step
+    # the Trainer handed to it, as before (tests/test_transformers_callback.py: callbacks=[...]); every step
     # measured, as the Trainer door measures the updates that end on its logging steps
     callback = LNMonitorCallback(trainer, every_n_steps=1, keep_history=True, invariance_every_n_steps=STEPS,
                                  probe_size=PROBE)
