@@ -2,7 +2,7 @@
 
 * **every step**: the ladder's growth watch (the meter's
   :class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
-  reduction each) and the door's end-of-step read (``FindingsReader.read_growth``): the two rungs'
+  reduction each) and the monitor's end-of-step read (``FindingsReader.read_growth``): the two rungs'
   forwards on one step's real inputs with the watch and the read, less the same forwards without,
   taken in turns (``stepping.in_turns``), against the plain training step (``stepping.train_step``).
   The watch's work resolved to microseconds, with its operators and data in the caches; inside a

@@ -11,7 +11,7 @@ RMSNorms and the final one, 161 norms; 126 layers, 253 norms) is built afresh fo
   over the median plain step (forward and backward) of the same repeat; of it ``result()`` and of
   that ``_assign_roles``;
 * a later measured step's extra (the median of ``--later`` of them, each between plain steps);
-* the doors' fit start: ``LoopMonitor(model, writer, probe_batch=...)``, its step 0 (its first
+* the monitors' fit start: ``LoopMonitor(model, writer, probe_batch=...)``, its step 0 (its first
   invariance point with the probe's one-time checks, the first measured step, the roles, the
   first write) and, with Lightning, ``LayerNormMonitor``'s ``setup`` and ``on_fit_start`` (the
   meter and the HPARAMS session) called on a real ``Trainer`` with a TensorBoard logger.
@@ -144,14 +144,14 @@ def meter_repeat(build: Callable, batch: dict, later: int) -> dict[str, float]:
             "later_extra": statistics.median(steps) - step}
 
 
-def door_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, float]:
-    """One repeat of the doors' fit start, each on a fresh model."""
+def monitor_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, float]:
+    """One repeat of the monitors' fit start, each on a fresh model."""
     from torch.utils.tensorboard import SummaryWriter
 
     from lnmonitor.integrations.loop import LoopMonitor
 
     out: dict[str, float] = {}
-    quiet = io.StringIO()  # the doors' notes (stderr) and Lightning's
+    quiet = io.StringIO()  # the monitors' notes (stderr) and Lightning's
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(quiet), \
             contextlib.redirect_stderr(quiet), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         runs = []
         for _ in range(args.repeats):
             one = meter_repeat(build, batch, args.later)
-            one.update(door_repeat(build, batch, not args.no_lightning))
+            one.update(monitor_repeat(build, batch, not args.no_lightning))
             runs.append(one)
         figures[layers] = {"norms": runs[0]["norms"], **summarise(runs)}
     print_table(figures)
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
 def print_table(figures: dict[int, dict]) -> None:
     """One column per model (median, minimum, the ratio to a plain step), and the first model's
     first repeat: the process's first fit start, which also pays its imports (matplotlib for the
-    loop door's first picture, ...)."""
+    loop monitor's first picture, ...)."""
     sizes = list(figures)
     first = sizes[0]
     print("| ms | " + " | ".join(f"{layers} layers, {figures[layers]['norms']} norms: median (min)"

@@ -1,4 +1,4 @@
-"""The transformers.Trainer door in one process or under ``torchrun --nproc_per_node 2``
+"""The transformers.Trainer callback in one process or under ``torchrun --nproc_per_node 2``
 (gloo on CPU, the Trainer's own accelerate set-up): the tiny GPT-2 of tests/test_three_callbacks.py on
 the same 8 sequences per optimizer step, split over the processes.  Rank zero writes the
 callback's history and the rows its last measured step merged to ``argv[1]`` as JSON."""

@@ -1,4 +1,4 @@
-"""core/monitor/after_step.py: the post-step sequence every door runs, on a real meter and real views."""
+"""core/monitor/after_step.py: the post-step sequence every monitor runs, on a real meter and real views."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conditions people fine-tune under, through the meter (so through every door): padded
+"""The conditions people fine-tune under, through the meter (so through every monitor): padded
 batches, frozen embeddings and norms (LoRA-like), bfloat16, a step without a backward and a
 diverged loss.  Each number against an independent float64 computation on the real tokens."""
 

@@ -1,4 +1,4 @@
-"""The every-step growth (core/growth_watch.py) and the finding it carries through every door:
+"""The every-step growth (core/growth_watch.py) and the finding it carries through every monitor:
 judged against the fit's first measured step, said at the step it crosses."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _health(caught):
     return [w for w in caught if w.category is lnmonitor.HealthWarning]
 
 
-def test_the_loop_door_says_the_growth_at_the_step_it_crosses_not_at_the_next_measured_one():
+def test_the_loop_monitor_says_the_growth_at_the_step_it_crosses_not_at_the_next_measured_one():
     from lnmonitor.integrations.loop import LoopMonitor
 
     model, x = _model(), torch.randint(0, 65, (4, 16))
@@ -163,7 +163,7 @@ def test_lightning_says_the_growth_at_the_step_it_crosses():
     assert not monitor.meter.model.model.lnf._forward_pre_hooks  # the watch's hooks leave with the fit
 
 
-def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
+def test_the_trainer_callback_says_the_growth_at_the_step_it_crosses(tmp_path):
     transformers = pytest.importorskip("transformers")
     from lnmonitor.integrations.transformers import LNMonitorCallback
 

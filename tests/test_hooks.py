@@ -1,4 +1,4 @@
-"""lnmonitor.core.hooks: one door for temporary hooks, eval mode restored, a float64 forward that leaves
+"""lnmonitor.core.hooks: one place for temporary hooks, eval mode restored, a float64 forward that leaves
 the module as it was."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_a_forward_hook_may_replace_the_output_and_is_removed_with_its_pre_hook(
 
 
 
-def test_every_module_hook_goes_through_the_one_door():
+def test_every_module_hook_goes_through_the_one_place():
     """Only :class:`lnmonitor.core.hooks.Hooks` registers module hooks (its handles are
     removed together, also when a forward raises); tensor and autograd-node hooks die with
     their graph and are not module hooks."""

@@ -22,7 +22,7 @@ def _runs(loss_fn=None, scales=(1e-1, 1e-2, 1e-3), model=None,
             advice="") -> tuple[InvarianceRuns, list[str]]:
     said: list[str] = []
     model = model if model is not None else gpt().model
-    runs = InvarianceRuns("Door", Messages(warn=said.append), advice=advice)
+    runs = InvarianceRuns("Monitor", Messages(warn=said.append), advice=advice)
     runs.begin(InvarianceProbe(model, loss_fn, scales=scales), windows(4))
     return runs, said
 
@@ -61,7 +61,8 @@ def test_a_probe_that_cannot_run_turns_off_with_its_cause_and_location_said_once
     assert runs.take(0, sweep=False) is None and runs.take(1, sweep=False) is None
     assert runs.off_reason.startswith(("TypeError", "KeyError"))
     assert "test_invariance_runs.py" in runs.off_reason
-    assert len(said) == 1 and said[0].startswith("Door: the invariance probe is off for the rest of this run")
+    assert len(said) == 1
+    assert said[0].startswith("Monitor: the invariance probe is off for the rest of this run")
 
 
 def test_a_sweep_without_a_slope_is_noted_once_on_the_logger_not_warned(caplog):
@@ -101,7 +102,7 @@ def test_when_calling_the_model_with_the_batch_fails_the_message_names_loss_fn()
 
 def test_a_monitor_whose_probe_is_the_monitor_turns_itself_off():
     reasons: list[str] = []
-    runs = InvarianceRuns("Door", Messages(warn=reasons.append),
+    runs = InvarianceRuns("Monitor", Messages(warn=reasons.append),
                               on_off=lambda reason: reasons.append("off: " + reason))
     runs.begin(InvarianceProbe(gpt().model, lambda m, b: torch.tensor(1.0) + b.foo), windows(4))
     runs.take(0, sweep=False)

@@ -1,6 +1,6 @@
 """The probe rows (:mod:`lnmonitor.core.invariance.probe_rows`): batches padded to different lengths
 joined exactly as the collator pads all their rows at once, on either side; what cannot be
-joined said once by name; any mapping is keyword inputs; and the Lightning door measuring on
+joined said once by name; any mapping is keyword inputs; and the Lightning callback measuring on
 padded validation batches of different lengths (it turned itself off, blaming loss_fn=).
 """
 
@@ -102,7 +102,7 @@ class LitLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def test_the_lightning_door_measures_on_padded_validation_batches_of_different_lengths():
+def test_the_lightning_callback_measures_on_padded_validation_batches_of_different_lengths():
     tok = tokenizer()
     train, val = _collated(tok, records(tok, 16, 0), 4), _collated(tok, records(tok, 32, 1), 8)
     monitor = FinalNormInvarianceMonitor(invariance_every_n_steps=2, probe_size=32, summary=False,

@@ -1,4 +1,4 @@
-"""views/run_views.py: what every door shows beside its metrics (the doors' own output is
+"""views/run_views.py: what every monitor shows beside its metrics (the monitors' own output is
 compared in tests/test_three_callbacks.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The transformers.Trainer door as a fine-tuning script uses it: ``Trainer(...,
+"""The transformers.Trainer callback as a fine-tuning script uses it: ``Trainer(...,
 trainer.add_callback(LNMonitorCallback(trainer))``, a tiny random Llama, sequences of different lengths
 padded per batch by ``DataCollatorForLanguageModeling(mlm=False)`` with a tokenizer built
 here (``tokenizers``' WordLevel, pad id 1: nothing downloaded), the Trainer's default eval
@@ -192,7 +192,7 @@ def test_a_wrong_trainer_argument_is_refused_by_name():
 
 
 def test_logging_first_step_is_measured_too(tmp_path):
-    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well; the door measures
+    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well; the monitor measures
     the fit's first step with or without it (tests/test_baseline.py)."""
     tok = tokenizer()
     callback = LNMonitorCallback(invariance_every_n_steps=None, keep_history=True)

@@ -1,4 +1,4 @@
-"""The plain-PyTorch door: the meter and the invariance probe in a training loop of your own
+"""The plain-PyTorch integration: the meter and the invariance probe in a training loop of your own
 (nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), in a few added lines.
 
 :class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.meter.LadderMeter` measures

@@ -1,4 +1,4 @@
-"""The ``transformers.Trainer`` door: the meter and the invariance probe as a ``TrainerCallback``.
+"""The ``transformers.Trainer`` integration: the meter and the invariance probe as a ``TrainerCallback``.
 
 Needs the ``hf`` extra (``pip install 'lnmonitor[hf]'``); nothing else in lnmonitor imports
 transformers.

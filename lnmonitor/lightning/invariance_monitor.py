@@ -43,7 +43,7 @@ READS = ("invariance_every_n_steps", "probe_size", "final_norm", "cases", "scale
 class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    The Lightning door of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
+    The Lightning callback of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
     the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
     batch, at step indices that are multiples of
     ``every_n_steps`` (before that step's update: taken as soon as the previous update is

@@ -36,7 +36,7 @@ __all__ = ["LayerNormMonitor"]
 class LayerNormMonitor(MonitorCallback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
-    The Lightning door of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
+    The Lightning callback of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
     the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
     steps (default: the Trainer's
     ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the

@@ -1,7 +1,7 @@
-"""What every door shows of a run beside its metrics, written once: the ladder's picture on
+"""What every monitor shows of a run beside its metrics, written once: the ladder's picture on
 measured steps, and at the end the ladder over training and the one-screen summary.
 
-A door keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
+A monitor keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
 (:meth:`RunViews.add`), offers it each measured step's result (:meth:`RunViews.step`) and ends
 it (:meth:`RunViews.end`); it gives the views ``write(tag, image, step)`` -- its framework's way
 to log an image, or None where there is none -- and a title.  A picture that fails turns the
@@ -42,7 +42,7 @@ class RunViews:
         self._ended = False
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
-        """A dict the door logged at ``step``."""
+        """A dict the monitor logged at ``step``."""
         self.curves.add(step, metrics)
 
     def step(self, write: WriteImage | None, result, step: int, last: bool = False) -> None:

@@ -11,7 +11,7 @@ step's growth (:meth:`FindingsReader.read_growth`, from the meter's every-step w
 judged against the fit's first measured step: a ladder that was tall when the fit began is a
 fact of the checkpoint, said as information, never a finding.  Each kind is raised
 once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
-``on_finding(finding)`` (a user can lower the lr there; returning True asks the door to stop the
+``on_finding(finding)`` (a user can lower the lr there; returning True asks the monitor to stop the
 run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
 Lightning.
 """
@@ -139,7 +139,7 @@ class Finding:
 class Reading:
     """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
     no longer do), ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far) and
-    ``stop`` (``on_finding`` returned True for one of them: the door stops the run)."""
+    ``stop`` (``on_finding`` returned True for one of them: the monitor stops the run)."""
 
     raised: list[Finding] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
@@ -175,7 +175,7 @@ class FindingsReader:
         thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
             kind off); the testbed's figures in each message are for the default thresholds.
         on_finding: called with each :class:`Finding` once per kind per fit; returning True
-            asks the door to stop the run; an exception from it is said once and it is not
+            asks the monitor to stop the run; an exception from it is said once and it is not
             called again (training goes on).
         name: the name messages start with.
         warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
@@ -233,7 +233,7 @@ class FindingsReader:
     def read_loss(self, step: int, loss: float) -> Reading:
         """The training loss of step ``step``: only ``loss_blowup`` is judged, by the
         :class:`~lnmonitor.core.findings.loss_rule.LossRule`.  When the rule first fires it is kept
-        in :attr:`pending_loss` (nothing said yet): the door measures its next step, and
+        in :attr:`pending_loss` (nothing said yet): the monitor measures its next step, and
         :meth:`read` then says it with what the norms did between the measured step before and that
         one (:func:`~lnmonitor.core.findings.loss_rule.what_the_norms_did`; :meth:`say_pending_loss`
         says it without, where nothing can be measured)."""
@@ -334,7 +334,7 @@ def state_from_health(points: Iterable[tuple[int, str, float]],
                       start: tuple[int, float] | None = None) -> dict:
     """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
     ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
-    order (a door that keeps no state of its own keeps each change of those values) and the fit's
+    order (a monitor that keeps no state of its own keeps each change of those values) and the fit's
     ``start`` ``(step, growth)`` when it was kept: a kind with a value 1 is raised, at the step of
     its first (its value, threshold and message were not kept: NaN and a note), and holds when its
     last value is 1.  Kinds this version does not know are left out; no points and no start: a
@@ -358,7 +358,7 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
     """:func:`state_from_health` of a framework's log of dicts, each with its ``step`` (the
     Trainer's ``log_history``, restored from a checkpoint; empty on a fresh fit): every
     ``lnmonitor/health/<kind>`` in it, in its order, and the first ``lnmonitor/ladder/growth``
-    as the fit's start (a door keeps that one at the fit's start for this)."""
+    as the fit's start (a monitor keeps that one at the fit's start for this)."""
     points, start = [], None
     for entry in entries:
         if "step" not in entry:
@@ -374,7 +374,7 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
 
 def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
                 info: Callable[[str], None] | None = None) -> FindingsReader | None:
-    """The reader a door builds from its ``findings`` argument (None: the default thresholds;
+    """The reader a monitor builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
     thresholds = finding_thresholds(findings)
@@ -403,7 +403,7 @@ def finding_thresholds(findings) -> dict[str, float | None] | None:
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
            stop: Callable[[], object]) -> dict[str, float]:
-    """What a door does with a measured step's findings, in one call: read them (warn, call
+    """What a monitor does with a measured step's findings, in one call: read them (warn, call
     ``on_finding``), call ``stop()`` when ``on_finding`` asked to stop, and return the
     ``lnmonitor/health/<kind>`` metrics to log with the step's (empty without a reader)."""
     if reader is None:
@@ -416,7 +416,7 @@ def health(reader: FindingsReader | None, step: int, result: LadderResult | None
 
 def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: int,
                stop: Callable[[], object]) -> Reading:
-    """What a door does at the end of every optimizer step ``step``: close it for the meter's
+    """What a monitor does at the end of every optimizer step ``step``: close it for the meter's
     every-step growth and read that (a finding is said at the step the growth crosses, on an
     accelerator the step after); ``stop()`` when ``on_finding`` asked to stop."""
     if reader is None or meter is None:
@@ -431,7 +431,7 @@ def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: i
 
 
 def reads_growth(reader: FindingsReader | None) -> bool:
-    """Whether ``reader`` judges a kind read from the ladder's growth: a door's meter watches the
+    """Whether ``reader`` judges a kind read from the ladder's growth: a monitor's meter watches the
     growth on every step only then."""
     return reader is not None and any(
         kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())

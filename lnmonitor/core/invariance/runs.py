@@ -32,7 +32,7 @@ __all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "SHARDED_REFUSED", "InvarianceRuns
 
 _log = logging.getLogger("lnmonitor")
 
-# what a door with a ``loss_fn=`` argument adds when its default call of the model failed
+# what a monitor with a ``loss_fn=`` argument adds when its default call of the model failed
 LOSS_FN_ADVICE = (
     "The probe called the model with the batch (model(*batch), model(**batch) for a dict) and read "
     "the loss or (logits, loss) it returned; if your model takes its inputs otherwise (LitGPT's "
@@ -40,7 +40,7 @@ LOSS_FN_ADVICE = (
     "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
 
-# why a door's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
+# why a monitor's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
 # inside the root's forward, and the probe's passes call the model itself
 FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Lightning's and Fabric's "
                  "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
@@ -76,7 +76,7 @@ class InvarianceRuns:
         self.messages = messages
         self.advice = advice
         self._noted: set[str] = set()
-        self._on_off = on_off  # a door whose probe is the door itself turns itself off (and says so)
+        self._on_off = on_off  # a monitor whose probe is the monitor itself turns itself off (and says so)
         self.prober: InvarianceProbe | None = None
         self.batch = None
         self.off_reason: str | None = None

@@ -111,7 +111,7 @@ class LadderMeter:
             ``lnmonitor`` logger when logging is configured, else standard error).
         warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
         watch_growth: take the ladder's growth on every training step once the roles are known
-            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a door
+            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a monitor
             turns it off when no finding reads it, so it costs nothing there.
 
     Raises:
@@ -406,7 +406,8 @@ class LadderMeter:
                 and name not in self.refused]
 
     def forward_order(self) -> list[str]:
-        """The norms' names in the order they ran (:attr:`order`, a door may restore it), the rest after."""
+        """The norms' names in the order they ran (:attr:`order`, a monitor may restore it), the
+        rest after."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, row_stats: list[RowStats]) -> None:

@@ -1,6 +1,6 @@
 """Which norms a monitor measures, and what it tells the user about them.
 
-:func:`choose_norms` is the prologue every door and monitor shares: find the model's
+:func:`choose_norms` is the prologue every monitor shares: find the model's
 normalisation layers (:func:`lnmonitor.core.norms.find.discover_norms`), keep those the user's
 patterns select, and refuse with a :class:`NormSelectionError` that says what to do
 when nothing sensible is left.
