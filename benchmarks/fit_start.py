@@ -12,7 +12,7 @@ RMSNorms and the final one, 161 norms; 126 layers, 253 norms) is built afresh fo
   that ``_assign_roles``;
 * a later measured step's extra (the median of ``--later`` of them, each between plain steps);
 * the monitors' fit start: ``LoopMonitor(model, writer, probe_batch=...)``, its step 0 (its first
-  invariance point with the probe's one-time checks, the first measured step, the roles, the
+  invariance probe run with the probe's one-time checks, the first measured step, the roles, the
   first write) and, with Lightning, ``LayerNormMonitor``'s ``setup`` and ``on_fit_start`` (the
   meter and the HPARAMS session) called on a real ``Trainer`` with a TensorBoard logger.
 
@@ -225,8 +225,8 @@ ROWS = (  # (key, label), each a time in seconds
     ("roles", "(b) of which role assignment"),
     ("later_extra", "(c) later measured step, extra over plain"),
     ("loop_ctor", "`LoopMonitor(model, writer, probe_batch=...)`"),
-    ("loop_step0_extra", "`LoopMonitor` step 0 (probe's first point + first measured step), extra"),
-    ("loop_probe", "of which the probe's first point (`start(0)`)"),
+    ("loop_step0_extra", "`LoopMonitor` step 0 (probe's first run + first measured step), extra"),
+    ("loop_probe", "of which the probe's first run (`start(0)`)"),
     ("lightning_fit_start", "`LayerNormMonitor` setup + on_fit_start"),
 )
 CHECKED = ("ctor", "roles", "first_extra", "loop_ctor", "lightning_fit_start")  # held to BUDGET_S

@@ -258,10 +258,10 @@ def test_the_guard_names_the_cause_and_where_and_detaches_once():
 
     said: list[str] = []
     monitor = Monitor()
-    with pytest.raises(KeyError):  # a refusal passes through and turns nothing off
+    with pytest.raises(KeyError):  # a configuration error passes through and turns nothing off
         monitor.entry("b")
     assert monitor.off_reason is None
-    monitor.entry([])  # a list is unhashable: TypeError, not a refusal
+    monitor.entry([])  # a list is unhashable: TypeError, not a configuration error
     assert monitor.off_reason.startswith("TypeError") and "test_guard.py" in monitor.off_reason
     assert detached == [1] and len(said) == 1 and "Monitor is off" in said[0]
     assert monitor.entry("a") is None  # off

@@ -124,7 +124,7 @@ class LoopMonitor(MonitorAttributes):
 
     def state_dict(self) -> dict:
         """What a resumed run needs (save it with your checkpoint): the last step logged, the
-        findings raised and the start they judge growth from, the last invariance point."""
+        findings raised and the start they judge growth from, the last probe run."""
         return {**self.monitor.state_dict(), "invariance_last_step": self._runs.last_step}
 
     def load_state_dict(self, state: dict) -> None:
@@ -187,7 +187,7 @@ class LoopMonitor(MonitorAttributes):
     @guarded
     def close(self) -> None:
         """End the run, after the last update (once; nothing more when the last step of
-        ``max_steps`` ended it): the invariance point after that update with its scale sweep,
+        ``max_steps`` ended it): the probe run after that update with its scale sweep,
         the ladder over training (a picture) and the summary.  A step still open is dropped."""
         self.detach()
         if self._started is not None:
@@ -198,7 +198,7 @@ class LoopMonitor(MonitorAttributes):
         self.should_stop = True
 
     def _end(self, step: int) -> None:
-        """The invariance point of ``step`` with its sweep, the heatmap and the summary (once)."""
+        """The probe run of ``step`` with its sweep, the heatmap and the summary (once)."""
         if self._ended:
             return
         self._ended = True
@@ -249,7 +249,7 @@ class LoopMonitor(MonitorAttributes):
         self._runs.begin(probe, map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:
-        """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero (every
+        """The probe run of ``step`` (its sweep too with ``sweep``), on rank zero (every
         rank of a sharded model, which writes from rank zero)."""
         if not (self._every_rank or _rank_zero()):
             return

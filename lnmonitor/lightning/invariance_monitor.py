@@ -257,11 +257,11 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The point of step s (the weights after s updates) is taken as soon as update s is
+        # The probe run of step s (the weights after s updates) is taken as soon as update s is
         # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
         # runs after the other callbacks) then records it, and the validation that may
         # follow at the same global step reuses it, so a fit resumed from this checkpoint
-        # neither repeats nor misses it (this includes the point after the last update).
+        # neither repeats nor misses it (this includes the probe run after the last update).
         self._take_due(trainer, pl_module)
 
     @override
@@ -273,13 +273,13 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     # -- one run -----------------------------------------------------------------------
 
     def _take_due(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The point of the step the Trainer is at, when the cadence has one there (once)."""
+        """The probe run of the step the Trainer is at, when the cadence has one there (once)."""
         step, every, sweeps = trainer.global_step, self.invariance_every_n_steps, self.sweep_every_n_steps
         if every is not None and due(step, every):
             self._run(trainer, pl_module, step, sweep=sweeps is not None and due(step, sweeps))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
-        """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its
+        """Probe ``step``, its sweep with ``sweep``, unless it was logged (with its
         sweep, when asked)."""
         add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
         if not self._enabled or (step <= self._loggers.last_step and not add_sweep):

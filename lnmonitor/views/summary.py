@@ -151,7 +151,7 @@ def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None 
 
 def invariance_summary(final_norm: str | None, step: int, metrics: Mapping[str, float],
                        settings: Mapping[str, object] | None = None) -> str:
-    """The summary of one invariance point (``metrics`` of ``step``): its residuals per case."""
+    """The summary of one probe run (``metrics`` of ``step``): its residuals per case."""
     point = {tag: [(step, value)] for tag, value in metrics.items() if math.isfinite(value)}
     return "\n".join([f"lnmonitor summary: final norm {final_norm!r}", *settings_lines(settings),
                       *invariance_lines(point)])

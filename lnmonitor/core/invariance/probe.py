@@ -81,13 +81,13 @@ class InvarianceProbe:
         self.last_step = -1
 
     def sweep_missing(self, step: int) -> bool:
-        """Whether the point of ``step`` was probed last, without its sweep (see :meth:`point`)."""
+        """Whether ``step`` was probed last, without its sweep (see :meth:`point`)."""
         return step == self.last_step and self.last is not None and not self.last.sweep and bool(self.scales)
 
     def point(self, batch, step: int, *, sweep: bool) -> tuple[InvarianceResult, dict[str, float]]:
-        """The point of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
-        the cases; the sweep is 7 replayed passes more).  A point probed last without its sweep gets the
-        sweep alone, added to it.  Returns the point's result and its finite metrics that are new."""
+        """The probe run of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
+        the cases; the sweep is 7 replayed passes more).  A step probed last without its sweep gets the
+        sweep alone, added to it.  Returns the run's result and its finite metrics that are new."""
         if sweep and self.sweep_missing(step):
             last, swept = self.last, self.run(batch, cases=False)
             result = replace(last, sweep=swept.sweep, slope=swept.slope, constant=swept.constant,

@@ -207,7 +207,7 @@ class MonitorAttributes:
 
     @property
     def last_invariance(self) -> InvarianceResult | None:
-        """The last invariance point's full result (its sweep points included)."""
+        """The last probe run's full result (its sweep points included)."""
         return self.monitor.runs.last
 
     @property
