@@ -78,9 +78,9 @@ class Timers:
     def reset(self) -> None:
         self.spent = {}
 
-    def wrap(self, owner, attribute: str, name: str) -> Callable[[], None]:
-        """Time ``owner.attribute`` under ``name``; returns what puts it back."""
-        inner = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+    def wrap(self, target, attribute: str, name: str) -> Callable[[], None]:
+        """Time ``target.attribute`` under ``name``; returns what puts it back."""
+        inner = target.__dict__[attribute] if isinstance(target, type) else getattr(target, attribute)
 
         def timed(*args, **kwargs):
             t0 = CLOCK[0]()
@@ -89,8 +89,8 @@ class Timers:
             finally:
                 self.spent[name] = self.spent.get(name, 0.0) + CLOCK[0]() - t0
 
-        setattr(owner, attribute, timed)
-        return lambda: setattr(owner, attribute, inner)
+        setattr(target, attribute, timed)
+        return lambda: setattr(target, attribute, inner)
 
 
 TIMERS = Timers()
