@@ -267,7 +267,7 @@ def test_every_monitor_takes_one_settings_object_with_one_name_a_setting():
     with pytest.raises(MisconfigurationException, match="image_every_n_steps"):
         LayerNormMonitor(image_every_n_steps=0)
     for monitor in (lambda: LNMonitorCallback(image_every_n_steps=0),
-                 lambda: LoopMonitor(model, image_every_n_steps=0)):
+                    lambda: LoopMonitor(model, image_every_n_steps=0)):
         with pytest.raises(ArgumentError, match="image_every_n_steps"):
             monitor()
     with pytest.raises(MisconfigurationException,

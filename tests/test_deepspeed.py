@@ -99,7 +99,7 @@ def trainer_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero3", "zero3-partitioned"])
 def test_the_trainer_callback_under_zero_matches_ddp_and_refuses_the_probe_at_stage_3(trainer_runs, tmp_path,
-                                                                                   mode):
+                                                                                      mode):
     # ZeRO-2 measures the first step (the same weights) as DDP does within a bin, and probes as DDP;
     # the Trainer trains differently under DeepSpeed than under DDP (its logged grad_norm at step 2:
     # 0.7922 against 0.7727), so the later points are compared with ZeRO-2's, the same training

@@ -220,7 +220,7 @@ def _hf_events():
 
 @pytest.mark.parametrize("entry", _hf_events())
 def test_an_exception_in_any_trainer_event_turns_the_callback_off_and_training_finishes(monkeypatch, tmp_path,
-                                                                                   entry):
+                                                                                        entry):
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
     calls: list[str] = []

@@ -19,7 +19,7 @@ from lnmonitor.core.monitor.shared import Messages
 
 
 def _runs(loss_fn=None, scales=(1e-1, 1e-2, 1e-3), model=None,
-            advice="") -> tuple[InvarianceRuns, list[str]]:
+          advice="") -> tuple[InvarianceRuns, list[str]]:
     said: list[str] = []
     model = model if model is not None else gpt().model
     runs = InvarianceRuns("Monitor", Messages(warn=said.append), advice=advice)
@@ -103,7 +103,7 @@ def test_when_calling_the_model_with_the_batch_fails_the_message_names_loss_fn()
 def test_a_monitor_whose_probe_is_the_monitor_turns_itself_off():
     reasons: list[str] = []
     runs = InvarianceRuns("Monitor", Messages(warn=reasons.append),
-                              on_off=lambda reason: reasons.append("off: " + reason))
+                          on_off=lambda reason: reasons.append("off: " + reason))
     runs.begin(InvarianceProbe(gpt().model, lambda m, b: torch.tensor(1.0) + b.foo), windows(4))
     runs.take(0, sweep=False)
     assert len(reasons) == 1 and reasons[0].startswith("off: AttributeError")

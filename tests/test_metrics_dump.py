@@ -39,7 +39,7 @@ def test_the_dump_holds_every_integration_and_is_the_same_twice(tmp_path):
 
     dump = json.loads(first.read_text())
     for integration, part in (("lightning", "ladder"), ("lightning", "invariance"), ("transformers", "all"),
-                       ("loop", "all")):
+                             ("loop", "all")):
         steps = dump[integration]["values"][part]
         assert steps and all(steps.values()), (integration, part)
     assert any("lnmonitor summary" in line for line in dump["loop"]["said"])

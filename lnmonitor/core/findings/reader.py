@@ -373,7 +373,7 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
 
 
 def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
-                info: Callable[[str], None] | None = None) -> FindingsReader | None:
+                    info: Callable[[str], None] | None = None) -> FindingsReader | None:
     """The reader a monitor builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""

@@ -182,8 +182,8 @@ def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
     widths = {t.shape[1] for b in batches[:used] for t in _id_tensors(b)}
     if info is not None and len(widths) > 1:
         info(f"the probe rows join {used} batches padded to different lengths ({min(widths)} to "
-            f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
-            f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
+             f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
+             f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
     return joined
 
 

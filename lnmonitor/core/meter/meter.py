@@ -152,7 +152,7 @@ class LadderMeter:
         for norm in self.norms:
             if norm.width is not None and norm.width <= norm.dead_dim:
                 raise NormSelectionError(messages.narrow_message(name, norm.name, norm.width, norm.dead_dim,
-                                                              norm.kind))
+                                                                 norm.kind))
         self._names = [norm.name for norm in self.norms]
         self.layout = Layout(len(self.norms))
         self.order: list[str] = []

@@ -206,10 +206,10 @@ def _trip(monitor, entry: str, err: Exception) -> None:
     except Exception as again:  # noqa: BLE001 - say both, stop nothing
         monitor.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
     name = getattr(monitor, "name", type(monitor).__name__)
-    advice = getattr(monitor, "advice", "")
-    monitor.messages.warn("guard", off_message(name, monitor.off_reason) + ". Training goes "
-                                "on; nothing more is measured or logged by it. " + (advice or
-                                "Please report this with the message if the model and batch look ordinary."))
+    advice = (getattr(monitor, "advice", "")
+              or "Please report this with the message if the model and batch look ordinary.")
+    monitor.messages.warn("guard", off_message(name, monitor.off_reason) + ". Training goes on; nothing more "
+                                   "is measured or logged by it. " + advice)
 
 
 def entry_points(cls: type) -> list[str]:
