@@ -4,7 +4,7 @@ Every width of ``--widths`` x depth of ``--depths`` is a cell: a TinyGPT (4 head
 ``--batch-size``, one fixed batch) stepped in a plain loop as the recipe steps it
 (``stepping.train_step``: forward, backward, clipping, AdamW), with a ``LadderMeter`` measuring every
 even step: ``start()`` before the forward, ``stop()`` and ``result().metrics()`` after the backward,
-all a measured step computes without what a door adds (writing the metrics, a picture every 50
+all a measured step computes without what a monitor adds (writing the metrics, a picture every 50
 steps).  Two measures of a measured step's cost, from the same loop:
 
 * *the meter timed directly*: the wall time inside its backward hooks' passes over the rows
@@ -17,8 +17,8 @@ steps).  Two measures of a measured step's cost, from the same loop:
   second apart.
 
 Then one periodic invariance run is timed (the default monitor's cases on its probe windows,
-without the once-per-fit check); the defaults, without a door, are ``stepping.amortised``: ``1 +
-(extra / 50 + run / 1000) / plain`` (a door's own time on unmeasured steps is overhead.py's and
+without the once-per-fit check); the defaults, without a monitor, are ``stepping.amortised``: ``1 +
+(extra / 50 + run / 1000) / plain`` (a monitor's own time on unmeasured steps is overhead.py's and
 small_models.py's).  Reported per cell, with exponents of the meter's time and of the extra
 fitted against rows x width and the norm count, the width from which each depth stays under 1% of
 a step, and with ``--figure`` both measures against width.
@@ -87,7 +87,7 @@ class Cell:
 
     @property
     def defaults(self) -> float:
-        """The meter and the invariance probe at their defaults against a plain step (no door)."""
+        """The meter and the invariance probe at their defaults against a plain step (no monitor)."""
         return stepping.amortised(self.plain_ms, measured=self.extra_ms, probe=self.probe_ms)
 
 
@@ -116,7 +116,7 @@ def measure(width: int, depth: int, steps: int, args) -> Cell:
     model = stepping.tiny_gpt(width, depth, args.context, device=args.device)
     optimizer = stepping.adamw(model)
     tokens = stepping.token_batches(1, args.batch_size, args.context, args.device)[0]
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
     inside, parts = [0.0], []  # (hooks, stop, result) seconds of each measured step
 
     def start() -> None:
@@ -245,7 +245,7 @@ def table(cells: list[Cell], args) -> str:
            f"{args.warmup} warm-up steps, torch threads {torch.get_num_threads()}, "
            f"torch {torch.__version__}.", "",
            "| width | depth | norms | rows x width | steps | plain ms/step | meter ms: hooks + stop + result "
-           "| meter / step | paired extra ms | extra / step | defaults, no door | invariance run ms |",
+           "| meter / step | paired extra ms | extra / step | defaults, no monitor | invariance run ms |",
            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         head = f"| {c.width} | {c.depth} | {c.norms} | {rows * c.width:,} "

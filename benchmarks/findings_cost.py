@@ -2,7 +2,7 @@
 
 * **every step**: the ladder's growth watch (the meter's
   :class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`: two forward pre-hooks, one on-device
-  reduction each) and the door's end-of-step read (``FindingsReader.read_growth``): the two rungs'
+  reduction each) and the monitor's end-of-step read (``FindingsReader.read_growth``): the two rungs'
   forwards on one step's real inputs with the watch and the read, less the same forwards without,
   taken in turns (``stepping.in_turns``), against the plain training step (``stepping.train_step``).
   The watch's work resolved to microseconds, with its operators and data in the caches; inside a
@@ -38,7 +38,7 @@ def measured(meter: LadderMeter, model: torch.nn.Module, tokens: torch.Tensor):
 
 def first_measured(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[LadderMeter, FindingsReader]:
     """A fit's first measured step (the roles, the growth's start), read by the findings."""
-    meter, reader = LadderMeter(model, say=lambda _: None), FindingsReader(warn=lambda _: None)
+    meter, reader = LadderMeter(model, info=lambda _: None), FindingsReader(warn=lambda _: None)
     reader.read(0, measured(meter, model, tokens))
     return meter, reader
 

@@ -11,8 +11,8 @@ RMSNorms and the final one, 161 norms; 126 layers, 253 norms) is built afresh fo
   over the median plain step (forward and backward) of the same repeat; of it ``result()`` and of
   that ``_assign_roles``;
 * a later measured step's extra (the median of ``--later`` of them, each between plain steps);
-* the doors' fit start: ``LoopMonitor(model, writer, probe_batch=...)``, its step 0 (its first
-  invariance point with the probe's one-time checks, the first measured step, the roles, the
+* the monitors' fit start: ``LoopMonitor(model, writer, probe_batch=...)``, its step 0 (its first
+  invariance probe run with the probe's one-time checks, the first measured step, the roles, the
   first write) and, with Lightning, ``LayerNormMonitor``'s ``setup`` and ``on_fit_start`` (the
   meter and the HPARAMS session) called on a real ``Trainer`` with a TensorBoard logger.
 
@@ -78,9 +78,9 @@ class Timers:
     def reset(self) -> None:
         self.spent = {}
 
-    def wrap(self, owner, attribute: str, name: str) -> Callable[[], None]:
-        """Time ``owner.attribute`` under ``name``; returns what puts it back."""
-        inner = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+    def wrap(self, target, attribute: str, name: str) -> Callable[[], None]:
+        """Time ``target.attribute`` under ``name``; returns what puts it back."""
+        inner = target.__dict__[attribute] if isinstance(target, type) else getattr(target, attribute)
 
         def timed(*args, **kwargs):
             t0 = CLOCK[0]()
@@ -89,8 +89,8 @@ class Timers:
             finally:
                 self.spent[name] = self.spent.get(name, 0.0) + CLOCK[0]() - t0
 
-        setattr(owner, attribute, timed)
-        return lambda: setattr(owner, attribute, inner)
+        setattr(target, attribute, timed)
+        return lambda: setattr(target, attribute, inner)
 
 
 TIMERS = Timers()
@@ -126,7 +126,7 @@ def meter_repeat(build: Callable, batch: dict, later: int) -> dict[str, float]:
     plain = [_plain_step(model, batch)]
     TIMERS.reset()
     t0 = CLOCK[0]()
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
     ctor = CLOCK[0]() - t0
     discovery = TIMERS.spent.get("choose_norms", 0.0)
     TIMERS.reset()
@@ -144,14 +144,14 @@ def meter_repeat(build: Callable, batch: dict, later: int) -> dict[str, float]:
             "later_extra": statistics.median(steps) - step}
 
 
-def door_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, float]:
-    """One repeat of the doors' fit start, each on a fresh model."""
+def monitor_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, float]:
+    """One repeat of the monitors' fit start, each on a fresh model."""
     from torch.utils.tensorboard import SummaryWriter
 
     from lnmonitor.integrations.loop import LoopMonitor
 
     out: dict[str, float] = {}
-    quiet = io.StringIO()  # the doors' notes (stderr) and Lightning's
+    quiet = io.StringIO()  # the monitors' notes (stderr) and Lightning's
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(quiet), \
             contextlib.redirect_stderr(quiet), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -174,7 +174,7 @@ def door_repeat(build: Callable, batch: dict, lightning: bool) -> dict[str, floa
             why = monitor.off_reason or monitor.invariance_off_reason
             raise SystemExit(f"LoopMonitor measured nothing: {why}")
         out["loop_step0_extra"] = step0 - statistics.median(plain)
-        monitor.shut()  # hooks off, no end-of-run sweep and summary: not a fit's start
+        monitor.detach()  # hooks off, no end-of-run sweep and summary: not a fit's start
         writer.close()
         if lightning:
             out["lightning_fit_start"] = _lightning_fit_start(build(), tmp)
@@ -225,8 +225,8 @@ ROWS = (  # (key, label), each a time in seconds
     ("roles", "(b) of which role assignment"),
     ("later_extra", "(c) later measured step, extra over plain"),
     ("loop_ctor", "`LoopMonitor(model, writer, probe_batch=...)`"),
-    ("loop_step0_extra", "`LoopMonitor` step 0 (probe's first point + first measured step), extra"),
-    ("loop_probe", "of which the probe's first point (`start(0)`)"),
+    ("loop_step0_extra", "`LoopMonitor` step 0 (probe's first run + first measured step), extra"),
+    ("loop_probe", "of which the probe's first run (`start(0)`)"),
     ("lightning_fit_start", "`LayerNormMonitor` setup + on_fit_start"),
 )
 CHECKED = ("ctor", "roles", "first_extra", "loop_ctor", "lightning_fit_start")  # held to BUDGET_S
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         runs = []
         for _ in range(args.repeats):
             one = meter_repeat(build, batch, args.later)
-            one.update(door_repeat(build, batch, not args.no_lightning))
+            one.update(monitor_repeat(build, batch, not args.no_lightning))
             runs.append(one)
         figures[layers] = {"norms": runs[0]["norms"], **summarise(runs)}
     print_table(figures)
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
 def print_table(figures: dict[int, dict]) -> None:
     """One column per model (median, minimum, the ratio to a plain step), and the first model's
     first repeat: the process's first fit start, which also pays its imports (matplotlib for the
-    loop door's first picture, ...)."""
+    loop monitor's first picture, ...)."""
     sizes = list(figures)
     first = sizes[0]
     print("| ms | " + " | ".join(f"{layers} layers, {figures[layers]['norms']} norms: median (min)"

@@ -158,9 +158,9 @@ class StepMemory(Callback):
             self.peak = self._memory.peak
 
 
-def time_hooks(callback: Callback, sink: dict, hooks: tuple[str, ...] = HOOKS, key: str | None = None,
+def time_hooks(callback: Callback, seconds: dict, hooks: tuple[str, ...] = HOOKS, key: str | None = None,
                ) -> None:
-    """Wrap the callback's ``hooks``; ``sink[key]`` accumulates the seconds spent inside them
+    """Wrap the callback's ``hooks``; ``seconds[key]`` accumulates the seconds spent inside them
     (``key`` None: the trainer's global step, one entry per step)."""
     for name in hooks:
         method = getattr(callback, name)
@@ -171,7 +171,7 @@ def time_hooks(callback: Callback, sink: dict, hooks: tuple[str, ...] = HOOKS, k
                 return _method(trainer, *args, **kwargs)
             finally:
                 where = trainer.global_step if key is None else key
-                sink[where] = sink.get(where, 0.0) + time.perf_counter() - t0
+                seconds[where] = seconds.get(where, 0.0) + time.perf_counter() - t0
 
         setattr(callback, name, timed)
 

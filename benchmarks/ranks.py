@@ -113,7 +113,7 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
     config = GPTConfig(vocab_size=65, width=args.width, depth=args.depth, heads=2, context=args.context)
     model = TinyGPT(config)
     ddp = DistributedDataParallel(model)
-    meter = LadderMeter(ddp, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(ddp, info=lambda _: None, warn=lambda *_: None)
     batches = torch.Generator().manual_seed(1 + rank)
     received, extra, seconds, collectives = [], [], [], 0
     for step in range(1 + 2 * args.steps):  # the first finds the roles

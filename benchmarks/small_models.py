@@ -1,12 +1,12 @@
-"""What the plain-loop door costs a small model: the shapes a new user's first runs have.
+"""What the plain-loop monitor costs a small model: the shapes a new user's first runs have.
 
 For each of ``--shapes`` (width,depth,batch of a TinyGPT, context 64, 4 heads; by default nanoGPT's
 smallest shape, 2 layers of 64 and batch 12, whose own model differs in biases and dropout, and the
 tiny model, 4 layers, at widths 64 and 128 and batch 32), copies of one initialisation are stepped
 on the same batches as nanoGPT's ``train.py`` steps (``stepping.train_step``), a step each in turn
-(``stepping.in_turns``), each with the plain-loop door configured as:
+(``stepping.in_turns``), each with the plain-loop monitor configured as:
 
-* ``plain``: no door;
+* ``plain``: no monitor;
 * ``every``: ``LoopMonitor(every_n_steps=1)``, no probe, pictures or summary: every step measured;
 * ``defaults``: ``LoopMonitor(model)`` without a writer or a probe batch: step 0 and every 50th
   measured, the every-step growth watch between;
@@ -14,9 +14,9 @@ on the same batches as nanoGPT's ``train.py`` steps (``stepping.train_step``), a
 * ``findings off``: the defaults with ``findings=False`` (no every-step watch).
 
 Reported over the steps after ``--warmup``: a measured step's extra (``every``) and each default
-door's extra on the steps it does not measure, each the median of its time less the plain step's of
+monitor's extra on the steps it does not measure, each the median of its time less the plain step's of
 the same turn; the defaults amortised over 50 steps, ``1 + (unmeasured extra + measured extra / 50)
-/ plain``; the loop door's import time after torch (median of ``--import-runs`` fresh interpreters);
+/ plain``; the loop monitor's import time after torch (median of ``--import-runs`` fresh interpreters);
 and the peak bytes of a measured step against a plain one (``stepping.PeakMemory``, after two steps).
 
     python benchmarks/small_models.py --steps 600 --threads 1
@@ -44,21 +44,21 @@ import torch
 
 from lnmonitor.integrations.loop import LoopMonitor
 
-DOORS: dict[str, Callable[[torch.nn.Module], LoopMonitor]] = {
+MONITORS: dict[str, Callable[[torch.nn.Module], LoopMonitor]] = {
     "every": lambda model: LoopMonitor(model, every_n_steps=1, invariance_every_n_steps=None, images=False,
                                        summary=False, keep_history=False),
     "defaults": lambda model: LoopMonitor(model),
     "add_loss": lambda model: LoopMonitor(model),
     "findings off": lambda model: LoopMonitor(model, findings=False),
 }
-MODES = ("plain", *DOORS)
-IDLE = ("defaults", "add_loss", "findings off")  # the doors measured on one step in 50
+MODES = ("plain", *MONITORS)
+IDLE = ("defaults", "add_loss", "findings off")  # the monitors measured on one step in 50
 
 
 @dataclass
 class Row:
     """One shape's figures: ``plain_ms`` the median plain step, ``measured_ms`` a measured step's
-    extra, ``idle_us`` each default door's extra on an unmeasured step; peaks in MiB."""
+    extra, ``idle_us`` each default monitor's extra on an unmeasured step; peaks in MiB."""
 
     width: int
     depth: int
@@ -70,14 +70,14 @@ class Row:
     plain_peak_mb: float = math.nan
     measured_peak_mb: float = math.nan
 
-    def amortised(self, door: str) -> float:
-        """``door`` at its defaults, over 50 steps, against a plain step."""
-        return stepping.amortised(self.plain_ms, self.idle_us[door] / 1000, self.measured_ms)
+    def amortised(self, monitor: str) -> float:
+        """``monitor`` at its defaults, over 50 steps, against a plain step."""
+        return stepping.amortised(self.plain_ms, self.idle_us[monitor] / 1000, self.measured_ms)
 
 
 @contextlib.contextmanager
 def quiet():
-    """The doors' notes (no writer, no probe batch, the end-of-run summary) kept off the output."""
+    """The monitors' notes (no writer, no probe batch, the end-of-run summary) kept off the output."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -85,57 +85,57 @@ def quiet():
 
 
 def stepper(base: torch.nn.Module, modes: tuple[str, ...], batches: torch.Tensor):
-    """``(step, doors)``: a copy of ``base`` with its optimizer and door per mode, and
+    """``(step, monitors)``: a copy of ``base`` with its optimizer and monitor per mode, and
     ``step(mode, i)`` taking training step ``i`` of one, in seconds."""
     models = {mode: copy.deepcopy(base) for mode in modes}
     optimizers = {mode: stepping.adamw(models[mode]) for mode in modes}
-    doors = {mode: DOORS[mode](models[mode]) for mode in modes if mode in DOORS}
+    monitors = {mode: MONITORS[mode](models[mode]) for mode in modes if mode in MONITORS}
 
     def step(mode: str, i: int) -> float:
-        door, tokens = doors.get(mode), batches[i % len(batches)]
-        if door is None:
+        monitor, tokens = monitors.get(mode), batches[i % len(batches)]
+        if monitor is None:
             return stepping.train_step(models[mode], optimizers[mode], tokens)
 
         def stop(loss: torch.Tensor) -> None:
             if mode == "add_loss":
-                door.add_loss(loss)
-            door.stop()
+                monitor.add_loss(loss)
+            monitor.stop()
 
-        return stepping.train_step(models[mode], optimizers[mode], tokens, lambda: door.start(i), stop)
+        return stepping.train_step(models[mode], optimizers[mode], tokens, lambda: monitor.start(i), stop)
 
-    return step, doors
+    return step, monitors
 
 
 def row(width: int, depth: int, batch: int, args) -> Row:
     """One shape, every mode stepped in turn (see the module docstring)."""
     base, batches = stepping.tiny_gpt(width, depth), stepping.token_batches(8, batch, 64)
     with quiet():
-        step, doors = stepper(base, MODES, batches)
+        step, monitors = stepper(base, MODES, batches)
         times = stepping.in_turns(step, MODES, args.steps)
-        for door in doors.values():
-            door.close()
+        for monitor in monitors.values():
+            monitor.close()
     timed = range(args.warmup, args.steps)
     unmeasured = [i for i in timed if i % stepping.LN_CADENCE]
     out = Row(width, depth, batch, args.steps, 1000 * statistics.median(times["plain"][args.warmup:]),
               1000 * stepping.median_extra(times, "every", timed),
-              {door: 1e6 * stepping.median_extra(times, door, unmeasured) for door in IDLE})
+              {monitor: 1e6 * stepping.median_extra(times, monitor, unmeasured) for monitor in IDLE})
     if args.memory:
         peaks = {}
         with quiet():
-            step, doors = stepper(base, ("plain", "every"), batches)
+            step, monitors = stepper(base, ("plain", "every"), batches)
             for mode in ("plain", "every"):
                 step(mode, 0)
                 step(mode, 1)
                 with stepping.PeakMemory() as memory:
                     step(mode, 2)
                 peaks[mode] = memory.peak / 2**20
-            doors["every"].close()
+            monitors["every"].close()
         out.plain_peak_mb, out.measured_peak_mb = peaks["plain"], peaks["every"]
     return out
 
 
 def import_seconds(runs: int) -> float:
-    """Median wall time of importing the loop door after torch, each in a fresh interpreter."""
+    """Median wall time of importing the loop monitor after torch, each in a fresh interpreter."""
     code = ("import time, torch; t = time.perf_counter(); import lnmonitor.integrations.loop; "
             "print(time.perf_counter() - t)")
 
@@ -152,13 +152,13 @@ def table(rows: list[Row], import_s: float, args) -> str:
         return f"{us:+.0f} us ({1 + us / 1000 / plain_ms:.4f}x)"
 
     out = [f"Plain loop, {args.steps} steps a mode ({args.warmup} untimed), torch threads "
-           f"{torch.get_num_threads()}, torch {torch.__version__}; the loop door imports in "
+           f"{torch.get_num_threads()}, torch {torch.__version__}; the loop monitor imports in "
            f"{import_s:.2f} s after torch.", "",
            "| width x depth, batch | plain step | measured step | unmeasured: defaults | defaults, add_loss "
            "| findings off | defaults, amortised | findings off, amortised | peak, plain / measured |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        idle = " | ".join(extra(r.idle_us[door], r.plain_ms) for door in IDLE)
+        idle = " | ".join(extra(r.idle_us[monitor], r.plain_ms) for monitor in IDLE)
         measured = extra(1000 * r.measured_ms, r.plain_ms)
         out.append(f"| {r.width} x {r.depth}, {r.batch} | {r.plain_ms:.2f} ms | {measured} | {idle} "
                    f"| {r.amortised('defaults'):.4f}x | {r.amortised('findings off'):.4f}x "
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak memory (the profiler takes seconds)")
     parser.add_argument("--import-runs", type=int, default=3,
-                        help="fresh interpreters timing the loop door's import (default: %(default)s)")
+                        help="fresh interpreters timing the loop monitor's import (default: %(default)s)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < args.warmup + 2:

@@ -5,7 +5,7 @@ docs/findings.md): the residual stream grows past 35x its start within a few ste
 ``findings={"stream_growth": 35}``, so the example does the same whatever the defaults), and
 ``on_finding`` returns True, which stops the run long before ``--steps``.
 
-    python examples/stop_on_finding.py --door lightning      # or: trainer, loop
+    python examples/stop_on_finding.py --integration lightning  # or: trainer, loop
 """
 
 from __future__ import annotations
@@ -94,13 +94,14 @@ def loop(steps: int, out: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--door", choices=("lightning", "trainer", "loop"), default="lightning")
+    parser.add_argument("--integration", choices=("lightning", "trainer", "loop"), default="lightning")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--out", default="runs/examples")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ran = {"lightning": lightning, "trainer": trainer, "loop": loop}[args.door](args.steps, Path(args.out))
-    print(f"{args.door}: trained {ran} of {args.steps} steps")
+    train = {"lightning": lightning, "trainer": trainer, "loop": loop}[args.integration]
+    ran = train(args.steps, Path(args.out))
+    print(f"{args.integration}: trained {ran} of {args.steps} steps")
 
 
 if __name__ == "__main__":

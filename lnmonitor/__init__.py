@@ -1,6 +1,6 @@
 """lnmonitor: watch what LayerNorm and RMSNorm do to a transformer while it trains.
 
-Three doors to the same measurements (each imported only when first used, so
+Three integrations with the same measurements (each imported only when first used, so
 ``import lnmonitor`` loads neither Lightning nor transformers):
 
 * PyTorch Lightning callbacks: :class:`LayerNormMonitor` (every norm's 1/sigma ladder and

@@ -1,16 +1,16 @@
-"""Run by tests/test_deepspeed.py under ``torchrun`` (CPU, gloo): a door of lnmonitor around a model
+"""Run by tests/test_deepspeed.py under ``torchrun`` (CPU, gloo): an lnmonitor integration around a model
 that DeepSpeed trains, or the same under plain DDP, on one fixed global batch split over the
 processes; rank zero writes what the monitor logged and what DeepSpeed did as JSON.
 
-``DOOR`` is ``loop`` (:class:`LoopMonitor` around ``engine.module`` of ``deepspeed.initialize``, the
+``INTEGRATION`` is ``loop`` (:class:`LoopMonitor` around ``engine.module`` of ``deepspeed.initialize``, the
 tiny GPT of tests/distributed_monitor_script.py, the invariance probe at every step) or ``trainer``
 (:class:`LNMonitorCallback` in a ``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)``,
-the tiny GPT-2 of tests/test_doors.py as tests/hf_ddp_script.py trains it).  ``MODE`` is ``ddp``,
+the tiny GPT-2 of tests/test_three_callbacks.py as tests/hf_ddp_script.py trains it).  ``MODE`` is ``ddp``,
 ``zero2``, ``zero3`` (the default ``stage3_param_persistence_threshold``: parameters this small are
 gathered at the first forward and kept whole) or ``zero3-partitioned`` (the threshold 0: every
 parameter, the norms' too, partitioned outside its module's forward).
 
-Usage: python -m torch.distributed.run --nproc_per_node 2 tests/deepspeed_script.py OUT.json DOOR MODE
+Usage: python -m torch.distributed.run --nproc_per_node 2 tests/deepspeed_script.py OUT.json INTEGRATION MODE
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def loop(mode: str, world: int, rank: int) -> dict:
 
 def trainer(mode: str, world: int, rank: int) -> dict:
     import transformers
-    from test_doors import LR, ROWS, STEPS, gpt2, labels, tokens
+    from test_three_callbacks import LR, ROWS, STEPS, gpt2, labels, tokens
 
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
@@ -134,17 +134,17 @@ def trainer(mode: str, world: int, rank: int) -> dict:
             "after": norm_parameters(trainer.model), "engine": type(trainer.model_wrapped).__name__}
 
 
-def main(out: str, door: str, mode: str) -> None:
+def main(out: str, integration: str, mode: str) -> None:
     warnings.filterwarnings("ignore")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if mode != "ddp":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    elif world > 1 and door == "loop":  # the Trainer sets up its own
+    elif world > 1 and integration == "loop":  # the Trainer sets up its own
         dist.init_process_group("gloo")
     gathers = Gathers()
-    result = (loop if door == "loop" else trainer)(mode, world, rank)
+    result = (loop if integration == "loop" else trainer)(mode, world, rank)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({**result, "world": world, "gathers": vars(gathers)}, f)

@@ -1,5 +1,5 @@
-"""The transformers.Trainer door in one process or under ``torchrun --nproc_per_node 2``
-(gloo on CPU, the Trainer's own accelerate set-up): the tiny GPT-2 of tests/test_doors.py on
+"""The transformers.Trainer callback in one process or under ``torchrun --nproc_per_node 2``
+(gloo on CPU, the Trainer's own accelerate set-up): the tiny GPT-2 of tests/test_three_callbacks.py on
 the same 8 sequences per optimizer step, split over the processes.  Rank zero writes the
 callback's history and the rows its last measured step merged to ``argv[1]`` as JSON."""
 
@@ -12,7 +12,7 @@ import tempfile
 
 import torch.distributed as dist
 import transformers
-from test_doors import LR, ROWS, STEPS, gpt2, labels, tokens
+from test_three_callbacks import LR, ROWS, STEPS, gpt2, labels, tokens
 
 from lnmonitor.integrations.transformers import LNMonitorCallback
 

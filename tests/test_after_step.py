@@ -1,4 +1,4 @@
-"""core/monitor/after_step.py: the post-step sequence every door runs, on a real meter and real views."""
+"""core/monitor/after_step.py: the post-step sequence every monitor runs, on a real meter and real views."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ def _measure(meter, model):
 
 def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_logged():
     model, said, warned = _model(), [], []
-    meter = LadderMeter(model, say=said.append, warn=lambda k, t: warned.append(t))
+    meter = LadderMeter(model, info=said.append, warn=lambda k, t: warned.append(t))
     views = RunViews("Test", said.append, lambda k, t: warned.append(t), images=False, image_every_n_steps=1,
                      summary=True)
     after = AfterStep(meter, None, views, speaks=lambda: True, warn=lambda k, t: warned.append(t),
-                      owner="Test")
+                      name="Test")
     logged, refuse = [], [True]
 
     def log(step, metrics, result):
@@ -37,7 +37,7 @@ def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_log
 
     _measure(meter, model)
     first = after.measured(0, log, lambda: None)
-    assert any("ladder_position" in k for k in first) and logged == [] and not views.trail
+    assert any("ladder_position" in k for k in first) and logged == [] and not views.curves
     refuse[0] = False
     _measure(meter, model)
     second = after.measured(1, log, lambda: None)
@@ -45,7 +45,7 @@ def test_positions_go_with_the_first_logged_step_and_the_views_keep_what_was_log
     _measure(meter, model)
     third = after.measured(2, log, lambda: None)
     assert not any("ladder_position" in k for k in third) and [s for s, _ in logged] == [1, 2]
-    assert after.last_result is not None and views.trail
+    assert after.last_result is not None and views.curves
     assert after.every_step(4, log, lambda: None, measured=False) is False  # no findings reader
     after.end(None, "Sequential, end of training")
     assert sum("lnmonitor summary: Sequential, end of training" in s for s in said) == 1
@@ -64,11 +64,11 @@ def test_a_failing_summary_is_said_and_the_run_goes_on():
 
     warned = []
     model = _model()
-    after = AfterStep(LadderMeter(model, say=lambda s: None), None, Broken(), speaks=lambda: True,
-                      warn=lambda k, t: warned.append(t), owner="Test")
+    after = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: True,
+                      warn=lambda k, t: warned.append(t), name="Test")
     after.end(None, "title")
     assert warned == ["Test: no end-of-run summary or picture: RuntimeError('no screen')"]
-    quiet = AfterStep(LadderMeter(model, say=lambda s: None), None, Broken(), speaks=lambda: False,
-                      warn=lambda k, t: warned.append(t), owner="Test")
+    quiet = AfterStep(LadderMeter(model, info=lambda s: None), None, Broken(), speaks=lambda: False,
+                      warn=lambda k, t: warned.append(t), name="Test")
     quiet.end(None, "title")  # not the process that speaks: nothing drawn, nothing said
     assert len(warned) == 1

@@ -266,10 +266,10 @@ def test_every_monitor_takes_one_settings_object_with_one_name_a_setting():
 
     with pytest.raises(MisconfigurationException, match="image_every_n_steps"):
         LayerNormMonitor(image_every_n_steps=0)
-    for door in (lambda: LNMonitorCallback(image_every_n_steps=0),
-                 lambda: LoopMonitor(model, image_every_n_steps=0)):
+    for monitor in (lambda: LNMonitorCallback(image_every_n_steps=0),
+                    lambda: LoopMonitor(model, image_every_n_steps=0)):
         with pytest.raises(ArgumentError, match="image_every_n_steps"):
-            door()
+            monitor()
     with pytest.raises(MisconfigurationException,
                        match="no setting 'every_n_steps'.*invariance_every_n_steps"):
         FinalNormInvarianceMonitor(every_n_steps=500)  # the ladder's cadence: the probe's has its own name

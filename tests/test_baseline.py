@@ -1,4 +1,4 @@
-"""One baseline per run (issue 44): every door measures and logs the fit's first step, the model
+"""One baseline per run (issue 44): every monitor measures and logs the fit's first step, the model
 before any update, whatever its cadence; the warning and the summary quote that one start; a
 resumed Trainer fit judges from it again; the summary says "findings: none" when none was raised
 (and that findings were off when they were), and labels the invariance control as one."""
@@ -41,7 +41,7 @@ def fine_tune(tmp_path, model, lr: float, steps: int = 20, **kw):
         lr_scheduler_type="constant", dataloader_num_workers=0)
     callback = LNMonitorCallback(keep_history=True, invariance_every_n_steps=None, **kw)
     said = []
-    callback.voice._say = said.append
+    callback.messages._info = said.append
     trainer = transformers.Trainer(model=model, args=args, train_dataset=records, callbacks=[callback])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -50,7 +50,7 @@ def fine_tune(tmp_path, model, lr: float, steps: int = 20, **kw):
     return callback, said, health, next(s for s in said if "lnmonitor summary" in s)
 
 
-def test_the_trainer_door_judges_and_summarises_from_the_fit_s_first_step(tmp_path):
+def test_the_trainer_callback_judges_and_summarises_from_the_fit_s_first_step(tmp_path):
     """The issue's case: a GPT-2 fine-tuned at lr 0.1, the Trainer logging every 10 steps.  The
     first step is logged (step 1: the update that ends there is measured on the model before it),
     and the warning and the summary quote its growth; nothing calls the growth this fit caused a

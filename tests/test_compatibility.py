@@ -602,10 +602,10 @@ def check(cell: Cell) -> None:
     if family.says:
         assert sum(family.says in w for w in said) == 1
     assert not any("Traceback" in w for w in said)
-    refusals = [w for w in said if "look like normalisation layers but are not measured" in w]
-    assert len(refusals) == (2 if family.refused else 0)  # once per monitor
+    refused = [w for w in said if "look like normalisation layers but are not measured" in w]
+    assert len(refused) == (2 if family.refused else 0)  # once per monitor
     assert all(f"{family.refused} (" in w and "more than the input it normalises (gate)" in w
-               for w in refusals)
+               for w in refused)
     # the invariance monitor: on, on the family's final norm, with its five cases
     assert inv.off_reason is None, inv.off_reason
     assert canonical(inv.last_result.final_norm) == family.final

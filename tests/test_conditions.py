@@ -1,4 +1,4 @@
-"""The conditions people fine-tune under, through the meter (so through every door): padded
+"""The conditions people fine-tune under, through the meter (so through every monitor): padded
 batches, frozen embeddings and norms (LoRA-like), bfloat16, a step without a backward and a
 diverged loss.  Each number against an independent float64 computation on the real tokens."""
 
@@ -269,7 +269,7 @@ def test_a_post_ln_model_is_said_to_have_no_pre_norm_ladder():
     model = bert()
     x = torch.randint(1, VOCAB, (4, CONTEXT))
     told: list[str] = []
-    meter = LadderMeter(model, say=told.append)
+    meter = LadderMeter(model, info=told.append)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with meter.step():

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from test_distributed import run as run_script
 
 from lnmonitor import LayerNormMonitor
-from lnmonitor.core.invariance.points import FSDP1_REFUSED
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED
 from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
 
 HAS_CUDA = torch.cuda.is_available()

@@ -1,13 +1,14 @@
-"""DeepSpeed ZeRO stage 2 and 3 on two CPU processes (gloo, under torchrun) through the three doors:
-the plain loop around ``deepspeed.initialize``'s engine, a ``transformers.Trainer`` with
-``TrainingArguments(deepspeed=...)`` and Lightning's ``DeepSpeedStrategy``, against the same run
-under DDP (or one process on the same global batch).
+"""DeepSpeed ZeRO stage 2 and 3 on two CPU processes (gloo, under torchrun) through the three
+integrations: the plain loop around ``deepspeed.initialize``'s engine, a ``transformers.Trainer``
+with ``TrainingArguments(deepspeed=...)`` and Lightning's ``DeepSpeedStrategy``, against the same
+run under DDP (or one process on the same global batch).
 
 ZeRO-3 leaves a partitioned parameter's data an empty tensor outside its module's forward; with
-``stage3_param_persistence_threshold`` 0 the norms' weights are partitioned too, and lnmonitor gathers
-them (a collective every rank joins) for the float64 check that finds the norms and wherever it reads
-a gain outside a forward.  A ZeRO-3 model's forward is a collective, so the loop and Lightning doors
-probe it on every rank; the Trainer door, which probes on the main process, refuses it saying why.
+``stage3_param_persistence_threshold`` 0 the norms' weights are partitioned too, and lnmonitor
+gathers them (a collective every rank joins) for the float64 check that finds the norms and wherever
+it reads a gain outside a forward. A ZeRO-3 model's forward is a collective, so the loop's monitor
+and the Lightning callbacks probe it on every rank; the Trainer callback, which probes on the main
+process, refuses it saying why.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from test_distributed import (
     assert_history_matches,
     assert_matches_one_process,
     assert_probe_matches,
-    single,  # noqa: F401 - the fixture of one process, for the Lightning door
+    single,  # noqa: F401 - the fixture of one process, for the Lightning callback
 )
 from test_distributed import run as lightning_run
-from test_doors import _tolerance
+from test_three_callbacks import _tolerance
 
-from lnmonitor.core.invariance.points import SHARDED_REFUSED
+from lnmonitor.core.invariance.runs import SHARDED_REFUSED
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (pip install -e '.[dev]')")
@@ -35,13 +36,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 NORMS = ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "lnf"]
 
 
-def deepspeed_run(tmp_path, door: str, mode: str) -> dict:
+def deepspeed_run(tmp_path, integration: str, mode: str) -> dict:
     """tests/deepspeed_script.py on two processes under torchrun: rank zero's JSON."""
-    return run_script("deepspeed_script.py", tmp_path / f"{door}-{mode}.json", 2, door, mode)
+    return run_script("deepspeed_script.py", tmp_path / f"{integration}-{mode}.json", 2, integration, mode)
 
 
 def split(history: list[dict]) -> tuple[list[dict], list[dict]]:
-    """A door's history as the ladder's dicts and the invariance probe's."""
+    """A monitor's history as the ladder's dicts and the invariance probe's."""
     probe = [h for h in history if any("/invariance/" in key for key in h)]
     return [h for h in history if h not in probe], probe
 
@@ -72,8 +73,8 @@ def loop_ddp(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero2", "zero3", "zero3-partitioned"])
-def test_the_loop_door_under_zero_matches_ddp(loop_ddp, tmp_path, mode):
-    # the loop door around the engine (ZeRO-3 at the default threshold: the engine itself is given)
+def test_the_loop_monitor_under_zero_matches_ddp(loop_ddp, tmp_path, mode):
+    # the loop monitor around the engine (ZeRO-3 at the default threshold: the engine itself is given)
     # logs DDP's ladder, shares and probe at every step, and the gains after training are DDP's
     run = deepspeed_run(tmp_path, "loop", mode)
     assert run["off"] is None and run["disabled"] is None
@@ -97,8 +98,8 @@ def trainer_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero3", "zero3-partitioned"])
-def test_the_trainer_door_under_zero_matches_ddp_and_refuses_the_probe_at_stage_3(trainer_runs, tmp_path,
-                                                                                   mode):
+def test_the_trainer_callback_under_zero_matches_ddp_and_refuses_the_probe_at_stage_3(trainer_runs, tmp_path,
+                                                                                      mode):
     # ZeRO-2 measures the first step (the same weights) as DDP does within a bin, and probes as DDP;
     # the Trainer trains differently under DeepSpeed than under DDP (its logged grad_norm at step 2:
     # 0.7922 against 0.7727), so the later points are compared with ZeRO-2's, the same training

@@ -83,7 +83,7 @@ def test_tensor_parallel_meshes_match_one_process(single, tmp_path, strategy, de
 def test_plain_loop_with_parallelize_module_matches_one_process(tmp_path):
     # LoopMonitor on a model laid out by parallelize_module (every norm SequenceParallel, the
     # head's logits sharded over the vocabulary with loss_parallel), each rank running the global
-    # batch: the rows and figures of one process, and the door's invariance probe, run on every
+    # batch: the rows and figures of one process, and the monitor's invariance probe, run on every
     # rank after the updates, gives one process's numbers to float32 noise
     single = _script([LOOP_SCRIPT, 1, tmp_path / "one.json"], tmp_path / "one.json")
     tp = _script([LOOP_SCRIPT, 2, tmp_path / "two.json"], tmp_path / "two.json")

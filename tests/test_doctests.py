@@ -1,4 +1,4 @@
-"""The ``Example::`` blocks of the doors' docstrings run as doctests: what a user copies works."""
+"""The ``Example::`` blocks of the monitors' docstrings run as doctests: what a user copies works."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-DOORS = [
+MODULES = [
     "lnmonitor.lightning.layernorm_monitor",
     "lnmonitor.lightning.invariance_monitor",
     "lnmonitor.lightning.structure_probe",
@@ -17,7 +17,7 @@ DOORS = [
 ]
 
 
-@pytest.mark.parametrize("name", DOORS)
+@pytest.mark.parametrize("name", MODULES)
 def test_the_examples_in_the_docstrings_run(name):
     if name.endswith("transformers"):
         pytest.importorskip("transformers")

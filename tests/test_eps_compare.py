@@ -356,10 +356,10 @@ def test_a_grid_grows_over_invocations_and_jobs_run_side_by_side(tmp_path):
     assert set(results["differences"]) == {"0.1", "1.0"}
     alone = tmp_path / "alone"
     assert cli(*args[:-1], str(alone), "--eps", "0.1", "--seeds", "0")[0] == 0
-    twin = json.loads((alone / "eps=0.1" / "seed=0" / "result.json").read_text())
+    single = json.loads((alone / "eps=0.1" / "seed=0" / "result.json").read_text())
     side = json.loads((out / "eps=0.1" / "seed=0" / "result.json").read_text())
-    assert side["val_loss"] == pytest.approx(twin["val_loss"], rel=1e-5)
-    assert side["threads"] == max(1, twin["threads"] // 2)
+    assert side["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert side["threads"] == max(1, single["threads"] // 2)
     assert "val/loss" in side["curves"] and "lnmonitor/transmission/model.lnf" in side["curves"]
 
     for figure in ("dose_response.png", "transmission_and_rms_over_training.png", "transmission_by_norm.png"):

@@ -76,9 +76,9 @@ def test_the_sbatch_script_needs_no_folder_and_writes_a_fresh_one(tmp_path):
     (["plain_loop.py"], "plain_loop", "lnmonitor/ladder/attenuation"),
     (["transformers_trainer.py", "--family", "llama"], "trainer-llama", "train/lnmonitor/ladder/attenuation"),
 ])
-def test_the_other_doors_examples_run_and_log_the_ladder(tmp_path, script, folder, tag):
+def test_the_other_integrations_examples_run_and_log_the_ladder(tmp_path, script, folder, tag):
     """The plain loop (nanoGPT's shape, gradient accumulation) and the transformers.Trainer
-    door: the ladder reaches TensorBoard, and the Trainer's invariance probe too."""
+    callback: the ladder reaches TensorBoard, and the Trainer's invariance probe too."""
     run(str(EXAMPLES / script[0]), *script[1:], "--steps", "3", "--out", str(tmp_path), cwd=tmp_path)
     tags = logged(tmp_path / folder)
     assert tag in tags

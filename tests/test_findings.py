@@ -33,7 +33,7 @@ from lnmonitor.tiny.recipe import Recipe
 
 
 def _measured(model, x):
-    meter = LadderMeter(model, say=lambda _: None)
+    meter = LadderMeter(model, info=lambda _: None)
     with meter.step():
         model(x, x)[1].backward()
     return meter.result()
@@ -57,7 +57,7 @@ def test_the_reader_raises_each_kind_once_and_logs_1_while_it_holds_0_after():
     torch.manual_seed(0)
     result = _measured(TinyGPT(GPTConfig(depth=2)), torch.randint(0, 65, (4, 32)))
     seen, said = [], []
-    reader = FindingsReader(on_finding=seen.append, warn=said.append, owner="T")
+    reader = FindingsReader(on_finding=seen.append, warn=said.append, name="T")
     assert reader.read(0, result).raised == []  # a healthy step says nothing
     big = _Figures(result, growth=50.0)
     first = reader.read(5, big)
@@ -231,7 +231,7 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
     torch.manual_seed(0)
     module = compatibility.Wrapped(family.build(), family.hf)
     batch = next(iter(compatibility.data(0, None, family.decoder)))
-    meter = LadderMeter(module, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(module, info=lambda _: None, warn=lambda *_: None)
     with meter.step():
         module.training_step(batch, 0).backward()
     said = []
@@ -240,7 +240,7 @@ def test_the_compatibility_families_at_their_defaults_raise_no_finding(family):
 
 
 # ---------------------------------------------------------------------------
-# the three doors: one shared call each
+# the three integrations: one shared call each
 # ---------------------------------------------------------------------------
 
 EVERY_STEP = {"stream_growth": 0.5}  # a growth every model has: the finding at the first measured step
@@ -304,7 +304,7 @@ def _gpt2_trainer(out, **args):
     return transformers.Trainer(model=model, args=args, train_dataset=records)
 
 
-def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path):
+def test_the_trainer_callback_stops_through_control_when_on_finding_says_so(tmp_path):
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
     hf = _gpt2_trainer(tmp_path)
@@ -321,7 +321,7 @@ def test_the_trainer_door_stops_through_control_when_on_finding_says_so(tmp_path
 
 def test_a_trainer_resumed_from_a_checkpoint_does_not_raise_a_finding_again(tmp_path):
     """A ``train(resume_from_checkpoint=...)`` is the same fit: the kinds raised before the
-    checkpoint come back from its trainer_state.json, where the door keeps each change of a health
+    checkpoint come back from its trainer_state.json, where the monitor keeps each change of a health
     tag (1 raised at step 1; 0 at step 2, as ``on_finding`` lifts the threshold), so the finding is
     said once over both runs; the resumed run, whose threshold holds again, logs the tag 1 and keeps
     that change (so it restored "not holding").  The Trainer's own entries are untouched.  A
@@ -376,7 +376,7 @@ def test_a_trainer_resumed_from_a_checkpoint_does_not_raise_a_finding_again(tmp_
     assert len(anew) == 1 and len(calls) == 2  # nothing said it was raised: it is raised, once
 
 
-def test_the_loop_door_sets_should_stop_and_logs_1_while_it_holds_0_after():
+def test_the_loop_monitor_sets_should_stop_and_logs_1_while_it_holds_0_after():
     from lnmonitor.integrations.loop import LoopMonitor
 
     torch.manual_seed(0)
@@ -440,16 +440,16 @@ def test_the_examples_raise_no_finding(tmp_path, script, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("door", ["lightning", "trainer", "loop"])
-def test_the_stop_on_finding_example_stops_each_door_at_its_first_finding(tmp_path, door):
+@pytest.mark.parametrize("integration", ["lightning", "trainer", "loop"])
+def test_the_stop_on_finding_example_stops_each_integration_at_its_first_finding(tmp_path, integration):
     import re
     import subprocess
     import sys
 
     examples = Path(__file__).resolve().parent.parent / "examples"
-    proc = subprocess.run([sys.executable, str(examples / "stop_on_finding.py"), "--door", door, "--out",
-                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(examples / "stop_on_finding.py"), "--integration", integration,
+                           "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HealthWarning" in proc.stderr and "stream_growth" in proc.stdout
-    trained = int(re.search(rf"{door}: trained (\d+) of 250 steps", proc.stdout).group(1))
+    trained = int(re.search(rf"{integration}: trained (\d+) of 250 steps", proc.stdout).group(1))
     assert trained <= 10  # the lr-0.1 run stops at its first measured finding, not at step 250

@@ -1,5 +1,5 @@
 """benchmarks/fit_start.py's quick mode runs end to end: a transformers Llama of 161 norms (80 layers),
-its discovery and float64 check, the first and a later measured step, and the doors' fit start."""
+its discovery and float64 check, the first and a later measured step, and the monitors' fit start."""
 
 from __future__ import annotations
 

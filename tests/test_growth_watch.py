@@ -1,4 +1,4 @@
-"""The every-step growth (core/growth_watch.py) and the finding it carries through every door:
+"""The every-step growth (core/growth_watch.py) and the finding it carries through every monitor:
 judged against the fit's first measured step, said at the step it crosses."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_the_watch_is_the_row_rms_of_the_last_rung_over_the_first_on_each_traini
 
 
 def test_a_float64_forward_is_watched_in_float64_not_refused():
-    """A probe's exact twin runs the model in float64 with the watch's hooks on it: the watch
+    """A probe's float64 reference runs the model in float64 with the watch's hooks on it: the watch
     must read it (it once raised there and turned the probe off)."""
     model, x = _model(), torch.randint(0, 65, (4, 16))
     watch = GrowthWatch()
@@ -78,7 +78,7 @@ def test_a_float64_forward_is_watched_in_float64_not_refused():
 
 def test_the_meter_watches_its_ladder_once_the_roles_are_known_and_agrees_with_its_own_growth():
     model, x = _model(), torch.randint(0, 65, (8, 16))
-    meter = LadderMeter(model, say=lambda _: None)
+    meter = LadderMeter(model, info=lambda _: None)
     assert meter.take_growth(0) is None  # no roles yet: nothing watched
     with meter.step():
         model(x, x)[1].backward()
@@ -105,7 +105,7 @@ def _health(caught):
     return [w for w in caught if w.category is lnmonitor.HealthWarning]
 
 
-def test_the_loop_door_says_the_growth_at_the_step_it_crosses_not_at_the_next_measured_one():
+def test_the_loop_monitor_says_the_growth_at_the_step_it_crosses_not_at_the_next_measured_one():
     from lnmonitor.integrations.loop import LoopMonitor
 
     model, x = _model(), torch.randint(0, 65, (4, 16))
@@ -163,7 +163,7 @@ def test_lightning_says_the_growth_at_the_step_it_crosses():
     assert not monitor.meter.model.model.lnf._forward_pre_hooks  # the watch's hooks leave with the fit
 
 
-def test_the_trainer_door_says_the_growth_at_the_step_it_crosses(tmp_path):
+def test_the_trainer_callback_says_the_growth_at_the_step_it_crosses(tmp_path):
     transformers = pytest.importorskip("transformers")
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
@@ -227,7 +227,7 @@ def _zero_grad(model, x, y, module=None, hook=None):
     """Each norm's figures and what was warned on one measured step, with ``hook`` as a forward
     pre-hook on ``module`` (None: none)."""
     warned = {}
-    meter = LadderMeter(model, say=lambda _: None, warn=warned.setdefault)
+    meter = LadderMeter(model, info=lambda _: None, warn=warned.setdefault)
     handle = module.register_forward_pre_hook(hook) if hook else None
     with meter.step():
         model(x, y)[1].backward()
@@ -276,7 +276,7 @@ def test_a_causal_lms_last_token_and_its_masked_labels_have_no_target():
 
     def stats(labels):
         warned = {}
-        meter = LadderMeter(model, say=lambda _: None, warn=warned.setdefault)
+        meter = LadderMeter(model, info=lambda _: None, warn=warned.setdefault)
         with meter.step():
             model(input_ids=ids, labels=labels).loss.backward()
         return {f.name: f.stats for f in meter.result().figures.norms}, warned
@@ -316,7 +316,7 @@ def test_a_trainer_fine_tune_of_a_tall_gpt2_at_its_defaults_raises_nothing(tmp_p
     callback = LNMonitorCallback(keep_history=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=records, callbacks=[callback])
     said = []
-    callback.voice._say = said.append
+    callback.messages._info = said.append
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -329,7 +329,7 @@ def test_under_torch_compile_the_growth_is_said_to_be_read_on_measured_steps_onl
     """Compiled steps run no hook added after compiling (a watch attached then takes nothing
     on them), so the meter says where the findings read the growth."""
     said = []
-    LadderMeter(torch.compile(_model()), say=said.append)
+    LadderMeter(torch.compile(_model()), info=said.append)
     assert any("the findings read the ladder's growth on the measured steps only" in s for s in said)
 
 
@@ -356,7 +356,7 @@ def test_a_hook_that_cannot_read_the_stream_stops_the_watch_not_the_training(mon
     the measured steps go on."""
     said = []
     model, x = _model(), torch.randint(0, 65, (4, 16))
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda key, text: said.append((key, text)))
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda key, text: said.append((key, text)))
     with meter.step():
         model(x, x)[1].backward()
     assert meter.result() is not None and model.lnf._forward_pre_hooks  # watching

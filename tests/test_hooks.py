@@ -1,4 +1,4 @@
-"""lnmonitor.core.hooks: one door for temporary hooks, eval mode restored, a float64 twin that leaves
+"""lnmonitor.core.hooks: one place for temporary hooks, eval mode restored, a float64 forward that leaves
 the module as it was."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from conftest import gpt
 from torch import nn
 
-from lnmonitor.core.float64 import float64_twin
+from lnmonitor.core.float64 import float64_forward
 from lnmonitor.core.hooks import Hooks, eval_mode, measuring, unmeasured
 
 
@@ -43,7 +43,7 @@ def test_unmeasured_nests_and_recovers():
     assert measuring()
 
 
-def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
+def test_the_float64_forward_is_the_module_in_float64_and_changes_nothing():
     torch.manual_seed(0)
     ln = nn.LayerNorm(16)
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
         ln.bias.normal_()
     state = copy.deepcopy(ln.state_dict())
     x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
-    y = float64_twin(ln)(x)
+    y = float64_forward(ln)(x)
     ref = copy.deepcopy(ln).double()(x)
     assert y.dtype == torch.float64
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
@@ -61,7 +61,7 @@ def test_the_float64_twin_is_the_module_in_float64_and_changes_nothing():
     assert all(torch.equal(v, state[k]) for k, v in ln.state_dict().items())
 
 
-def test_the_float64_twin_runs_no_hook_of_the_module():
+def test_the_float64_forward_runs_no_hook_of_the_module():
     # the self-check evaluates every norm once when a monitor is built: the user's own hooks on
     # the norm, and the global module hooks, must not see that call
     ln = nn.LayerNorm(8)
@@ -70,7 +70,7 @@ def test_the_float64_twin_runs_no_hook_of_the_module():
     ln.register_forward_hook(lambda m, a, o: calls.append("forward"))
     handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: calls.append("global"))
     try:
-        y = float64_twin(ln)(torch.randn(2, 8, dtype=torch.float64))
+        y = float64_forward(ln)(torch.randn(2, 8, dtype=torch.float64))
     finally:
         handle.remove()
     assert calls == [] and y.dtype == torch.float64
@@ -101,7 +101,7 @@ def test_a_forward_hook_may_replace_the_output_and_is_removed_with_its_pre_hook(
 
 
 
-def test_every_module_hook_goes_through_the_one_door():
+def test_every_module_hook_goes_through_the_one_place():
     """Only :class:`lnmonitor.core.hooks.Hooks` registers module hooks (its handles are
     removed together, also when a forward raises); tensor and autograd-node hooks die with
     their graph and are not module hooks."""

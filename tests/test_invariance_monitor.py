@@ -32,8 +32,8 @@ from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor
 from lnmonitor.core.invariance.final_norm import final_norm_bypass
-from lnmonitor.core.invariance.points import FSDP1_REFUSED
 from lnmonitor.core.invariance.results import PROBE_WINDOWS
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED
 from lnmonitor.tiny import TinyGPTModule
 
 

@@ -108,7 +108,7 @@ def test_accumulated_step_measures_all_its_micro_batches():
 @pytest.mark.slow
 def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monkeypatch):
     """A compiled model (compiled and run before the fit, so hooks registered later are
-    invisible to its code): the measured steps run eagerly and match an uncompiled twin;
+    invisible to its code): the measured steps run eagerly and match an uncompiled copy;
     the unmeasured steps run the compiled graph, which our hooks neither break nor
     recompile.  Without set_stance (older torch) the monitor cannot see the norms and
     says so instead of logging nothing."""
@@ -135,9 +135,9 @@ def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monk
     assert sum("none of the 3 selected norms ran with gradient" in w for w in caught) == 1
     assert blind.history == []  # a step with nothing measured logs nothing (and is said, above)
 
-    # 2. the monitor as shipped, against an uncompiled twin with the same weights
-    twin_module = gpt(steps, depth=1)
-    twin_module.model.load_state_dict(module.model._orig_mod.state_dict())
+    # 2. the monitor as shipped, against an uncompiled copy with the same weights
+    uncompiled = gpt(steps, depth=1)
+    uncompiled.model.load_state_dict(module.model._orig_mod.state_dict())
     inv = FinalNormInvarianceMonitor(invariance_every_n_steps=2, on_validation=False, keep_history=True,
                                      probe_batch=windows(2, seed=1), scales=())
     mon = monitor(every_n_steps=2)
@@ -157,10 +157,10 @@ def test_torch_compile_is_measured_eagerly_and_never_silently_empty(caplog, monk
         assert h["lnmonitor/invariance/shift_5/dloss"] == 0.0
         assert abs(h["lnmonitor/invariance/axis_5/dloss"]) > 0
 
-    twin = monitor(every_n_steps=2)
-    fit(twin_module, loader(12, 4), [twin], 1)
+    same = monitor(every_n_steps=2)
+    fit(uncompiled, loader(12, 4), [same], 1)
     rename = {k.replace("model._orig_mod.", "model."): v for k, v in mon.history[0].items()}
-    assert_close_history([rename], twin.history[:1])
+    assert_close_history([rename], same.history[:1])
 
 
 class CheckpointedGPT(TinyGPTModule):
@@ -396,9 +396,9 @@ def test_handwritten_norms_are_told_apart_by_their_output():
     make = lambda d: LayerNorm(d, eps=0.1)  # noqa: E731
     hand = monitor()
     fit(swap_norms(gpt(2), make), loader(8, 4), [hand], 1)
-    twin = monitor()
-    fit(swap_norms(gpt(2), lambda d: nn.LayerNorm(d, eps=0.1)), loader(8, 4), [twin], 1)
-    assert_close_history(hand.history, twin.history, exact=True)
+    same = monitor()
+    fit(swap_norms(gpt(2), lambda d: nn.LayerNorm(d, eps=0.1)), loader(8, 4), [same], 1)
+    assert_close_history(hand.history, same.history, exact=True)
     assert hand.history[0]["lnmonitor/eps_over_var/model.lnf"] > 0.01  # eps = 0.1 shows
     # stating it: register_norm takes the value itself for a forward that hard-codes it
     register_norm(LayerNorm, "layer", eps=0.1, weight="weight")

@@ -1,4 +1,4 @@
-"""docs/layout.md: the folders are floors, each importing only the ones below it."""
+"""docs/layout.md: the folders are import levels, each importing only the levels below it."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from pathlib import Path
 
 import lnmonitor
 
-# bottom up; the doors stand side by side on one floor and import neither each other
-FLOORS = [("core",), ("views",), ("lightning", "integrations"), ("tiny",), ("experiments",), ("commands",)]
+# bottom up; the integrations stand side by side on one level and import neither each other
+LEVELS = [("core",), ("views",), ("lightning", "integrations"), ("tiny",), ("experiments",), ("commands",)]
 
 
-def test_every_folder_imports_only_the_floors_below_it():
+def test_every_folder_imports_only_the_levels_below_it():
     root = Path(lnmonitor.__file__).parent
-    below: set[str] = {"errors"}  # lnmonitor/errors.py: the exceptions every floor may raise
+    below: set[str] = {"errors"}  # lnmonitor/errors.py: the exceptions every level may raise
     wrong = []
-    for floor in FLOORS:
-        for folder in floor:
+    for level in LEVELS:
+        for folder in level:
             for path in sorted((root / folder).rglob("*.py")):
                 for name in re.findall(r"^\s*(?:from|import) lnmonitor\.(\w+)", path.read_text(), re.M):
                     if name != folder and name not in below:
                         wrong.append(f"{path.relative_to(root)} imports lnmonitor.{name}")
-        below |= set(floor)
+        below |= set(level)
     assert not wrong, wrong
 
 
@@ -36,7 +36,7 @@ def test_the_package_imports_nothing_from_research():
     assert not wrong, wrong
 
 
-def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
+def test_the_meter_and_the_loop_monitor_import_and_run_without_lightning():
     script = textwrap.dedent("""
         import sys
         for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
@@ -59,12 +59,12 @@ def test_the_meter_and_the_loop_door_import_and_run_without_lightning():
     assert "ok" in out.stdout
 
 
-# what a training step does not need: pictures, readers of event files, the other doors' frameworks
+# what a training step does not need: pictures, readers of event files, the other integrations' frameworks
 HEAVY = ("matplotlib", "scipy", "transformers", "tensorboard", "tensorboardX", "lightning",
          "pytorch_lightning")
 
 
-def test_the_package_names_its_three_doors_and_importing_the_loop_door_loads_nothing_heavy():
+def test_the_package_names_its_three_integrations_and_importing_the_loop_monitor_loads_nothing_heavy():
     assert {"LayerNormMonitor", "LoopMonitor", "LNMonitorCallback"} <= set(lnmonitor.__all__)
     assert "Trainer" in lnmonitor.__doc__ and "plain PyTorch loop" in lnmonitor.__doc__
     script = textwrap.dedent(f"""

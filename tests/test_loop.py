@@ -1,4 +1,4 @@
-"""The plain-loop door, :class:`lnmonitor.integrations.loop.LoopMonitor`, with real parts: the
+"""The plain-loop monitor, :class:`lnmonitor.integrations.loop.LoopMonitor`, with real parts: the
 user's model inside Fabric (one device; DDP on two gloo processes, slow) and ``torch.compile``,
 the user's own hooks on its norms, a real ``SummaryWriter`` read back."""
 
@@ -14,7 +14,7 @@ from lightning.pytorch import Callback
 
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.invariance.points import FSDP1_REFUSED
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.integrations.loop import LoopMonitor
 from lnmonitor.tiny.model import GPTConfig, TinyGPT
@@ -46,7 +46,7 @@ def _sigma_tags(monitor: LoopMonitor) -> set[str]:
     return {k for k in monitor.history[0] if k.startswith("lnmonitor/sigma/")}
 
 
-# -- no side effect when a door is built (item 7) ---------------------------------------
+# -- no side effect when a monitor is built (item 7) ---------------------------------------
 
 
 class _CallsAtTrainStart(Callback):
@@ -59,9 +59,9 @@ class _CallsAtTrainStart(Callback):
         self.seen = list(self.calls)
 
 
-def test_building_a_door_runs_no_hook_the_user_put_on_a_norm(tmp_path):
+def test_building_a_monitor_runs_no_hook_the_user_put_on_a_norm(tmp_path):
     """The float64 self-check of every norm (when a meter, a loop monitor or a Lightning
-    monitor is set up) evaluates a float64 twin, never the user's module: a user's forward
+    monitor is set up) evaluates a float64 forward, never the user's module: a user's forward
     hook on a norm sees nothing until the user's own forward runs."""
     for build in (LadderMeter, LoopMonitor):
         model = tiny()  # a fresh model each time: a norm is checked once, then remembered
@@ -78,10 +78,10 @@ def test_building_a_door_runs_no_hook_the_user_put_on_a_norm(tmp_path):
     fit(module, loader(4, 4), [*monitors, recorder], 1)
     assert recorder.seen == []  # after LayerNormMonitor and FinalNormInvarianceMonitor set up
     assert calls  # then training ran the norms
-    _the_trainer_door_runs_no_user_hook_when_training_begins(tmp_path)
+    _the_trainer_callback_runs_no_user_hook_when_training_begins(tmp_path)
 
 
-def _the_trainer_door_runs_no_user_hook_when_training_begins(tmp_path) -> None:
+def _the_trainer_callback_runs_no_user_hook_when_training_begins(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
@@ -103,7 +103,7 @@ def _the_trainer_door_runs_no_user_hook_when_training_begins(tmp_path) -> None:
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    callbacks=[LNMonitorCallback(), Recorder()])
     trainer.train()
-    assert Recorder.seen == []  # after the Trainer door's on_train_begin (meter and probe built)
+    assert Recorder.seen == []  # after the Trainer callback's on_train_begin (meter and probe built)
     assert calls
 
 
@@ -155,7 +155,7 @@ def test_a_wrapper_it_does_not_know_is_said_once_by_name():
     assert monitor.meter.norms[0].name == "_inner.blocks.0.ln1"  # measured all the same, under its name
 
 
-# -- parity with the other doors (item 5) ---------------------------------------------
+# -- parity with the other integrations (item 5) ---------------------------------------------
 
 
 def _train(monitor: LoopMonitor, model, steps: int) -> None:
@@ -219,8 +219,8 @@ def test_a_probe_that_fails_is_said_once_and_training_goes_on():
     assert "KeyError" in monitor.invariance_off_reason
 
 
-def test_an_fsdp1_model_turns_the_loop_doors_probe_off_saying_why_and_the_ladder_goes_on():
-    # the same refusal as the Lightning door's (Fabric's FSDPStrategy wraps blocks in FSDP1 units)
+def test_an_fsdp1_model_turns_the_loop_monitors_probe_off_saying_why_and_the_ladder_goes_on():
+    # the same refusal as the Lightning callback's (Fabric's FSDPStrategy wraps blocks in FSDP1 units)
     model = tiny()
     with fsdp1_units(model.blocks), pytest.warns(UserWarning, match="FSDP1 units") as caught:
         monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
@@ -316,7 +316,7 @@ def test_a_healthy_causal_lm_skips_no_row_and_counts_its_last_tokens_apart(capsy
     assert capsys.readouterr().err.count("carry no gradient because their position has no target") == 1
 
 
-def test_the_loop_door_refuses_nonsense_and_survives_a_failing_writer():
+def test_the_loop_monitor_refuses_nonsense_and_survives_a_failing_writer():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
         LoopMonitor(model, every_n_steps=0)
@@ -351,8 +351,8 @@ def test_the_probe_checks_the_meters_final_norm_among_the_meters_norms():
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1,
                           probe_batch=(tokens(2, seed=9),) * 2, keep_history=True, summary=False)
     _train(monitor, model, 2)
-    assert monitor.meter.final == "lnf" and monitor._points.prober.final_norm == "lnf"
-    names = [n.name for n in monitor._points.prober.norms]
+    assert monitor.meter.final == "lnf" and monitor._runs.prober.final_norm == "lnf"
+    names = [n.name for n in monitor._runs.prober.norms]
     assert names == [n.name for n in monitor.meter.norms] and monitor.invariance_off_reason is None
     model = tiny()
     monitor = LoopMonitor(model, every_n_steps=1, max_steps=2, invariance_every_n_steps=1, exclude="lnf",
@@ -373,7 +373,7 @@ def test_beside_a_layernorm_monitor_the_invariance_monitor_probes_the_meters_fin
 
 
 def test_a_final_norm_the_invariance_monitor_names_is_probed_though_the_ladder_leaves_it_out():
-    """The doors with one meter refuse a named final norm that include/exclude leave out; in
+    """The monitors with one meter refuse a named final norm that include/exclude leave out; in
     Lightning the invariance monitor names its own, and the probe measures it all the same."""
     monitor = LayerNormMonitor(every_n_steps=1, exclude="model.lnf")
     invariance = FinalNormInvarianceMonitor(invariance_every_n_steps=1, final_norm="model.lnf",

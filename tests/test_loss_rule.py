@@ -3,7 +3,7 @@
 No norm signal led a plain loss rule on the held-out mid-run testbed (research/midrun), so the
 finding for a mid-run blow-up is said when the loss rule fires -- with what a loss curve cannot
 give: what the stream and the final norm did between the measured step before and the one the
-door measures right after."""
+monitor measures right after."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_a_loss_rule_set_or_off_by_the_findings_argument():
 
 def _char_loop(lr_bug_at: int | None, steps: int = 110, **kw):
     """A TinyGPT trained on a low-entropy stream of tokens, the learning rate x100 from
-    ``lr_bug_at`` (a schedule bug); the loop door measuring every 10th step."""
+    ``lr_bug_at`` (a schedule bug); the loop monitor measuring every 10th step."""
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(width=32, depth=4, heads=2, context=16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -130,7 +130,7 @@ def _char_loop(lr_bug_at: int | None, steps: int = 110, **kw):
     return monitor, [str(w.message) for w in caught if issubclass(w.category, HealthWarning)]
 
 
-def test_the_loop_door_says_a_mid_run_blow_up_with_the_step_after_it_measured():
+def test_the_loop_monitor_says_a_mid_run_blow_up_with_the_step_after_it_measured():
     monitor, health = _char_loop(lr_bug_at=80)
     [said] = [h for h in health if "loss_blowup" in h]
     finding = monitor.findings.raised["loss_blowup"]
@@ -156,7 +156,7 @@ def test_a_healthy_loop_says_nothing_and_a_loop_without_losses_pays_nothing():
     assert quiet.findings.loss_rule.seen == 0 and quiet.monitor.after._losses is None
 
 
-def test_the_lightning_door_reads_the_training_steps_loss():
+def test_the_lightning_callback_reads_the_training_steps_loss():
     """The loss of ``training_step`` (``outputs``, each micro-batch's: their mean a step) goes to
     the rule; the blow-up is said at the step measured right after it."""
     import lightning as L
@@ -198,7 +198,7 @@ def test_the_lightning_door_reads_the_training_steps_loss():
     assert finding.step + 1 in measured and "between step 80 and step" in finding.message
 
 
-def test_the_trainer_door_reads_the_loss_the_trainer_logs(tmp_path):
+def test_the_trainer_callback_reads_the_loss_the_trainer_logs(tmp_path):
     """The Trainer hands its callbacks no step's loss but the one it logs (the mean since its last
     log, the same on every process): the rule reads that, at its logging steps."""
     transformers = pytest.importorskip("transformers")

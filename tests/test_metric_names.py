@@ -28,7 +28,7 @@ from lnmonitor.core.output.metric_names import (
     unsplit,
 )
 from lnmonitor.views.metric_table import DOC, render
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.summary import RunCurves, summary_text
 
 DESIGN = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
 
@@ -73,10 +73,10 @@ def test_a_fit_logs_exactly_the_names_the_design_lists(fit):
     # the codec reads back every name it built, also under an integration's prefix (TensorBoard's
     # train/ before a transformers Trainer's tags), and a summary reads a prefixed run the same
     assert all(parse(t).tag == t and parse(f"train/{t}") == parse(t) for t in logged)
-    trail = Trail()
+    kept = RunCurves()
     for h in ln.history + inv.history:
-        trail.add(h["step"], {k: v for k, v in h.items() if k != "step"})
-    curves = trail.curves()
+        kept.add(h["step"], {k: v for k, v in h.items() if k != "step"})
+    curves = kept.curves()
     assert {unsplit(f"train/{t}") for t in curves} == set(curves)
     assert "attenuation" in summary_text(curves)
 

@@ -1,4 +1,4 @@
-"""A position without a target is no fault, through all three doors (issue 44).
+"""A position without a target is no fault, through all three integrations (issue 44).
 
 Instruction tuning gives the prompt's labels -100, packing its separators, a collator its padding;
 a causal LM's last token has no target either.  Such a position has no gradient at the final norm
@@ -73,7 +73,7 @@ class Masked(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def test_the_lightning_door_counts_masked_labels_as_no_target():
+def test_the_lightning_callback_counts_masked_labels_as_no_target():
     monitor = LayerNormMonitor(every_n_steps=1, images=False, summary=False, keep_history=True)
     data = [{k: v[i] for k, v in batch().items()} for i in range(ROWS)]
     trainer = L.Trainer(max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -85,7 +85,7 @@ def test_the_lightning_door_counts_masked_labels_as_no_target():
     _check(monitor.history, [n.name for n in monitor.norms])
 
 
-def test_the_loop_door_counts_masked_labels_as_no_target():
+def test_the_loop_monitor_counts_masked_labels_as_no_target():
     model = gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = LoopMonitor(model, every_n_steps=1, invariance_every_n_steps=None, keep_history=True,
@@ -123,7 +123,7 @@ def completion_only(tok):
     return collate
 
 
-def test_the_trainer_door_counts_a_completion_only_collators_prompts_as_no_target(tmp_path):
+def test_the_trainer_callback_counts_a_completion_only_collators_prompts_as_no_target(tmp_path):
     """Padded batches of different lengths whose prompts have no target (the prompt, the
     template): the prompt's positions feed the reply through attention, so only the norms after
     the last attention lack their gradient there, and no row is a fault."""

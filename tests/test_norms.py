@@ -234,10 +234,10 @@ def test_the_float64_reference_is_the_norms_own_output():
             module.weight.uniform_(0.5, 1.5)
         (info,) = find_norms(nn.Sequential(module))
         x = torch.randn(5, 16, dtype=torch.float64)
-        twin = copy.deepcopy(module).double()
+        reference = copy.deepcopy(module).double()
         # as the invariance probe evaluates the final norm: its checked form on float64 rows
         ours = info.affine(normalise(x, info.eps(torch.float64), info.kind).xhat)
-        torch.testing.assert_close(ours, twin(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ours, reference(x), rtol=1e-12, atol=1e-12)
 
 
 class LitGPTRMSNorm(nn.Module):

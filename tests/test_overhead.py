@@ -1,4 +1,4 @@
-"""benchmarks/small_models.py runs end to end, for three steps: the plain-loop door on nanoGPT's
+"""benchmarks/small_models.py runs end to end, for three steps: the plain-loop monitor on nanoGPT's
 smallest shape and the tiny model at widths 64 and 128, every step, at its defaults (with the loss
 handed, and with findings off) and against a plain loop."""
 
@@ -29,7 +29,7 @@ def test_the_small_models_run_for_three_steps_and_fill_their_table(tmp_path, cap
     assert [(r["width"], r["depth"], r["batch"]) for r in rows] == [(64, 2, 12), (64, 4, 32), (128, 4, 32)]
     assert all(r["plain_ms"] > 0 and math.isfinite(r["measured_ms"]) and math.isnan(r["plain_peak_mb"])
                for r in rows)
-    # steps 1 and 2: no default door measures, each timed against the plain step of its turn
+    # steps 1 and 2: no default monitor measures, each timed against the plain step of its turn
     assert all(set(r["idle_us"]) == {"defaults", "add_loss", "findings off"} for r in rows)
     assert all(math.isfinite(us) for r in rows for us in r["idle_us"].values())
 

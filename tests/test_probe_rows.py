@@ -1,6 +1,6 @@
 """The probe rows (:mod:`lnmonitor.core.invariance.probe_rows`): batches padded to different lengths
 joined exactly as the collator pads all their rows at once, on either side; what cannot be
-joined said once by name; any mapping is keyword inputs; and the Lightning door measuring on
+joined said once by name; any mapping is keyword inputs; and the Lightning callback measuring on
 padded validation batches of different lengths (it turned itself off, blaming loss_fn=).
 """
 
@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from conftest import fit  # noqa: E402
-from test_transformers_door import PAD, llama, records, tokenizer  # noqa: E402
+from test_transformers_callback import PAD, llama, records, tokenizer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor  # noqa: E402
@@ -34,7 +34,7 @@ def test_joined_rows_equal_the_collators_padding_of_all_rows_at_once(side):
     tok = tokenizer(side)
     rows = records(tok, 32, 2)
     said: list[str] = []
-    joined = first_samples(_collated(tok, rows, 8), 32, pad=pad_id_of(None, tok), say=said.append,
+    joined = first_samples(_collated(tok, rows, 8), 32, pad=pad_id_of(None, tok), info=said.append,
                            warn=pytest.fail)
     whole = next(iter(_collated(tok, rows, 32)))
     assert len({len(r["input_ids"]) for r in rows}) > 1 and joined.keys() == whole.keys()
@@ -102,7 +102,7 @@ class LitLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def test_the_lightning_door_measures_on_padded_validation_batches_of_different_lengths():
+def test_the_lightning_callback_measures_on_padded_validation_batches_of_different_lengths():
     tok = tokenizer()
     train, val = _collated(tok, records(tok, 16, 0), 4), _collated(tok, records(tok, 32, 1), 8)
     monitor = FinalNormInvarianceMonitor(invariance_every_n_steps=2, probe_size=32, summary=False,

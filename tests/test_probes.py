@@ -80,12 +80,12 @@ def test_block_jacobian_equals_a_direct_autograd_jacobian(trained):
     norms, blocks, cap = captured(module, trained["batches"][0])
     name, block = blocks[1]
     h = cap.blocks[name].double()
-    twin = copy.deepcopy(block).double()
+    reference = copy.deepcopy(block).double()
     pos = 20
 
     def at(row):
         seq = torch.cat([h[:pos], row[None], h[pos + 1:]])
-        return twin(seq[None])[0, pos]
+        return reference(seq[None])[0, pos]
 
     direct = torch.autograd.functional.jacobian(at, h[pos].clone())
     p = probe_block_rank(block, cap.blocks[name], norms, position=pos)

@@ -157,7 +157,7 @@ def _growth_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         torch.manual_seed(0)
         model = TinyGPT(GPTConfig(vocab_size=65, width=16, depth=2, heads=2, context=8))
-        meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+        meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
         batches = torch.Generator().manual_seed(1 + rank)
         with meter.step():
             model(*_windows(batches, 3))[1].backward()

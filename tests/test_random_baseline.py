@@ -1,5 +1,5 @@
 """Tests for lnmonitor.core.maths.random_baseline: the closed forms of the random share, their
-types and refusals, and seeded Monte Carlo of random directions (and of the shares
+types and the inputs they refuse, and seeded Monte Carlo of random directions (and of the shares
 :func:`lnmonitor.core.maths.geometry.dead_plane_share` measures on random gradients)."""
 
 from __future__ import annotations

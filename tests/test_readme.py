@@ -1,4 +1,4 @@
-"""The README's code runs as written: its Python snippets -- the three doors and the
+"""The README's code runs as written: its Python snippets -- the three integrations and the
 arguments -- executed from the README's own text (only the lengths of the runs are
 shortened), and the shell commands of the README and docs/ name options that exist."""
 
@@ -115,7 +115,7 @@ def test_every_image_under_docs_img_is_shown_or_made_by_the_docs():
     assert not unused
 
 
-def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
+def test_the_trainer_callback_snippet_trains_and_reports(tmp_path, monkeypatch):
     """As a fine-tune script has it: lines of different lengths, a tokenizer (built here), the LM
     collator padding each batch to its longest line, the Trainer's default eval batch size."""
     transformers = pytest.importorskip("transformers")
@@ -134,14 +134,14 @@ def test_the_trainer_door_snippet_trains_and_reports(tmp_path, monkeypatch):
              "train": [tok(line) for line in lines[:16]], "val": [tok(line) for line in lines[16:]]}
     snippet = python_block("LNMonitorCallback")
     assert 'TrainingArguments("out", max_steps=3000, logging_steps=50,' in snippet
-    exec(snippet.replace('"out", max_steps=3000, logging_steps=50,',
-                         f'"{tmp_path / "out"}", max_steps=2, logging_steps=1, per_device_train_batch_size=4, '
-                         'use_cpu=True, save_strategy="no", disable_tqdm=True,'), scope)
+    short = (f'"{tmp_path / "out"}", max_steps=2, logging_steps=1, per_device_train_batch_size=4, '
+             'use_cpu=True, save_strategy="no", disable_tqdm=True,')
+    exec(snippet.replace('"out", max_steps=3000, logging_steps=50,', short), scope)
     tags = set(events(tmp_path / "tb").Tags()["scalars"])
     assert "train/lnmonitor/ladder/attenuation" in tags and "train/lnmonitor/invariance/axis_5/dloss" in tags
 
 
-def test_the_loop_door_snippet_runs_as_written(tmp_path, monkeypatch):
+def test_the_loop_monitor_snippet_runs_as_written(tmp_path, monkeypatch):
     import torch
     from torch.utils.tensorboard import SummaryWriter
 

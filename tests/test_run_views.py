@@ -1,5 +1,5 @@
-"""views/run_views.py: what every door shows beside its metrics (the doors' own output is
-compared in tests/test_doors.py)."""
+"""views/run_views.py: what every monitor shows beside its metrics (the monitors' own output is
+compared in tests/test_three_callbacks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lnmonitor.views.run_views import RunViews
 def _result():
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(width=32, depth=2, heads=2, context=16))
-    meter = LadderMeter(model, say=lambda _: None)
+    meter = LadderMeter(model, info=lambda _: None)
     x = torch.randint(0, 65, (4, 16))
     with meter.step():
         model(x, x)[1].backward()

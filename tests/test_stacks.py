@@ -63,7 +63,7 @@ def measured(family: str):
     torch.manual_seed(0)
     model = {"t5": t5, "bart": bart, "whisper": whisper}[family]()
     said: list[str] = []
-    meter = LadderMeter(model, say=said.append)
+    meter = LadderMeter(model, info=said.append)
     batch = inputs(family)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -162,7 +162,7 @@ def test_a_decoder_only_model_keeps_its_one_ladder():
                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=16)
     model, said = transformers.LlamaForCausalLM(cfg), []
-    meter = LadderMeter(model, say=said.append)
+    meter = LadderMeter(model, info=said.append)
     x = torch.randint(0, VOCAB, (4, 16))
     with meter.step():
         model(input_ids=x, labels=x).loss.backward()

@@ -1,5 +1,5 @@
 """The views people look at: the ladder picture and the heatmap, the one-screen summary,
-the bounded trail a monitor keeps for them, and the pictures reaching the loggers."""
+the bounded curves a monitor keeps for them, and the pictures reaching the loggers."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.views.pictures import heatmap_picture, ladder_picture
-from lnmonitor.views.summary import Trail, ladder_grid, ladder_of, summary_text
+from lnmonitor.views.summary import RunCurves, ladder_grid, ladder_of, summary_text
 
 BLUE, RED = (31, 119, 180), (200, 30, 30)
 
 
-def test_trail_keeps_first_and_last_points_and_a_bounded_evenly_thinned_series():
-    trail = Trail(series=("s/",), max_points=8)
+def test_run_curves_keep_first_and_last_points_and_a_bounded_evenly_thinned_series():
+    kept = RunCurves(series=("s/",), max_points=8)
     for step in range(0, 1000, 10):
-        trail.add(step, {"s/a": 2.0 * step, "o/b": -float(step)})
-    curves = trail.curves()
+        kept.add(step, {"s/a": 2.0 * step, "o/b": -float(step)})
+    curves = kept.curves()
     assert curves["o/b"] == [(0, 0.0), (990, -990.0)]
     steps = [s for s, _ in curves["s/a"]]
     assert steps[0] == 0 and steps[-1] == 990 and len(steps) <= 9

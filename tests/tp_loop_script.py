@@ -5,7 +5,7 @@ tests/distributed_monitor_script.py in a plain training loop with :class:`LoopMo
 them, the head's logits sharded over the vocabulary and the loss computed under
 ``loss_parallel()`` as torchtitan does, each rank running the whole global batch; with one, it
 is the plain model.  After the
-door's final-norm invariance probe runs at every step on every rank (a tensor-parallel forward is
+monitor's final-norm invariance probe runs at every step on every rank (a tensor-parallel forward is
 a collective).  Rank zero writes the monitor's history, each norm's rows, the probe's
 metrics and what was said as JSON.
 

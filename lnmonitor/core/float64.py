@@ -1,7 +1,7 @@
 """The float64 reference of a module: its forward evaluated from float64 copies of its parameters
 and buffers, the exact value every float32 statistic is checked against.
 
-:func:`float64_twin` neither copies nor changes the module (so it works where ``deepcopy`` is
+:func:`float64_forward` neither copies nor changes the module (so it works where ``deepcopy`` is
 refused: FSDP2) and runs no hook; :func:`float64_state` gathers a sharded parameter first.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import unmeasured
 
-__all__ = ["float64_state", "float64_twin"]
+__all__ = ["float64_state", "float64_forward"]
 
 def float64_state(module: nn.Module) -> dict[str, Tensor]:
     """Float64 copies of ``module``'s floating-point parameters and buffers (on their
@@ -28,12 +28,12 @@ def float64_state(module: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-def float64_twin(module: nn.Module) -> Callable[..., object]:
-    """``twin(*args)``: ``module``'s forward evaluated with float64 copies of its parameters
+def float64_forward(module: nn.Module) -> Callable[..., object]:
+    """``f(*args)``: ``module``'s forward evaluated with float64 copies of its parameters
     and buffers (``torch.func.functional_call``), invisible to the taps.  The module is
     neither copied nor changed, so this also works where ``deepcopy`` is refused (FSDP2).
 
-    The twin calls ``module.forward`` itself, not the module: no hook registered on
+    It calls ``module.forward`` itself, not the module: no hook registered on
     ``module`` runs (the user's forward hooks, the global module hooks, an FSDP2 unit's or a
     tensor-parallel norm's hooks that lay out tensors across ranks), so evaluating it has no
     side effect.  A sharded parameter (``DTensor``) is gathered into its copy first.
@@ -41,11 +41,11 @@ def float64_twin(module: nn.Module) -> Callable[..., object]:
     state = {f"module.{name}": t for name, t in float64_state(module).items()}
     forward = _Forward(module)
 
-    def twin(*args):
+    def in_float64(*args):
         with unmeasured():
             return torch.func.functional_call(forward, state, args)
 
-    return twin
+    return in_float64
 
 
 class _Forward(nn.Module):

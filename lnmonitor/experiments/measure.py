@@ -91,7 +91,7 @@ def held_out_measurement(
     """
     val_loss = held_out_loss(module, batches)
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])
-    meter = LadderMeter(module, owner="lnmonitor")
+    meter = LadderMeter(module, name="lnmonitor")
     result = held_out_result(meter, norm_set, tiny_loss, counts=counts)
     probe = held_out_probe(batches)
     inv = (final_norm_invariance(module, probe, final_norm=result.figures.final, norms=result.norms)

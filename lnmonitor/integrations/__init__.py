@@ -1,4 +1,4 @@
-"""The doors to the meter besides Lightning's callbacks (:mod:`lnmonitor.lightning`):
+"""The integrations of the meter besides Lightning's callbacks (:mod:`lnmonitor.lightning`):
 
 * :class:`lnmonitor.integrations.loop.LoopMonitor`: a plain PyTorch training loop;
 * :class:`lnmonitor.integrations.transformers.LNMonitorCallback`: a ``transformers.Trainer``

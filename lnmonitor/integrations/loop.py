@@ -1,4 +1,4 @@
-"""The plain-PyTorch door: the meter and the invariance probe in a training loop of your own
+"""The plain-PyTorch integration: the meter and the invariance probe in a training loop of your own
 (nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), in a few added lines.
 
 :class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.meter.LadderMeter` measures
@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 from torch import nn
 
-from lnmonitor.core.invariance.points import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import map_tensors, probe_batch
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import Voice, due, guarded
+from lnmonitor.core.monitor.shared import Messages, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
@@ -85,7 +85,7 @@ class LoopMonitor(MonitorAttributes):
         (0, True)
 
     Notes (the eps it measured, the rungs, the summary) are printed on rank zero, as
-    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Voice`: where logging shows
+    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Messages`: where logging shows
     the ``lnmonitor`` logger's INFO, they go there instead); what went wrong is a warning,
     said once.  A writer that raises is said once and dropped; a probe that fails is turned
     off with its reason (:attr:`invariance_off_reason`).  :meth:`start`, :meth:`stop` and
@@ -93,7 +93,7 @@ class LoopMonitor(MonitorAttributes):
     the monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
     """
 
-    refusals = (arguments.ArgumentError, NormSelectionError)
+    configuration_errors = (arguments.ArgumentError, NormSelectionError)
 
     def __init__(self, model: nn.Module, writer=None, *, settings: Settings | None = None,
                  max_steps: int | None = None, probe_batch=None, loss_fn: Callable | None = None,
@@ -106,14 +106,14 @@ class LoopMonitor(MonitorAttributes):
         layout = {**LADDER_LAYOUT, **INVARIANCE_LAYOUT} if probed else LADDER_LAYOUT
         self._write: Callable | None = metric_writer(writer, layout)
         self._write_image = _image_writer(writer) if self.settings.images else None
-        self.owner = "LoopMonitor"
-        self.voice = Voice(speaks=_rank_zero())
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews, advice=LOSS_FN_ADVICE)
+        self.name = "LoopMonitor"
+        self.messages = Messages(speaks=_rank_zero())
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews, advice=LOSS_FN_ADVICE)
         self.findings = self.monitor.findings
         self.should_stop = False  # on_finding asked to stop
         self.off_reason: str | None = None
         self.monitor.history.reset(receivers=writer is not None)
-        self._points = self.monitor.points
+        self._runs = self.monitor.runs
         last = self.max_steps - 1 if self.max_steps else None
         self.meter = self.monitor.begin(model, self._emit, speaks=_rank_zero, last_step=last)
         self._started: int | None = None  # the last step given to start()
@@ -124,13 +124,13 @@ class LoopMonitor(MonitorAttributes):
 
     def state_dict(self) -> dict:
         """What a resumed run needs (save it with your checkpoint): the last step logged, the
-        findings raised and the start they judge growth from, the last invariance point."""
-        return {**self.monitor.state_dict(), "invariance_last_step": self._points.last_step}
+        findings raised and the start they judge growth from, the last probe run."""
+        return {**self.monitor.state_dict(), "invariance_last_step": self._runs.last_step}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the run :meth:`state_dict` saved: no step logged twice, no finding raised twice."""
         self.monitor.load_state_dict(state)
-        self._points.last_step = int(state.get("invariance_last_step", -1))
+        self._runs.last_step = int(state.get("invariance_last_step", -1))
 
     # -- one step ----------------------------------------------------------------------
 
@@ -187,9 +187,9 @@ class LoopMonitor(MonitorAttributes):
     @guarded
     def close(self) -> None:
         """End the run, after the last update (once; nothing more when the last step of
-        ``max_steps`` ended it): the invariance point after that update with its scale sweep,
+        ``max_steps`` ended it): the probe run after that update with its scale sweep,
         the ladder over training (a picture) and the summary.  A step still open is dropped."""
-        self.shut()
+        self.detach()
         if self._started is not None:
             self._end(self._started + 1)
 
@@ -198,7 +198,7 @@ class LoopMonitor(MonitorAttributes):
         self.should_stop = True
 
     def _end(self, step: int) -> None:
-        """The invariance point of ``step`` with its sweep, the heatmap and the summary (once)."""
+        """The probe run of ``step`` with its sweep, the heatmap and the summary (once)."""
         if self._ended:
             return
         self._ended = True
@@ -218,8 +218,8 @@ class LoopMonitor(MonitorAttributes):
                 self._write(metrics, step)
             except Exception as err:  # noqa: BLE001 - the user's writer must not stop training
                 self._write = None
-                self.voice.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
-                                          "written (training goes on)")
+                self.messages.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
+                                             "written (training goes on)")
         return True
 
     # -- the invariance probe ----------------------------------------------------------
@@ -231,12 +231,12 @@ class LoopMonitor(MonitorAttributes):
         (its forward is a collective)."""
         model = self.meter.model
         if batch is None:
-            self.voice.say("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not run; "
-                           "pass held-out rows (probe_batch=(x, y), or a dict of the model's inputs) to "
-                           "have it.")
+            self.messages.info("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not "
+                               "run; pass held-out rows (probe_batch=(x, y), or a dict of the model's "
+                               "inputs) to have it.")
             return
         if fsdp1(model):
-            self._points.off(FSDP1_REFUSED)
+            self._runs.off(FSDP1_REFUSED)
             return
         rows = probe_batch(batch, self.settings.probe_size)
         self._every_rank = sharded(model) and dist.is_available() and dist.is_initialized()
@@ -246,14 +246,14 @@ class LoopMonitor(MonitorAttributes):
         s = self.settings
         probe = InvarianceProbe(model, loss_fn, final_norm=s.final_norm, cases=s.cases, scales=s.scales,
                                 meter=self.meter)
-        self._points.begin(probe, map_tensors(rows, lambda t: t.to(device)))
+        self._runs.begin(probe, map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, sweep: bool) -> None:
-        """The invariance point of ``step`` (its sweep too with ``sweep``), on rank zero (every
+        """The probe run of ``step`` (its sweep too with ``sweep``), on rank zero (every
         rank of a sharded model, which writes from rank zero)."""
         if not (self._every_rank or _rank_zero()):
             return
-        taken = self._points.take(step, sweep=sweep)
+        taken = self._runs.take(step, sweep=sweep)
         if taken is not None and _rank_zero():
             self.monitor.after.log(step, taken[0], self._emit)
 

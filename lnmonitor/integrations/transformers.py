@@ -1,4 +1,4 @@
-"""The ``transformers.Trainer`` door: the meter and the invariance probe as a ``TrainerCallback``.
+"""The ``transformers.Trainer`` integration: the meter and the invariance probe as a ``TrainerCallback``.
 
 Needs the ``hf`` extra (``pip install 'lnmonitor[hf]'``); nothing else in lnmonitor imports
 transformers.
@@ -20,7 +20,6 @@ except ImportError as err:  # pragma: no cover - the hf extra is not installed
 
 from lnmonitor.core.findings.reader import START_GROWTH, state_from_log
 from lnmonitor.core.invariance.loss_contract import default_loss
-from lnmonitor.core.invariance.points import SHARDED_REFUSED
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import (
     first_samples,
@@ -29,11 +28,12 @@ from lnmonitor.core.invariance.probe_rows import (
     pad_id_of,
     probe_batch,
 )
+from lnmonitor.core.invariance.runs import SHARDED_REFUSED
 from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import Voice, due, guarded
+from lnmonitor.core.monitor.shared import Messages, due, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (
     TRAINER_SPLIT,
@@ -101,12 +101,12 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     Every event runs inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
     a failing integration is dropped with one warning.  Under FSDP and DeepSpeed ZeRO-3 the
-    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.points.SHARDED_REFUSED`);
+    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.runs.SHARDED_REFUSED`);
     the Lightning callback and the plain loop's monitor probe an FSDP2 or tensor-parallel model on
-    every process (FSDP1 they refuse too: :data:`~lnmonitor.core.invariance.points.FSDP1_REFUSED`).
+    every process (FSDP1 they refuse too: :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`).
     """
 
-    refusals = (arguments.ArgumentError, NormSelectionError)
+    configuration_errors = (arguments.ArgumentError, NormSelectionError)
 
     def __init__(self, trainer=None, *, settings: Settings | None = None, **fields) -> None:
         if trainer is not None and not isinstance(trainer, Trainer):
@@ -115,13 +115,13 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 f"{type(trainer).__name__}: pass the settings by name, LNMonitorCallback(every_n_steps=...)")
         self.trainer = trainer
         self.settings = Settings.build(settings, fields, "LNMonitorCallback")
-        self.owner = "LNMonitorCallback"
-        self.voice = Voice()
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews, first_step=1)
+        self.name = "LNMonitorCallback"
+        self.messages = Messages()
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews, first_step=1)
         self.findings = self.monitor.findings
         self.off_reason: str | None = None
         self.meter: LadderMeter | None = None
-        self._points = self.monitor.points
+        self._runs = self.monitor.runs
         self._reporters: list = []
         self._main = True
         self._held: set[str] = set()  # the finding kinds holding as last kept in log_history
@@ -132,7 +132,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     @guarded(starts_run=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._main = state.is_world_process_zero
-        self.voice.reset(speaks=self._main)
+        self.messages.reset(speaks=self._main)
         self.monitor.reset()
         if self.findings is not None:  # each kind is raised once per fit; a resumed fit's are in log_history
             self.findings.load_state_dict(state_from_log(state.log_history))
@@ -149,12 +149,12 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         integrations = tuple(get_reporting_integration_callbacks(args.report_to))
         self._reporters = [cb for cb in callbacks if isinstance(cb, integrations)]
         if self.trainer is None:
-            self.voice.warn("no-trainer", "LNMonitorCallback: no transformers.Trainer was handed to it, "
-                                          "so its metrics go to no report_to integration: they are kept in "
-                                          ".history. trainer.add_callback(LNMonitorCallback(trainer)) "
-                                          "reports them.")
+            self.messages.warn("no-trainer", "LNMonitorCallback: no transformers.Trainer was handed to it, "
+                                             "so its metrics go to no report_to integration: they are kept "
+                                             "in .history. trainer.add_callback(LNMonitorCallback(trainer)) "
+                                             "reports them.")
         self.monitor.history.reset(receivers=bool(self._reporters))
-        self._points.begin(None, None)
+        self._runs.begin(None, None)
         if self.settings.invariance_every_n_steps is not None:
             self._start_probe(model, kwargs)
 
@@ -192,7 +192,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
-        self.shut()
+        self.detach()
 
     def _keep_health(self, state, metrics: Mapping[str, float]) -> None:
         """Append to ``state.log_history`` what a resumed fit restores
@@ -215,30 +215,31 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         """The probe's rows from the eval data (the Trainer's eval loader), else from the first
         training rows (said once); None when there are none."""
         pad = pad_id_of(model, kwargs.get("processing_class"))
-        say = lambda text: self.voice.say(f"LNMonitorCallback: {text}.")  # noqa: E731
-        warn = lambda text: self.voice.warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
+        info = lambda text: self.messages.info(f"LNMonitorCallback: {text}.")  # noqa: E731
+        warn = lambda text: self.messages.warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
         size, trainer = self.settings.probe_size, self.trainer
         if trainer is not None and trainer.eval_dataset is not None:
-            batch = first_samples(trainer.get_eval_dataloader(), size, pad=pad, say=say, warn=warn)
+            batch = first_samples(trainer.get_eval_dataloader(), size, pad=pad, info=info, warn=warn)
             if batch is not None:
                 return batch
-        batch = first_samples(kwargs.get("train_dataloader"), size, pad=pad, say=say, warn=warn)
+        batch = first_samples(kwargs.get("train_dataloader"), size, pad=pad, info=info, warn=warn)
         if batch is not None:
-            self.voice.warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe rows "
-                                           "from, so the invariance probe runs on the first training rows.")
+            self.messages.warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe "
+                                              "rows from, so the invariance probe runs on the first training "
+                                              "rows.")
         return batch
 
     def _start_probe(self, model, kwargs) -> None:
         if not self._main:
             return  # the main process probes, alone
         if sharded(model):
-            self._points.off(SHARDED_REFUSED)
+            self._runs.off(SHARDED_REFUSED)
             return
         trainer, batch = self.trainer, self._probe_rows(model, kwargs)
         labels = (getattr(trainer, "label_names", None) if trainer is not None else None) or ["labels"]
         problem = labels_problem(batch, labels)
         if problem is not None:
-            self._points.off(problem)
+            self._runs.off(problem)
             return
         device = next(model.parameters()).device
         rows = map_tensors(probe_batch(batch, self.settings.probe_size), lambda t: t.to(device))
@@ -246,10 +247,10 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         s = self.settings
         probe = InvarianceProbe(model, default_loss, final_norm=s.final_norm, cases=s.cases, scales=s.scales,
                                 meter=self.meter, autocast=autocast)
-        self._points.begin(probe, rows)
+        self._runs.begin(probe, rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
-        taken = self._points.take(state.global_step, sweep=sweep)
+        taken = self._runs.take(state.global_step, sweep=sweep)
         if taken is not None:
             report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
             self.monitor.after.log(state.global_step, taken[0], report)
@@ -270,9 +271,9 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 reporter.on_log(args, state, control, logs=dict(metrics))
             except Exception as err:  # noqa: BLE001 - a reporter must never stop training
                 self._reporters.remove(reporter)
-                self.voice.warn(f"report-{type(reporter).__name__}",
-                           f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
-                           "goes to it (training goes on).")
+                self.messages.warn(f"report-{type(reporter).__name__}",
+                              f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
+                              "goes to it (training goes on).")
         return True
 
     def _image_writer(self):
@@ -293,8 +294,8 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 try:
                     writer.add_custom_scalars(layout)
                 except Exception as err:  # noqa: BLE001 - a layout must never stop training
-                    self.voice.warn("layout",
-                                    f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
+                    self.messages.warn("layout",
+                                       f"LNMonitorCallback: no Custom Scalars layout written ({err!r}).")
 
 
 def _logging_steps(value: float, max_steps: int) -> int:

@@ -1,4 +1,5 @@
-"""The Lightning callbacks, one per module, each owning its metric sink.
+"""The Lightning callbacks, one per module, each logging through its own
+:class:`~lnmonitor.lightning.loggers.Loggers`.
 
 * :class:`LayerNormMonitor`: every norm's 1/sigma ladder and dead-plane share;
 * :class:`FinalNormInvarianceMonitor`: the final norm's shift and scale invariance;

@@ -1,6 +1,7 @@
-"""What every lnmonitor Lightning callback shares: its metric sink, ``history``, the
-messages it says (rank zero), the guard its hooks run in (:func:`lnmonitor.core.monitor.shared.guarded`)
-and the last step it logged in its checkpoint state."""
+"""What every lnmonitor Lightning callback shares: its
+:class:`~lnmonitor.lightning.loggers.Loggers`, ``history``, the messages it says (rank zero),
+the guard its hooks run in (:func:`lnmonitor.core.monitor.shared.guarded`) and the last step it
+logged in its checkpoint state."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnmonitor.core.monitor.arguments import ArgumentError
-from lnmonitor.core.monitor.shared import Voice, warn_at_user
+from lnmonitor.core.monitor.shared import Messages, warn_at_user
 from lnmonitor.core.norms.discovery import NormSelectionError
-from lnmonitor.lightning.sink import MetricSink
+from lnmonitor.lightning.loggers import Loggers
 
 __all__ = ["MonitorCallback", "misconfiguration"]
 
@@ -32,40 +33,40 @@ def misconfiguration() -> Iterator[None]:
 
 
 class MonitorCallback(Callback):
-    """A callback that logs through its own :class:`~lnmonitor.lightning.sink.MetricSink`.
+    """A callback that logs through its own :class:`~lnmonitor.lightning.loggers.Loggers`.
 
     Its hooks run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
     callback off for the rest of the fit with one warning naming the cause (``off_reason``),
-    :meth:`shut` removes what it had hooked, and the fit goes on.  A configuration Lightning
+    :meth:`detach` removes what it had hooked, and the fit goes on.  A configuration Lightning
     cannot run (``MisconfigurationException``: bad arguments, a model with no norm to measure)
     is raised, as Lightning's own callbacks raise it."""
 
-    refusals = (MisconfigurationException,)
+    configuration_errors = (MisconfigurationException,)
 
     def __init__(self, keep_history: bool | None) -> None:
-        self.owner = type(self).__name__
-        self.voice = Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
+        self.name = type(self).__name__
+        self.messages = Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.off_reason: str | None = None
-        self._sink = MetricSink(self.owner, keep_history, self.voice)
+        self._loggers = Loggers(self.name, keep_history, self.messages)
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped)."""
 
     @property
     def history(self) -> list[dict[str, float]]:
         """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
-        return self._sink.history
+        return self._loggers.history
 
-    def _say(self, text: str) -> None:
-        self.voice.say(text)
+    def _info(self, text: str) -> None:
+        self.messages.info(text)
 
     def _warn(self, key: str, text: str) -> None:
-        self.voice.warn(key, text)
+        self.messages.warn(key, text)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_logged_step": self._sink.last_step}
+        return {"last_logged_step": self._loggers.last_step}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sink.last_step = int(state_dict.get("last_logged_step", -1))
+        self._loggers.last_step = int(state_dict.get("last_logged_step", -1))

@@ -14,10 +14,10 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lnmonitor.core.invariance.points import FSDP1_REFUSED, InvariancePoints
 from lnmonitor.core.invariance.probe import InvarianceProbe
 from lnmonitor.core.invariance.probe_rows import first_samples, map_tensors, pad_id_of, probe_batch
 from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.invariance.runs import FSDP1_REFUSED, InvarianceRuns
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import due, guarded, off_message
@@ -43,7 +43,7 @@ READS = ("invariance_every_n_steps", "probe_size", "final_norm", "cases", "scale
 class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    The Lightning door of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
+    The Lightning callback of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
     the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
     batch, at step indices that are multiples of
     ``every_n_steps`` (before that step's update: taken as soon as the previous update is
@@ -157,7 +157,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self.final_norm = s.final_norm
         self.cases, self.scales, self.summary = s.cases, s.scales, s.summary
         super().__init__(s.keep_history)
-        self._sink.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
+        self._loggers.add_layout(INVARIANCE_LAYOUT)  # written to each logger with the fit's first log there
         self._reset()
 
     def _reset(self) -> None:
@@ -168,7 +168,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self._probe: Any = None
         self._first_train_batch: Any = None
         self._prober: InvarianceProbe | None = None
-        self._points = InvariancePoints(self.owner, self.voice, on_off=self._disable)
+        self._runs = InvarianceRuns(self.name, self.messages, on_off=self._disable)
         self._sharded = False
         self._final_name: str | None = self.final_norm
         self._enabled = False
@@ -184,7 +184,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._reset()
-        self._sink.setup(trainer, hparams=stage == "fit")
+        self._loggers.setup(trainer, hparams=stage == "fit")
 
     @override
     @guarded
@@ -194,7 +194,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.scales:
             metrics.append(invariance_metric("scale_slope"))
         params = {run_metric("final_norm"): self._final_name or "auto"}
-        self._sink.give_hparams(trainer, pl_module, params, metrics)
+        self._loggers.give_hparams(trainer, pl_module, params, metrics)
 
     @override
     @guarded
@@ -209,11 +209,11 @@ class FinalNormInvarianceMonitor(MonitorCallback):
                                        self._warn)
         said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
         if said:
-            self._say(said)
+            self._info(said)
         self._sharded = sharded(pl_module)
         if fsdp1(pl_module):  # its units gather their weights only inside the wrapper's forward
             self._disable(FSDP1_REFUSED)
-            self._warn("off", off_message(self.owner, FSDP1_REFUSED))
+            self._warn("off", off_message(self.name, FSDP1_REFUSED))
             return
         self._enabled = True
 
@@ -223,14 +223,14 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
-            self._say(invariance_summary(self._final_name, self._sink.last_step, self.last_result.metrics(),
-                                         self.settings.changed()))
-        if self._enabled and self._sink.last_step < 0 and trainer.is_global_zero:
+            self._info(invariance_summary(self._final_name, self._loggers.last_step,
+                                          self.last_result.metrics(), self.settings.changed()))
+        if self._enabled and self._loggers.last_step < 0 and trainer.is_global_zero:
             every = self.invariance_every_n_steps
             when = f"every {every} optimizer steps" if every else ""
             if self.on_validation:
                 when += (" and " if when else "") + "after each validation"
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "never-ran",
                 f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
                 "came (no validation ran?). Set invariance_every_n_steps, or add validation data.",
@@ -239,7 +239,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def _disable(self, reason: str) -> None:
         self._enabled = False
         self.off_reason = reason
-        self._sink.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
+        self._loggers.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
 
     # -- when to run -----------------------------------------------------------------
 
@@ -257,11 +257,11 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The point of step s (the weights after s updates) is taken as soon as update s is
+        # The probe run of step s (the weights after s updates) is taken as soon as update s is
         # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
         # runs after the other callbacks) then records it, and the validation that may
         # follow at the same global step reuses it, so a fit resumed from this checkpoint
-        # neither repeats nor misses it (this includes the point after the last update).
+        # neither repeats nor misses it (this includes the probe run after the last update).
         self._take_due(trainer, pl_module)
 
     @override
@@ -273,34 +273,34 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     # -- one run -----------------------------------------------------------------------
 
     def _take_due(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The point of the step the Trainer is at, when the cadence has one there (once)."""
+        """The probe run of the step the Trainer is at, when the cadence has one there (once)."""
         step, every, sweeps = trainer.global_step, self.invariance_every_n_steps, self.sweep_every_n_steps
         if every is not None and due(step, every):
             self._run(trainer, pl_module, step, sweep=sweeps is not None and due(step, sweeps))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
-        """Probe the point of ``step``, its sweep with ``sweep``, unless it was logged (with its
+        """Probe ``step``, its sweep with ``sweep``, unless it was logged (with its
         sweep, when asked)."""
         add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
-        if not self._enabled or (step <= self._sink.last_step and not add_sweep):
+        if not self._enabled or (step <= self._loggers.last_step and not add_sweep):
             return
         if not trainer.is_global_zero and not self._sharded:
-            self._sink.last_step = step
+            self._loggers.last_step = step
             return
         probe = self._get_probe(trainer, pl_module)
         if probe is None:
             return
-        points = self._points
-        if points.prober is None:
-            points.begin(self._prober_for(trainer, pl_module, probe), probe)
-        points.last_step = self._sink.last_step  # a resumed fit's, from the checkpoint
-        taken = points.take(step, sweep=sweep)
+        runs = self._runs
+        if runs.prober is None:
+            runs.begin(self._prober_for(trainer, pl_module, probe), probe)
+        runs.last_step = self._loggers.last_step  # a resumed fit's, from the checkpoint
+        taken = runs.take(step, sweep=sweep)
         if taken is None:
             return
         metrics, extend = taken
         self._final_name = self._prober.final_norm
-        self.last_result = points.last
-        self._sink.log(trainer, step, metrics, extend=extend)
+        self.last_result = runs.last
+        self._loggers.log(trainer, step, metrics, extend=extend)
 
     def _prober_for(self, trainer: Trainer, pl_module: LightningModule, probe) -> InvarianceProbe:
         if self._prober is None:
@@ -321,13 +321,13 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if batch is None:
             batch = first_samples(
                 trainer.val_dataloaders, self.probe_size, pad=pad_id_of(pl_module),
-                say=lambda text: self._say(f"FinalNormInvarianceMonitor: {text}."),
+                info=lambda text: self._info(f"FinalNormInvarianceMonitor: {text}."),
                 warn=lambda text: self._warn("probe-rows", f"FinalNormInvarianceMonitor: {text}."))
         if batch is None:
             batch = self._first_train_batch
             if batch is None:
                 return None
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "train-probe",
                 "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
                 "so it probes the first training batch; pass probe_batch=... to choose.",

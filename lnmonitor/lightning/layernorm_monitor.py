@@ -26,7 +26,7 @@ from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final
 from lnmonitor.core.output.metric_names import LADDER_LAYOUT, hist_metric
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
-from lnmonitor.lightning.sink import write_histogram
+from lnmonitor.lightning.loggers import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
 from lnmonitor.views.run_views import RunViews
 
@@ -36,7 +36,7 @@ __all__ = ["LayerNormMonitor"]
 class LayerNormMonitor(MonitorCallback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
-    The Lightning door of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
+    The Lightning callback of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
     the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
     steps (default: the Trainer's
     ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
@@ -144,13 +144,13 @@ class LayerNormMonitor(MonitorCallback):
             self.settings = Settings.build(settings, fields, "LayerNormMonitor")
             self.histograms = arguments.flag(histograms, "histograms")
         super().__init__(self.settings.keep_history)
-        self.monitor = Monitor(self.settings, self.owner, self.voice, RunViews)
+        self.monitor = Monitor(self.settings, self.name, self.messages, RunViews)
         self.findings = self.monitor.findings
         self.meter: LadderMeter | None = None
         self.last_row_stats: list[RowStats] = []
         self._stepping: int | None = None  # the optimizer step whose batches are running
         self._columns: str | None = None  # the norm the HPARAMS columns name, until a step checks it
-        self._sink.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
+        self._loggers.add_layout(LADDER_LAYOUT)  # written to each logger with the fit's first log there
 
     @property
     def every_n_steps(self) -> int | None:
@@ -183,7 +183,7 @@ class LayerNormMonitor(MonitorCallback):
             return
         self.monitor.reset()  # each kind is raised once per fit (a resumed fit's come back next)
         self.meter, self.last_row_stats, self._stepping = None, [], None
-        self._sink.setup(trainer, hparams=True)
+        self._loggers.setup(trainer, hparams=True)
 
     @override
     @guarded
@@ -200,26 +200,26 @@ class LayerNormMonitor(MonitorCallback):
         by_name = {n.name: n for n in self.meter.norms}
         self._columns = expected_final([by_name[n] for n in self.meter.forward_order()], self.settings.ladder,
                                        self.settings.final_norm)
-        if not self._sink.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
+        if not self._loggers.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
             self._columns = None
 
     @override
     @guarded
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.shut()
+        self.detach()
 
     @override
     @guarded
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self.shut()
+        self.detach()
 
     @override
     @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.shut()
+        self.detach()
         self.monitor.end(self._image_writer(trainer))
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """End the fit's measuring (an exception, the end of the fit): no hook, no row left."""
         self.monitor.close()
         self._stepping = None
@@ -259,7 +259,7 @@ class LayerNormMonitor(MonitorCallback):
                 self._check_columns(self.monitor.last_result.figures.final)
 
     def _image_writer(self, trainer: Trainer):
-        return lambda tag, image, step: self._sink.log_image(trainer, tag, step, image)
+        return lambda tag, image, step: self._loggers.log_image(trainer, tag, step, image)
 
     def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], result: LadderResult | None,
              ) -> bool:
@@ -268,7 +268,7 @@ class LayerNormMonitor(MonitorCallback):
         extra = None
         if self.histograms and result is not None:
             extra = lambda writer, s: self._histograms(writer, s, result)  # noqa: E731
-        return self._sink.log(trainer, step, metrics, extra)
+        return self._loggers.log(trainer, step, metrics, extra)
 
     def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
         dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)

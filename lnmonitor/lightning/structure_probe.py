@@ -151,7 +151,7 @@ class StructureProbe(MonitorCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
         self.last, self._validations, self._measuring = None, 0, False
-        self._sink.setup(trainer)
+        self._loggers.setup(trainer)
         self._found = found = find_norms(pl_module)
         try:
             self._block_list = find_blocks(pl_module, found, self.blocks)
@@ -208,7 +208,7 @@ class StructureProbe(MonitorCallback):
         if self._capture is not None:
             self._capture.detach()
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         self._release()
 
     def _release(self) -> SequenceCapture | None:
@@ -227,7 +227,7 @@ class StructureProbe(MonitorCallback):
         if not measuring or capture is None:
             return
         if not capture.blocks:
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "no-block",
                 "StructureProbe: no residual block ran on a (..., time, width) input during "
                 "validation; nothing was probed",
@@ -237,12 +237,12 @@ class StructureProbe(MonitorCallback):
             result = self._probe(trainer.global_step, capture)
         except Exception as err:  # noqa: BLE001 - a probe must never stop the user's training
             self._block_list = []
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "off", off_message("StructureProbe", f"{type(err).__name__}: {err}")
             )
             return
         self.last = result
-        self._sink.log(trainer, trainer.global_step, result.metrics())
+        self._loggers.log(trainer, trainer.global_step, result.metrics())
 
     def _probe(self, step: int, capture: SequenceCapture) -> ProbeResult:
         result = ProbeResult(step=step, position=self.position)
@@ -271,7 +271,7 @@ class StructureProbe(MonitorCallback):
     @guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._validations == 0 and self._block_list and trainer.is_global_zero:
-            self._sink.warn_once(
+            self._loggers.warn_once(
                 "never-ran",
                 "StructureProbe never ran in this fit: it probes at the end of validation and no "
                 "validation ran. Add validation data, or run `lnmonitor analyze` on the checkpoint.",

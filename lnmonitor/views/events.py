@@ -68,7 +68,7 @@ def event_file_problem(path: Path) -> str | None:
 
 def read_run(folder: Path) -> Curves:
     """A run's scalars: from its event files when it has some, else from its ``metrics.csv``;
-    lnmonitor's names as every door logs them (a transformers.Trainer run's ``train/`` split
+    lnmonitor's names as every monitor logs them (a transformers.Trainer run's ``train/`` split
     taken off: ``train/lnmonitor/...`` reads as ``lnmonitor/...``)."""
     folder = Path(folder)
     if event_files(folder):

@@ -66,12 +66,12 @@ def monitor_columns(norms: Sequence, dtype, every_n_steps: int | None,
     return params, metrics
 
 
-def columns_message(owner: str, named: str, final: str | None) -> str:
+def columns_message(name: str, named: str, final: str | None) -> str:
     """What is said when the session's columns name ``named`` and a measured step then found the
     final norm to be ``final`` (None: no final norm): module order is not the order the forward
     runs, or the last norm's input flows on past it."""
     found = (f"the final norm is {final!r}; pass final_norm={final!r} to have its columns there" if final
              else "the model has no final norm (the last norm's input flows on past it)")
-    return (f"{owner}: the HPARAMS tab's columns show {named!r}'s eps/var and share, the final norm "
+    return (f"{name}: the HPARAMS tab's columns show {named!r}'s eps/var and share, the final norm "
             "expected when the fit started (TensorBoard keeps the session written then, before a step "
             f"could show the roles), but {found}. Said once.")

@@ -28,7 +28,7 @@ vector that meets the norm's projector in the backward pass. Medians and
 quantiles are over every row (token) of the measured step.
 
 Under a `transformers.Trainer` its TensorBoard and W&B integrations put `train/` before
-every name (`train/lnmonitor/sigma/<norm>`); the layout the Trainer door writes and
+every name (`train/lnmonitor/sigma/<norm>`); the layout the Trainer callback writes and
 `lnmonitor summarize` read them as the names here.
 
 | metric | meaning | units |

@@ -7,8 +7,8 @@
   drawn once at its end with matplotlib.
 
 Both take plain python numbers: nothing here knows Lightning or the hooks.
-:func:`step_picture` and :func:`over_training_picture` are what every door logs: the
-first from a measured step's figures, the second from the curves a door kept.
+:func:`step_picture` and :func:`over_training_picture` are what every monitor logs: the
+first from a measured step's figures, the second from the curves a monitor kept.
 """
 
 from __future__ import annotations

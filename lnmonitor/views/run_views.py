@@ -1,7 +1,7 @@
-"""What every door shows of a run beside its metrics, written once: the ladder's picture on
+"""What every monitor shows of a run beside its metrics, written once: the ladder's picture on
 measured steps, and at the end the ladder over training and the one-screen summary.
 
-A door keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
+A monitor keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
 (:meth:`RunViews.add`), offers it each measured step's result (:meth:`RunViews.step`) and ends
 it (:meth:`RunViews.end`); it gives the views ``write(tag, image, step)`` -- its framework's way
 to log an image, or None where there is none -- and a title.  A picture that fails turns the
@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from lnmonitor.core.output.metric_names import per_norm, run_metric
-from lnmonitor.views.summary import Trail, summary_text
+from lnmonitor.views.summary import RunCurves, summary_text
 
 __all__ = ["RunViews", "WriteImage"]
 
@@ -25,25 +25,25 @@ class RunViews:
     """The pictures and summary of one run.
 
     Args:
-        owner: the name warnings start with.
-        say, warn: the door's ``say(text)`` and ``warn(key, text)``.
+        name: the name warnings start with.
+        info, warn: the monitor's ``info(text)`` and ``warn(key, text)``.
         images: log the pictures at all.
         image_every_n_steps: the least number of steps between two ladder pictures (the last
             step gets one regardless).
-        summary: say the summary at the end.
+        summary: print the summary at the end.
     """
 
-    def __init__(self, owner: str, say: Callable[[str], None], warn: Callable[[str, str], None], *,
+    def __init__(self, name: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
                  images: bool, image_every_n_steps: int, summary: bool) -> None:
-        self.owner, self._say, self._warn = owner, say, warn
+        self.name, self._info, self._warn = name, info, warn
         self.images, self.image_every_n_steps, self.summary = images, image_every_n_steps, summary
-        self.trail = Trail(series=(per_norm("inv_sigma", ""),))
+        self.curves = RunCurves(series=(per_norm("inv_sigma", ""),))
         self._last_picture = -math.inf
         self._ended = False
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
-        """A dict the door logged at ``step``."""
-        self.trail.add(step, metrics)
+        """A dict the monitor logged at ``step``."""
+        self.curves.add(step, metrics)
 
     def step(self, write: WriteImage | None, result, step: int, last: bool = False) -> None:
         """A measured step's ladder picture, when ``image_every_n_steps`` have passed or it is
@@ -61,10 +61,10 @@ class RunViews:
         """Once per run: the ladder over training (a picture) and the summary titled ``title``
         (``watched``, ``start``, ``settings``: as :func:`~lnmonitor.views.summary.summary_text`
         takes them)."""
-        if self._ended or not self.trail:
+        if self._ended or not self.curves:
             return
         self._ended = True
-        curves = self.trail.curves()
+        curves = self.curves.curves()
         if write is not None and self.images:
             from lnmonitor.views.pictures import over_training_picture
 
@@ -72,11 +72,11 @@ class RunViews:
             if heatmap is not None:
                 self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
         if self.summary:
-            self._say(summary_text(curves, title, watched, start, settings))
+            self._info(summary_text(curves, title, watched, start, settings))
 
     def _picture(self, write: WriteImage, tag: str, draw: Callable, step: int) -> None:
         try:
             write(tag, draw(), step)
         except Exception as err:  # noqa: BLE001 - a picture must never stop training
             self.images = False
-            self._warn("images", f"{self.owner}: no more pictures ({err!r}); the metrics go on")
+            self._warn("images", f"{self.name}: no more pictures ({err!r}); the metrics go on")

@@ -8,7 +8,7 @@ dead-plane share against the random baseline), the attenuation and growth and ho
 moved since the first logged step, the norms that are not rungs, and the final norm's
 invariance residuals; :func:`comparison_lines` sets several runs side by side.
 :func:`ladder_of` orders the rungs by ``lnmonitor/ladder_position/<norm>`` (logged once
-per fit).  :class:`Trail` is what a monitor keeps of its curves for its end-of-fit views,
+per fit).  :class:`RunCurves` is what a monitor keeps of its curves for its end-of-fit views,
 in a bounded size.
 """
 
@@ -35,7 +35,7 @@ from lnmonitor.core.output.metric_names import (
 from lnmonitor.views.names import NAME_WIDTH, name_prefix, short_names
 
 __all__ = [
-    "Curves", "Trail", "comparison_lines", "health_lines", "invariance_lines", "invariance_summary",
+    "Curves", "RunCurves", "comparison_lines", "health_lines", "invariance_lines", "invariance_summary",
     "ladder_grid", "ladder_lines", "ladder_of", "settings_lines",
     "last", "summary_text",
 ]
@@ -48,7 +48,7 @@ def last(curves: Curves, tag: str) -> float:
     return float(points[-1][1]) if points else math.nan
 
 
-class Trail:
+class RunCurves:
     """What a monitor keeps of its own curves for its end-of-fit summary and pictures, in
     a size that does not grow with the fit: the first and last point of every tag, and the
     whole series of the tags starting with one of ``series``, thinned to at most
@@ -151,7 +151,7 @@ def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None 
 
 def invariance_summary(final_norm: str | None, step: int, metrics: Mapping[str, float],
                        settings: Mapping[str, object] | None = None) -> str:
-    """The summary of one invariance point (``metrics`` of ``step``): its residuals per case."""
+    """The summary of one probe run (``metrics`` of ``step``): its residuals per case."""
     point = {tag: [(step, value)] for tag, value in metrics.items() if math.isfinite(value)}
     return "\n".join([f"lnmonitor summary: final norm {final_norm!r}", *settings_lines(settings),
                       *invariance_lines(point)])

@@ -151,7 +151,7 @@ class Trainer:
         self.model = build(arch, depth, self.vocab_size, seed)
         self.base_lr = BASE_LR[arch]
         self.opt = make_optimizer(self.model, self.base_lr)
-        self.meter = LadderMeter(self.model, say=lambda _: None, warn=lambda *a: None, watch_growth=False)
+        self.meter = LadderMeter(self.model, info=lambda _: None, warn=lambda *a: None, watch_growth=False)
         self.gains = [(i.name, i.module.weight) for i in self.meter.norms
                       if isinstance(getattr(i.module, "weight", None), torch.nn.Parameter)]
         self.prev: dict[str, tuple[float, float]] = {}  # norm -> (share median, 1/sigma) last step

@@ -227,7 +227,7 @@ def run(spec: HeldOutRun, start: dict[str, torch.Tensor] | None = None) -> dict:
     model = build(spec.family)
     if spec.fine_tune:
         model.load_state_dict(start if start is not None else checkpoint(spec.seed))
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda key, text: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda key, text: None)
     record = {"family": spec.family, "name": spec.name, "lr": spec.lr, "warmup": spec.warmup,
               "seed": spec.seed, "reference": spec.reference, "fine_tune": spec.fine_tune, "steps": STEPS,
               "measure_every": MEASURE_EVERY, "loss": [], "grad_norm": [], "growth": [], "measured": []}

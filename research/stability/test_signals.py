@@ -81,7 +81,7 @@ def test_scale_tap_sees_each_layer_on_the_step_only():
 
 
 def _measured(model, x):
-    meter, tap = LadderMeter(model, say=lambda _: None), ScaleTap()
+    meter, tap = LadderMeter(model, info=lambda _: None), ScaleTap()
     meter.start()
     tap.start()
     model(x, x)[1].backward()
@@ -116,7 +116,7 @@ def test_the_vanished_share_is_the_largest_over_norms_of_rows_whose_gradient_van
     keep = torch.arange(16) < 6
     handle = model.blocks[1].register_forward_pre_hook(
         lambda module, args: (torch.where(keep[:, None], args[0], args[0].detach()),))
-    meter = LadderMeter(model, say=lambda _: None, warn=lambda *_: None)
+    meter = LadderMeter(model, info=lambda _: None, warn=lambda *_: None)
     with meter.step():
         model(x, x)[1].backward()
     handle.remove()

@@ -136,7 +136,7 @@ def run_config(config: Config, seed: int, text: str) -> dict:
     optimizer, schedule = (optim, None) if not isinstance(optim, dict) else \
         (optim["optimizer"], optim["lr_scheduler"]["scheduler"])
     val = data.val_batches()
-    meter, tap = LadderMeter(module.model, say=lambda _: None), ScaleTap()
+    meter, tap = LadderMeter(module.model, info=lambda _: None), ScaleTap()
     losses, grad_norms, measured, curve = [], [], [], []
     windows = RandomWindows(data.train_tokens, recipe.context, recipe.batch_size, seed, recipe.max_steps)
     for step, (x, y) in enumerate(windows):

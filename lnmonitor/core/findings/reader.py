@@ -11,7 +11,7 @@ step's growth (:meth:`FindingsReader.read_growth`, from the meter's every-step w
 judged against the fit's first measured step: a ladder that was tall when the fit began is a
 fact of the checkpoint, said as information, never a finding.  Each kind is raised
 once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
-``on_finding(finding)`` (a user can lower the lr there; returning True asks the door to stop the
+``on_finding(finding)`` (a user can lower the lr there; returning True asks the monitor to stop the
 run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
 Lightning.
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KINDS", "START_GROWTH", "TALL_AT_START", "Finding", "FindingKind", "FindingsReader", "Reading",
-    "door_reader", "every_step", "finding_thresholds", "health", "long_form", "reads_growth",
+    "every_step", "finding_thresholds", "findings_reader", "health", "long_form", "reads_growth",
     "state_from_health", "state_from_log", "tall_start_message",
 ]
 
@@ -139,7 +139,7 @@ class Finding:
 class Reading:
     """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
     no longer do), ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far) and
-    ``stop`` (``on_finding`` returned True for one of them: the door stops the run)."""
+    ``stop`` (``on_finding`` returned True for one of them: the monitor stops the run)."""
 
     raised: list[Finding] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
@@ -175,9 +175,9 @@ class FindingsReader:
         thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
             kind off); the testbed's figures in each message are for the default thresholds.
         on_finding: called with each :class:`Finding` once per kind per fit; returning True
-            asks the door to stop the run; an exception from it is said once and it is not
+            asks the monitor to stop the run; an exception from it is said once and it is not
             called again (training goes on).
-        owner: the name messages start with.
+        name: the name messages start with.
         warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
 
     Raises:
@@ -186,13 +186,14 @@ class FindingsReader:
     """
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
-                 on_finding: Callable[[Finding], object] | None = None, owner: str = "lnmonitor",
-                 warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> None:
+                 on_finding: Callable[[Finding], object] | None = None, name: str = "lnmonitor",
+                 warn: Callable[[str], None] | None = None,
+                 info: Callable[[str], None] | None = None) -> None:
         self.thresholds = _thresholds(thresholds, "thresholds")
         self.on_finding = function(on_finding, "on_finding", "on_finding(finding)")
-        self.owner = owner
+        self.name = name
         self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
-        self._say = say or (lambda message: None)
+        self._info = info or (lambda message: None)
         self.raised: dict[str, Finding] = {}
         self.holding: set[str] = set()
         self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
@@ -214,7 +215,7 @@ class FindingsReader:
         if self.start is None and math.isfinite(growth) and growth > 0:
             self.start, self.first = (step, growth), self.last
             if growth > TALL_AT_START:
-                self._say(tall_start_message(self.owner, step, growth))
+                self._info(tall_start_message(self.name, step, growth))
         reading = self._judge(step, signals)
         if self.pending_loss is None:
             return reading
@@ -232,7 +233,7 @@ class FindingsReader:
     def read_loss(self, step: int, loss: float) -> Reading:
         """The training loss of step ``step``: only ``loss_blowup`` is judged, by the
         :class:`~lnmonitor.core.findings.loss_rule.LossRule`.  When the rule first fires it is kept
-        in :attr:`pending_loss` (nothing said yet): the door measures its next step, and
+        in :attr:`pending_loss` (nothing said yet): the monitor measures its next step, and
         :meth:`read` then says it with what the norms did between the measured step before and that
         one (:func:`~lnmonitor.core.findings.loss_rule.what_the_norms_did`; :meth:`say_pending_loss`
         says it without, where nothing can be measured)."""
@@ -288,7 +289,7 @@ class FindingsReader:
         seen = kind.seen.format(value=value, threshold=threshold, step=step, start=start,
                                 growth=signals.get("growth", math.nan), loss=signals.get("loss", math.nan),
                                 minimum=signals.get("loss_minimum", math.nan), diagnosis=diagnosis)
-        return f"{self.owner}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
+        return f"{self.name}: {seen}. Try: {kind.advice}. More: {kind.anchor}."
 
     def _say_finding(self, finding: Finding) -> bool:
         """Warn, and call ``on_finding``; True when it asks to stop the run."""
@@ -299,7 +300,7 @@ class FindingsReader:
             return self.on_finding(finding) is True
         except Exception as err:  # noqa: BLE001 - the user's callable must not stop training
             self.on_finding = None
-            self._warn(f"{self.owner}: on_finding raised {type(err).__name__}: {err}; it is not called "
+            self._warn(f"{self.name}: on_finding raised {type(err).__name__}: {err}; it is not called "
                        "again in this fit (training goes on). To stop the run from it, return True.")
             return False
 
@@ -333,7 +334,7 @@ def state_from_health(points: Iterable[tuple[int, str, float]],
                       start: tuple[int, float] | None = None) -> dict:
     """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
     ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
-    order (a door that keeps no state of its own keeps each change of those values) and the fit's
+    order (a monitor that keeps no state of its own keeps each change of those values) and the fit's
     ``start`` ``(step, growth)`` when it was kept: a kind with a value 1 is raised, at the step of
     its first (its value, threshold and message were not kept: NaN and a note), and holds when its
     last value is 1.  Kinds this version does not know are left out; no points and no start: a
@@ -357,7 +358,7 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
     """:func:`state_from_health` of a framework's log of dicts, each with its ``step`` (the
     Trainer's ``log_history``, restored from a checkpoint; empty on a fresh fit): every
     ``lnmonitor/health/<kind>`` in it, in its order, and the first ``lnmonitor/ladder/growth``
-    as the fit's start (a door keeps that one at the fit's start for this)."""
+    as the fit's start (a monitor keeps that one at the fit's start for this)."""
     points, start = [], None
     for entry in entries:
         if "step" not in entry:
@@ -371,9 +372,9 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
     return state_from_health(points, start)
 
 
-def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
-                say: Callable[[str], None] | None = None) -> FindingsReader | None:
-    """The reader a door builds from its ``findings`` argument (None: the default thresholds;
+def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
+                    info: Callable[[str], None] | None = None) -> FindingsReader | None:
+    """The reader a monitor builds from its ``findings`` argument (None: the default thresholds;
     a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
     the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
     thresholds = finding_thresholds(findings)
@@ -385,7 +386,7 @@ def door_reader(findings, on_finding, speaks: Callable[[], bool], owner: str,
         if speaks():
             warn_at_user(message, HealthWarning)
 
-    return FindingsReader(thresholds=thresholds, on_finding=on_finding, owner=owner, warn=warn, say=say)
+    return FindingsReader(thresholds=thresholds, on_finding=on_finding, name=name, warn=warn, info=info)
 
 
 def finding_thresholds(findings) -> dict[str, float | None] | None:
@@ -402,7 +403,7 @@ def finding_thresholds(findings) -> dict[str, float | None] | None:
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
            stop: Callable[[], object]) -> dict[str, float]:
-    """What a door does with a measured step's findings, in one call: read them (warn, call
+    """What a monitor does with a measured step's findings, in one call: read them (warn, call
     ``on_finding``), call ``stop()`` when ``on_finding`` asked to stop, and return the
     ``lnmonitor/health/<kind>`` metrics to log with the step's (empty without a reader)."""
     if reader is None:
@@ -415,7 +416,7 @@ def health(reader: FindingsReader | None, step: int, result: LadderResult | None
 
 def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: int,
                stop: Callable[[], object]) -> Reading:
-    """What a door does at the end of every optimizer step ``step``: close it for the meter's
+    """What a monitor does at the end of every optimizer step ``step``: close it for the meter's
     every-step growth and read that (a finding is said at the step the growth crosses, on an
     accelerator the step after); ``stop()`` when ``on_finding`` asked to stop."""
     if reader is None or meter is None:
@@ -430,14 +431,14 @@ def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: i
 
 
 def reads_growth(reader: FindingsReader | None) -> bool:
-    """Whether ``reader`` judges a kind read from the ladder's growth: a door's meter watches the
+    """Whether ``reader`` judges a kind read from the ladder's growth: a monitor's meter watches the
     growth on every step only then."""
     return reader is not None and any(
         kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())
 
 
-def tall_start_message(owner: str, step: int, growth: float) -> str:
-    return (f"{owner}: the ladder is already {growth:,.0f}x at the fit's first step ({step}, before any "
+def tall_start_message(name: str, step: int, growth: float) -> str:
+    return (f"{name}: the ladder is already {growth:,.0f}x at the fit's first step ({step}, before any "
             "update): a fact of the model this fit starts from (a pretrained checkpoint's stream grows "
             "tens to hundreds of times over depth), not a finding; stream_growth judges the growth from "
             "here.")

@@ -53,7 +53,7 @@ device) are restored afterwards; everything runs under ``torch.no_grad()``, eage
 Is the norm final?  :mod:`lnmonitor.core.invariance.final_norm` finds it and checks it; the result
 types are in :mod:`lnmonitor.core.invariance.results`, the loss contract in
 :mod:`lnmonitor.core.invariance.loss_contract`, the sweep's fit in :mod:`lnmonitor.core.invariance.sweep`, and
-the stateful probe the doors drive in :mod:`lnmonitor.core.invariance.probe`.
+the stateful probe the monitors drive in :mod:`lnmonitor.core.invariance.probe`.
 """
 
 from __future__ import annotations

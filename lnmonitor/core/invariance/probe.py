@@ -1,6 +1,6 @@
-"""The final-norm invariance probe of one model, with its state: run whenever a door decides.
+"""The final-norm invariance probe of one model, with its state: run whenever a monitor decides.
 
-Every door (the Lightning callback, the transformers.Trainer callback, the plain loop)
+Every monitor (the Lightning callback, the transformers.Trainer callback, the plain loop's)
 drives one :class:`InvarianceProbe`: it finds the final norm once, checks once that it is
 final (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), and keeps the last point so
 that a point probed without its sweep can get the sweep alone.
@@ -43,7 +43,7 @@ class InvarianceProbe:
 
     ``InvarianceProbe(model).run(batch)`` takes the final norm on the first run by the meter's
     rule (:func:`~lnmonitor.core.norms.roles.assign_roles`: the last norm to run whose input
-    reaches the loss through it alone): ``final_norm`` when named; else the meter's, when a door
+    reaches the loss through it alone): ``final_norm`` when named; else the meter's, when a monitor
     hands its ``meter`` (:attr:`~lnmonitor.core.meter.meter.LadderMeter.final`, once a measured
     step found it); else the last of ``norms`` to run on ``batch``.  It checks once with
     :func:`final_norm_bypass` that the loss reaches its input only through it (else raises
@@ -81,13 +81,13 @@ class InvarianceProbe:
         self.last_step = -1
 
     def sweep_missing(self, step: int) -> bool:
-        """Whether the point of ``step`` was probed last, without its sweep (see :meth:`point`)."""
+        """Whether ``step`` was probed last, without its sweep (see :meth:`point`)."""
         return step == self.last_step and self.last is not None and not self.last.sweep and bool(self.scales)
 
     def point(self, batch, step: int, *, sweep: bool) -> tuple[InvarianceResult, dict[str, float]]:
-        """The point of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
-        the cases; the sweep is 7 replayed passes more).  A point probed last without its sweep gets the
-        sweep alone, added to it.  Returns the point's result and its finite metrics that are new."""
+        """The probe run of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
+        the cases; the sweep is 7 replayed passes more).  A step probed last without its sweep gets the
+        sweep alone, added to it.  Returns the run's result and its finite metrics that are new."""
         if sweep and self.sweep_missing(step):
             last, swept = self.last, self.run(batch, cases=False)
             result = replace(last, sweep=swept.sweep, slope=swept.slope, constant=swept.constant,

@@ -153,11 +153,11 @@ def _read(loader, size: int | None, warn: Callable[[str], None]) -> list:
 
 
 def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
-                  say: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None):
+                  info: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None):
     """The first ``size`` samples of a loader (or of the first of a list or dict of them),
     gathered from as many batches as it takes and joined (see the module docstring); None
     when there is none.  ``pad``: the id ``input_ids`` are padded with (default 0, said);
-    ``say`` gets what was padded, ``warn`` why a batch could not be joined or read (once
+    ``info`` gets what was padded, ``warn`` why a batch could not be joined or read (once
     per call each; None: not said).  Never raises on the loader's account."""
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
@@ -180,10 +180,10 @@ def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
             break
         used += 1
     widths = {t.shape[1] for b in batches[:used] for t in _id_tensors(b)}
-    if say is not None and len(widths) > 1:
-        say(f"the probe rows join {used} batches padded to different lengths ({min(widths)} to "
-            f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
-            f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
+    if info is not None and len(widths) > 1:
+        info(f"the probe rows join {used} batches padded to different lengths ({min(widths)} to "
+             f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
+             f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
     return joined
 
 

@@ -53,10 +53,10 @@ def _clone(out):
     if isinstance(out, list):
         return [_clone(v) for v in out]
     if isinstance(out, Mapping):
-        twin = copy.copy(out)
+        cloned = copy.copy(out)
         for key, value in out.items():
-            twin[key] = _clone(value)
-        return twin
+            cloned[key] = _clone(value)
+        return cloned
     return out
 
 

@@ -1,5 +1,5 @@
 """One measured step, from the hooks to the finished numbers: ``meter`` (the
-:class:`~lnmonitor.core.meter.meter.LadderMeter` every door drives, and the path one number
+:class:`~lnmonitor.core.meter.meter.LadderMeter` every monitor drives, and the path one number
 takes, written at its top), ``taps`` and ``bypass`` (the hooks of one step), ``step_rows`` and
 ``row_stats`` (a step's rows, then each norm's statistics), ``ladder`` (every figure reported
 about a step's norms), ``messages`` (what the meter says, in words), ``padding`` (which rows

@@ -40,8 +40,8 @@ def row_rms(x: Tensor) -> Tensor:
 
 def _median_row_norm(x: Tensor) -> Tensor:
     """The median of the rows' Euclidean norms: ``row_rms`` times ``sqrt(width)`` (the square
-    root preserves the order), two kernels on every step.  A float64 stream (a probe's exact
-    twin) is reduced in float64 and the result rounded to float32."""
+    root preserves the order), two kernels on every step.  A float64 stream (a probe's float64
+    reference) is reduced in float64 and the result rounded to float32."""
     if x.dtype == torch.float64:  # vector_norm refuses to narrow
         return torch.linalg.vector_norm(x.detach(), dim=-1).median().float()
     return torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32).median()

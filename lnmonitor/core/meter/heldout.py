@@ -71,5 +71,5 @@ def held_out_result(
     result = meter.result(counts=counts, label=label)
     if result is None:
         why = meter.off_reason or "no selected norm ran with gradient on the held-out batches"
-        raise ValueError(f"{meter.owner}: nothing was measured: {why}")
+        raise ValueError(f"{meter.name}: nothing was measured: {why}")
     return result

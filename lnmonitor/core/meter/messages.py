@@ -2,7 +2,7 @@
 
 :class:`~lnmonitor.core.meter.meter.LadderMeter` decides (roles, stacks, which norms had no row)
 and these functions say it: each takes what was decided and returns the sentence, so the
-meter reads as start, stop, result.  Every message starts with ``owner``, the name of the
+meter reads as start, stop, result.  Every message starts with ``name``, the name of the
 monitor the user made (``LayerNormMonitor``, ``LNMonitorCallback``, ...).
 """
 
@@ -53,104 +53,104 @@ def span(rungs: Sequence[str], final: str | None) -> str:
             f"final norm {repr(final) if final else 'none'}")
 
 
-def roles_message(owner: str, roles: Roles, ladder_named: bool) -> str:
+def roles_message(name: str, roles: Roles, ladder_named: bool) -> str:
     """What the roles found: each stack's ladder and the norms of other roles (said once)."""
     main, models = roles.main, ", the model's ladder (its final norm is the one before the logits),"
     if len(roles.ladders) == 1:
-        said = f"{owner}: the ladder has {span(roles.ladders[main], roles.finals.get(main))}"
+        said = f"{name}: the ladder has {span(roles.ladders[main], roles.finals.get(main))}"
     else:
         each = [f"{stack!r}{models if stack == main else ''} has {span(names, roles.finals.get(stack))}"
                 + (f", logged as {ladder_metric('...', '' if stack == main else stack)}"
                    if len(names) > 1 else "") for stack, names in roles.ladders.items()]
-        said = (f"{owner}: {len(roles.ladders)} stacks, each its own residual stream and ladder: "
+        said = (f"{name}: {len(roles.ladders)} stacks, each its own residual stream and ladder: "
                 + "; ".join(each))
     if roles.others:
         groups = sorted({role for _, role in roles.others})
         said += (f"; {len(roles.others)} norms of other roles ({', '.join(groups)}: "
-                 f"{some([name for name, _ in roles.others], 3)}) "
+                 f"{some([norm for norm, _ in roles.others], 3)}) "
                  "are measured but are not rungs")
     return said + (" (as ladder=... says)." if ladder_named else "; ladder=[...] names the rungs instead.")
 
 
-def short_ladder_message(owner: str, roles: Roles) -> str | None:
+def short_ladder_message(name: str, roles: Roles) -> str | None:
     """Why no attenuation or growth is logged for a ladder of fewer than two rungs, or None."""
     short = {stack: names for stack, names in roles.ladders.items() if len(names) < 2}
     if not short:
         return None
     count = sum(len(names) for names in short.values())
-    post = [name for stack in short for name in roles.post.get(stack, ())]
+    post = [norm for stack in short for norm in roles.post.get(stack, ())]
     why = (f"no pre-norm ladder: {len(post)} norms normalise a sublayer's output (post-LN, as "
            "BERT's), and sigma is logged per norm" if post and len(post) >= count else
            "only these norms read the residual stream")
     which = (f"the ladder has {count} rung(s)" if len(roles.ladders) == 1 else ", ".join(
         f"the ladder of {stack!r} has {len(names)} rung(s)" for stack, names in short.items()))
-    return (f"{owner}: {which}, so no attenuation or growth is "
+    return (f"{name}: {which}, so no attenuation or growth is "
             f"logged: {why}. Name the rungs with ladder=[...] if they are others.")
 
 
-def reused_message(owner: str, names: Sequence[str]) -> str:
-    return (f"{owner}: the forward calls {some(names)} "
+def reused_message(name: str, names: Sequence[str]) -> str:
+    return (f"{name}: the forward calls {some(names)} "
             "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
             "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
             "depth each. Said once.")
 
 
-def unmeasured_message(owner: str, label: str, missing: Sequence[str], selected: int) -> str:
+def unmeasured_message(name: str, label: str, missing: Sequence[str], selected: int) -> str:
     """Selected norms had no row in a measured step (never zero data without a word): a norm
     the forward does not call, or a model run by code the hooks cannot see."""
     if len(missing) == selected:
         what = f"none of the {len(missing)} selected norms ran with gradient"
     else:
         what = f"{len(missing)} of the {selected} selected norms did not run with gradient"
-    return (f"{owner}: {what} during {label} ({some(missing, 8)}), so nothing is logged for them. "
+    return (f"{name}: {what} during {label} ({some(missing, 8)}), so nothing is logged for them. "
             "Either the "
             "forward does not call these modules (leave them out with exclude=[...]) or it runs "
             "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
             "TorchScript). Said once.")
 
 
-def no_backward_message(owner: str, label: str) -> str:
-    return (f"{owner}: {label} ran its forward but no backward (the training step returned no "
+def no_backward_message(name: str, label: str) -> str:
+    return (f"{name}: {label} ran its forward but no backward (the training step returned no "
             "loss?): nothing is logged for it.")
 
 
-def padding_message(owner: str, source: str | None) -> str:
-    return (f"{owner}: {source} marks padding; its rows are left out of every "
+def padding_message(name: str, source: str | None) -> str:
+    return (f"{name}: {source} marks padding; its rows are left out of every "
             "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
             "Said once.")
 
 
-def unmasked_message(owner: str, source: str | None, names: Sequence[str]) -> str:
-    return (f"{owner}: {source} does not line up with the rows of "
+def unmasked_message(name: str, source: str | None, names: Sequence[str]) -> str:
+    return (f"{name}: {source} does not line up with the rows of "
             f"{some(names)}: their statistics count "
             "every row, padding included. Pass row_mask= for them, or leave them out with exclude=. "
             "Said once.")
 
 
-def zero_grad_message(owner: str, zero: Sequence[tuple[str, int]]) -> str:
+def zero_grad_message(name: str, zero: Sequence[tuple[str, int]]) -> str:
     """Rows without gradient because their position has no target: ``[(norm, rows), ...]``, the
     first named."""
-    (name, count), more = zero[0], " (and of other norms)" if len(zero) > 1 else ""
-    return (f"{owner}: {count} rows of {name}{more} carry no gradient because their position has no "
+    (norm, count), more = zero[0], " (and of other norms)" if len(zero) > 1 else ""
+    return (f"{name}: {count} rows of {norm}{more} carry no gradient because their position has no "
             "target (the final norm has none there either: a label of -100, e.g. a masked prompt or "
             "a packing separator, or a causal LM's last token): they have no share and are counted in "
             "zero_grad_rows, not in skipped_rows, which counts faults (non-finite or constant rows). "
             "Said once.")
 
 
-def vanished_grad_message(owner: str, vanished: Sequence[tuple[str, int, int]]) -> str:
+def vanished_grad_message(name: str, vanished: Sequence[tuple[str, int, int]]) -> str:
     """Rows whose position had a target and whose gradient vanished: ``[(norm, rows, of rows),
     ...]``, the largest share named."""
-    name, count, rows = max(vanished, key=lambda v: v[1] / max(v[2], 1))
+    norm, count, rows = max(vanished, key=lambda v: v[1] / max(v[2], 1))
     more = f" (and rows of {len(vanished) - 1} other norms)" if len(vanished) > 1 else ""
-    return (f"{owner}: {count} of {rows} rows of {name}{more} carry no gradient where the final norm's "
+    return (f"{name}: {count} of {rows} rows of {norm}{more} carry no gradient where the final norm's "
             "rows at the same positions do (their position had a target): a gradient that vanished, a "
             "fault (saturated attention or activations, a collapsing stream), counted in "
             "vanished_grad_rows. Said once.")
 
 
-def forward_only_message(owner: str, names: Sequence[str]) -> str:
-    return (f"{owner}: no gradient reaches {some(names)} "
+def forward_only_message(name: str, names: Sequence[str]) -> str:
+    return (f"{name}: no gradient reaches {some(names)} "
             "(frozen inputs and gain, e.g. frozen embeddings or LoRA): their sigma, rms, eps/var and "
             "transmission come from the forward, and they have no share. Said once.")
 
@@ -162,35 +162,35 @@ def off_reason(err: BaseException) -> str:
             "misreads, leave it out with exclude=[...].")
 
 
-def narrow_message(owner: str, name: str, width: int, dead_dim: int, kind: str) -> str:
+def narrow_message(name: str, norm: str, width: int, dead_dim: int, kind: str) -> str:
     """The refusal of a norm no wider than its dead subspace."""
-    return (f"{owner}: norm {name!r} has width {width}, not more than its "
+    return (f"{name}: norm {norm!r} has width {width}, not more than its "
             f"dead-subspace dimension {dead_dim} ({kind} norm): the dead subspace "
             f"is the whole space and the share is trivially 1. Leave it out with "
-            f"exclude=[{name!r}].")
+            f"exclude=[{norm!r}].")
 
 
-def layout_message(owner: str, refused: Mapping[str, str]) -> str:
-    """Norms whose rows are laid out across processes where they cannot be read: ``{name: why}``."""
-    return (f"{owner}: the rows of {len(refused)} norm(s) are laid out across processes in a way they "
+def layout_message(name: str, refused: Mapping[str, str]) -> str:
+    """Norms whose rows are laid out across processes where they cannot be read: ``{norm: why}``."""
+    return (f"{name}: the rows of {len(refused)} norm(s) are laid out across processes in a way they "
             "cannot be read from, so they are not measured (the other norms are): "
-            + "; ".join(f"{name}: {why}" for name, why in list(refused.items())[:4])
+            + "; ".join(f"{norm}: {why}" for norm, why in list(refused.items())[:4])
             + ("; ..." if len(refused) > 4 else "") + ". Said once.")
 
 
-def compiled_message(owner: str) -> str:
-    return (f"{owner}: the model is compiled (torch.compile); its measured steps run eagerly "
+def compiled_message(name: str) -> str:
+    return (f"{name}: the model is compiled (torch.compile); its measured steps run eagerly "
             "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, "
             "and the other steps run the compiled code, which runs no hook added after it compiled: "
             "there the findings read the ladder's growth on the measured steps only, not every step.")
 
 
-def decoder_padding_message(owner: str) -> str:
-    return (f"{owner}: the batch marks the encoder's padding (attention_mask) but not the "
+def decoder_padding_message(name: str) -> str:
+    return (f"{name}: the batch marks the encoder's padding (attention_mask) but not the "
             "decoder's (no decoder_attention_mask): the decoder's norms count every row, padding "
             "included. Pass decoder_attention_mask, or row_mask=. Said once.")
 
 
-def row_mask_message(owner: str, err: BaseException) -> str:
-    return (f"{owner}: the row mask failed ({type(err).__name__}: {err}); every "
+def row_mask_message(name: str, err: BaseException) -> str:
+    return (f"{name}: the row mask failed ({type(err).__name__}: {err}); every "
             "row is measured from now on (training goes on).")

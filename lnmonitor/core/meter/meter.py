@@ -34,8 +34,8 @@ The path of one number, the dead-plane share median of one norm, from the hook t
     monitor.after_step.AfterStep -> monitor.monitor.Monitor.log -> the callback's logger
 
 The meter never raises into training: a hook that cannot measure the model turns it off
-(:attr:`LadderMeter.off_reason`, said once); it speaks through ``say`` and ``warn`` (once per
-key), by default a :class:`~lnmonitor.core.monitor.shared.Voice`; its words are
+(:attr:`LadderMeter.off_reason`, said once); it speaks through ``info`` and ``warn`` (once per
+key), by default a :class:`~lnmonitor.core.monitor.shared.Messages`; its words are
 :mod:`lnmonitor.core.meter.messages`.
 """
 
@@ -58,7 +58,7 @@ from lnmonitor.core.meter.padding import RowMasks
 from lnmonitor.core.meter.processes import StepMaximum, merge_processes, several_processes
 from lnmonitor.core.meter.row_stats import RowStats, count_targets, histogram_rows, read
 from lnmonitor.core.meter.taps import NormTap
-from lnmonitor.core.monitor.shared import Voice, off_message
+from lnmonitor.core.monitor.shared import Messages, off_message
 from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
@@ -101,12 +101,12 @@ class LadderMeter:
             inputs.  None (default): :func:`~lnmonitor.core.meter.padding.padding_mask` (an
             encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
             counts.
-        owner: the name messages start with (the callback's class name).
-        say: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Voice`'s: the
+        name: the name messages start with (the callback's class name).
+        info: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Messages`'s: the
             ``lnmonitor`` logger when logging is configured, else standard error).
         warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
         watch_growth: take the ladder's growth on every training step once the roles are known
-            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a door
+            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a monitor
             turns it off when no finding reads it, so it costs nothing there.
 
     Raises:
@@ -124,31 +124,31 @@ class LadderMeter:
         final_norm: str | None = None,
         ladder: str | Sequence[str] | None = None,
         row_mask: Callable | bool | None = None,
-        owner: str = "LadderMeter",
-        say: Callable[[str], None] | None = None,
+        name: str = "LadderMeter",
+        info: Callable[[str], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
         watch_growth: bool = True,
     ) -> None:
-        self.owner = owner
+        self.name = name
         self.final_norm = final_norm
         self.ladder = ladder
-        voice = Voice()
-        self._say = say or voice.say
-        self._warn = warn or voice.warn
+        default = Messages()
+        self._info = info or default.info
+        self._warn = warn or default.warn
         self.model = unwrap(model)  # names and inputs are the user's model's, whatever wraps it
-        self.norms = choose_norms(model, include, exclude, final_norm, owner, self._warn)
+        self.norms = choose_norms(model, include, exclude, final_norm, name, self._warn)
         wrapper = unknown_wrapper(self.model)
         if wrapper:
             self._warn("wrapper", (
-                f"{owner}: {type(self.model).__name__} looks like a wrapper lnmonitor does not know "
+                f"{name}: {type(self.model).__name__} looks like a wrapper lnmonitor does not know "
                 f"({wrapper} holds the model): every norm's name starts with it. Pass the model inside it "
                 "to keep the "
                 "names the same whatever wraps the model. Said once."))
-        for info in self.norms:
-            if info.width is not None and info.width <= info.dead_dim:
-                raise NormSelectionError(messages.narrow_message(owner, info.name, info.width, info.dead_dim,
-                                                              info.kind))
-        self._names = [info.name for info in self.norms]
+        for norm in self.norms:
+            if norm.width is not None and norm.width <= norm.dead_dim:
+                raise NormSelectionError(messages.narrow_message(name, norm.name, norm.width, norm.dead_dim,
+                                                                 norm.kind))
+        self._names = [norm.name for norm in self.norms]
         self.layout = Layout(len(self.norms))
         self.order: list[str] = []
         self.roles_known = False
@@ -169,17 +169,17 @@ class LadderMeter:
         # an encoder-decoder's decoder norms: their padding is the batch's decoder_attention_mask
         named = stack_of([n.name for n in self.norms])
         decoder = {i for i, n in enumerate(self.norms) if named[n.name].rsplit(".", 1)[-1] == "decoder"}
-        self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), owner, self._warn)
+        self._rows = RowMasks(row_mask, decoder, len(self.norms), lambda: _device(model), name, self._warn)
         self._inputs_hooks = Hooks()  # the model's keyword inputs, for their padding mask
         self.refused: dict[str, str] = {}  # norms whose DTensor layout the taps cannot read, and why
         self._watch = GrowthWatch()  # the ladder's growth on every step, once the roles are known
         self._across: StepMaximum | None = None  # of several processes: its maximum over them
         self.watch_growth = watch_growth
-        said = measured_eps_message(owner, self.norms)
+        said = measured_eps_message(name, self.norms)
         if said:
-            self._say(said)
+            self._info(said)
         if compiled(model):
-            self._say(messages.compiled_message(owner))
+            self._info(messages.compiled_message(name))
 
     # -- one measured step -------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class LadderMeter:
         rows = self._tap.collect()
         if self._tap.error is not None:  # a hook could not measure this model: say so, stop
             self.off_reason = messages.off_reason(self._tap.error)
-            self._warn("off", off_message(self.owner, self.off_reason))
+            self._warn("off", off_message(self.name, self.off_reason))
             self._pending = None
             return
         if rows.order:
@@ -282,7 +282,7 @@ class LadderMeter:
     def _say_watch_error(self) -> None:
         error = self._watch.error
         if error is not None:
-            self._warn("growth-watch", f"{self.owner}: the every-step growth stopped: its hook could not "
+            self._warn("growth-watch", f"{self.name}: the every-step growth stopped: its hook could not "
                                        f"read the stream ({type(error).__name__}: {error}); the findings "
                                        "read the growth on measured steps from here.")
 
@@ -327,10 +327,10 @@ class LadderMeter:
         unmeasured = [info.name for info, s in zip(self.norms, row_stats, strict=True)
                       if s.rows == 0 and info.name not in self.refused]
         if len(unmeasured) == len(self.norms) and self._ran_forward:
-            self._say(messages.no_backward_message(self.owner, label))
+            self._info(messages.no_backward_message(self.name, label))
             return None
         if unmeasured:
-            said = messages.unmeasured_message(self.owner, label, unmeasured, len(self.norms))
+            said = messages.unmeasured_message(self.name, label, unmeasured, len(self.norms))
             self._warn("unmeasured", said)
             if len(unmeasured) == len(self.norms):
                 return None
@@ -358,27 +358,27 @@ class LadderMeter:
         if not new:
             return
         self.refused.update(new)
-        self._warn(f"layout:{','.join(sorted(new))}", messages.layout_message(self.owner, new))
+        self._warn(f"layout:{','.join(sorted(new))}", messages.layout_message(self.name, new))
 
     def _say_conditions(self, row_stats: list[RowStats]) -> None:
         """Say once what this step's conditions did: padding left out, norms without gradient."""
         if any(s.pad_rows for s in row_stats):
-            self._warn("padding", messages.padding_message(self.owner, self._rows.source))
+            self._warn("padding", messages.padding_message(self.name, self._rows.source))
         vanished = [(info.name, int(s.vanished_grad_rows), s.rows - s.pad_rows)
                     for info, s in zip(self.norms, row_stats, strict=True) if s.vanished_grad_rows > 0]
         zero = [(info.name, s.zero_grad_rows) for info, s in zip(self.norms, row_stats, strict=True)
                 if s.zero_grad_rows]
         if zero and not self._said_zero_grad:
             self._said_zero_grad = True
-            self._say(messages.zero_grad_message(self.owner, zero))
+            self._info(messages.zero_grad_message(self.name, zero))
         if vanished:
-            self._warn("vanished", messages.vanished_grad_message(self.owner, vanished))
+            self._warn("vanished", messages.vanished_grad_message(self.name, vanished))
         if self._unmasked:
             names = [self.norms[i].name for i in sorted(self._unmasked)]
-            self._warn("unmasked", messages.unmasked_message(self.owner, self._rows.source, names))
+            self._warn("unmasked", messages.unmasked_message(self.name, self._rows.source, names))
         if self._forward_only:
             names = [self.norms[i].name for i in sorted(self._forward_only)]
-            self._warn("forward-only", messages.forward_only_message(self.owner, names))
+            self._warn("forward-only", messages.forward_only_message(self.name, names))
 
     def eps(self, index: int) -> float:
         """The eps norm ``index`` applied in the last measured step (its dtype's, when it has none)."""
@@ -401,7 +401,8 @@ class LadderMeter:
                 and name not in self.refused]
 
     def forward_order(self) -> list[str]:
-        """The norms' names in the order they ran (:attr:`order`, a door may restore it), the rest after."""
+        """The norms' names in the order they ran (:attr:`order`, a monitor may restore it), the
+        rest after."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, row_stats: list[RowStats]) -> None:
@@ -418,13 +419,13 @@ class LadderMeter:
         self.norms = [info.with_role(roles[info.name]) for info in self.norms]
         self.roles_known = True
         if self.reused:
-            self._warn("reused", messages.reused_message(self.owner, sorted(self.reused)))
+            self._warn("reused", messages.reused_message(self.name, sorted(self.reused)))
         self.stack_of = stack_of([n.name for n in ordered])
         ran = [n.name for n in ordered if n.name in self.order] or [n.name for n in ordered]
         self.main_stack = self.stack_of[self.final_norm if self.final_norm in self.stack_of else ran[-1]]
         decided = self._roles(ordered, roles)
-        self._say(messages.roles_message(self.owner, decided, bool(self.ladder)))
-        short = messages.short_ladder_message(self.owner, decided)
+        self._info(messages.roles_message(self.name, decided, bool(self.ladder)))
+        short = messages.short_ladder_message(self.name, decided)
         if short:
             self._warn("one-rung", short)
 

@@ -48,10 +48,10 @@ class RowMasks:
     (training goes on); :attr:`source` says where the last mask came from."""
 
     def __init__(self, row_mask: Callable | bool | None, decoder: set[int], n_norms: int,
-                 device: Callable[[], torch.device], owner: str, warn: Callable[[str, str], None]) -> None:
+                 device: Callable[[], torch.device], name: str, warn: Callable[[str, str], None]) -> None:
         self.row_mask = row_mask
         self.source: str | None = None
-        self._decoder, self._n, self._device, self._owner, self._warn = decoder, n_norms, device, owner, warn
+        self._decoder, self._n, self._device, self._name, self._warn = decoder, n_norms, device, name, warn
 
     def __call__(self, batch) -> Tensor | dict[int, Tensor | None] | None:
         try:
@@ -64,11 +64,11 @@ class RowMasks:
             if keep is None and decoder is None:
                 return None
             if decoder is None:
-                self._warn("decoder-padding", decoder_padding_message(self._owner))
+                self._warn("decoder-padding", decoder_padding_message(self._name))
             return {i: decoder if i in self._decoder else keep for i in range(self._n)}
         except Exception as err:  # noqa: BLE001 - the user's row_mask must not stop training
             self.row_mask = False
-            self._warn("row-mask", row_mask_message(self._owner, err))
+            self._warn("row-mask", row_mask_message(self._name, err))
             return None
 
     def _as_rows(self, keep, source: str | None) -> Tensor | None:

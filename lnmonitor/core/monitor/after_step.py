@@ -1,21 +1,21 @@
-"""What every door does after a training step, written once, so the doors are at parity by
+"""What every monitor does after a training step, written once, so the monitors are at parity by
 construction.
 
-A door (the Lightning callback, the ``transformers.Trainer`` callback, the plain loop's monitor)
+A monitor (the Lightning callback, the ``transformers.Trainer`` callback, the plain loop's)
 maps its framework's events to three calls of one :class:`AfterStep` and gives it how its
 framework logs (``log(step, metrics, result) -> bool``) and draws (``write_image``):
 
 * :meth:`AfterStep.every_step` -- every optimizer step: the every-step growth read by the
   findings (:func:`~lnmonitor.core.findings.reader.every_step`), its health logged at once
   when a finding was raised or ended on a step that is not measured;
-* :meth:`AfterStep.loss` -- a step's training loss, where the door has it: the findings' loss
+* :meth:`AfterStep.loss` -- a step's training loss, where the monitor has it: the findings' loss
   rule, logged at once as the growth is;
 * :meth:`AfterStep.measured` -- a measured step: the meter's result, its metrics (each norm's
   ladder position with the first logged one), the findings' health, logged, kept for the
   summary, and the ladder's picture;
 * :meth:`AfterStep.end` -- once at the end: the ladder over training and the summary.
 
-The views (:class:`lnmonitor.views.run_views.RunViews`) come from the door: this floor draws
+The views (:class:`lnmonitor.views.run_views.RunViews`) come from the monitor: this level draws
 nothing itself.
 """
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["AfterStep", "Log"]
 
 Log = Callable[[int, dict, "LadderResult | None"], bool]
-"""``log(step, metrics, result)``: the door's framework logs ``metrics`` at ``step`` (``result``:
+"""``log(step, metrics, result)``: the monitor's framework logs ``metrics`` at ``step`` (``result``:
 the measured step's, None for the every-step health); True when this process logged them."""
 
 
@@ -47,21 +47,21 @@ class Views(Protocol):
 
 
 class AfterStep:
-    """The post-step sequence of one run of a door.
+    """The post-step sequence of one run of a monitor.
 
     Args:
-        meter: the door's :class:`~lnmonitor.core.meter.meter.LadderMeter`.
+        meter: the monitor's :class:`~lnmonitor.core.meter.meter.LadderMeter`.
         findings: its :class:`~lnmonitor.core.findings.reader.FindingsReader`, or None (off).
         views: its pictures and summary (rank zero's).
         speaks: whether this process draws and keeps the summary (rank zero).
         warn: ``warn(key, text)``, said once per key.
-        owner: the name messages start with.
+        name: the name messages start with.
     """
 
     def __init__(self, meter: LadderMeter, findings: FindingsReader | None, views: Views, *,
-                 speaks: Callable[[], bool], warn: Callable[[str, str], None], owner: str) -> None:
+                 speaks: Callable[[], bool], warn: Callable[[str, str], None], name: str) -> None:
         self.meter, self.findings, self.views = meter, findings, views
-        self._speaks, self._warn, self.owner = speaks, warn, owner
+        self._speaks, self._warn, self.name = speaks, warn, name
         self.positions = True  # each norm's ladder position goes with the first logged measured step
         self.last_result: LadderResult | None = None
         self._losses: StepMaximum | None = None  # the losses on their way to the host
@@ -79,13 +79,13 @@ class AfterStep:
 
     @property
     def wants_measurement(self) -> bool:
-        """Whether the door should measure its next step whatever its cadence: the loss rule
+        """Whether the monitor should measure its next step whatever its cadence: the loss rule
         fired, and its finding is said with that step's figures."""
         return self.findings is not None and self.findings.pending_loss is not None
 
     @property
     def judges_loss(self) -> bool:
-        """Whether the findings judge the training loss (``loss_blowup`` on): a door hands it over then."""
+        """Whether the findings judge the training loss (``loss_blowup`` on): a monitor hands it over then."""
         return self.findings is not None and self.findings.thresholds.get("loss_blowup") is not None
 
     def add_loss(self, value) -> None:
@@ -99,7 +99,7 @@ class AfterStep:
             self._step_losses.append(float(value))
         else:
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
-            self._warn("loss", f"{self.owner}: the loss handed over is a {type(value).__name__}{shape}, not "
+            self._warn("loss", f"{self.name}: the loss handed over is a {type(value).__name__}{shape}, not "
                                "a number or a one-element tensor: the loss rule (loss_blowup) leaves it out.")
         self._fed = self._fed or bool(self._step_losses)
 
@@ -110,7 +110,7 @@ class AfterStep:
         later.  Of several processes the largest is judged (one 8-byte all-reduce; every process
         calls this at every step), so all say and stop alike; ``across=False``: the loss is the
         same on every process already (the Trainer's logged one).  Nothing before the first
-        loss handed over (a door, or a loop, that gives none pays nothing).  True when it logged."""
+        loss handed over (a monitor, or a loop, that gives none pays nothing).  True when it logged."""
         if not (self.judges_loss and self._fed):
             return False
         if self._losses is None:
@@ -155,7 +155,7 @@ class AfterStep:
         return metrics
 
     def log(self, step: int, metrics: dict[str, float], log: Log, result: LadderResult | None = None) -> bool:
-        """``metrics`` of ``step`` to the door's ``log``, and kept for the summary (rank zero)."""
+        """``metrics`` of ``step`` to the monitor's ``log``, and kept for the summary (rank zero)."""
         logged = log(step, metrics, result)
         if logged and self._speaks():
             self.views.add(step, metrics)
@@ -175,4 +175,4 @@ class AfterStep:
         try:
             self.views.end(write_image, title, watched, start, settings)
         except Exception as err:  # noqa: BLE001 - the end-of-run views must never fail a run
-            self._warn("end", f"{self.owner}: no end-of-run summary or picture: {err!r}")
+            self._warn("end", f"{self.name}: no end-of-run summary or picture: {err!r}")

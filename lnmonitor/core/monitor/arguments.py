@@ -1,4 +1,5 @@
-"""Checks of the doors' constructor arguments (the callbacks, the loop and Trainer doors).
+"""Checks of the monitors' constructor arguments (the Lightning callbacks, the loop's monitor and the
+Trainer callback).
 
 Each check returns the value in its canonical form or raises :class:`ArgumentError` (a
 ``ValueError``; the Lightning callbacks raise it as ``ArgumentError``) with a
@@ -75,7 +76,7 @@ def _strings(value) -> tuple | None:
 
 def patterns(value, name: str) -> tuple[str, ...] | None:
     """One glob or several as a tuple (None stays None): the one normaliser of the
-    ``include``/``exclude``/``ladder`` patterns, for the doors and for core alike."""
+    ``include``/``exclude``/``ladder`` patterns, for the monitors and for core alike."""
     if value is None:
         return None
     items = _strings(value)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lnmonitor.core.findings.reader import door_reader, reads_growth
-from lnmonitor.core.invariance.points import InvariancePoints
+from lnmonitor.core.findings.reader import findings_reader, reads_growth
 from lnmonitor.core.invariance.results import InvarianceResult
+from lnmonitor.core.invariance.runs import InvarianceRuns
 from lnmonitor.core.meter.meter import LadderMeter, LadderResult
 from lnmonitor.core.monitor.after_step import AfterStep, Log
 from lnmonitor.core.monitor.settings import Settings
@@ -31,7 +31,7 @@ from lnmonitor.core.wrappers import model_class
 if TYPE_CHECKING:
     from torch import nn
 
-    from lnmonitor.core.monitor.shared import Voice
+    from lnmonitor.core.monitor.shared import Messages
 
 __all__ = ["Monitor", "MonitorAttributes"]
 
@@ -43,9 +43,9 @@ class Monitor:
 
     Args:
         settings: the monitor's :class:`~lnmonitor.core.monitor.settings.Settings`.
-        owner: the name its messages start with.
-        voice: how it speaks (:class:`~lnmonitor.core.monitor.shared.Voice`).
-        views: ``views(owner, say, warn, images=, image_every_n_steps=, summary=)``: the run's
+        name: the name its messages start with.
+        messages: how it speaks (:class:`~lnmonitor.core.monitor.shared.Messages`).
+        views: ``views(name, info, warn, images=, image_every_n_steps=, summary=)``: the run's
             pictures and summary (:class:`lnmonitor.views.run_views.RunViews`; core draws nothing).
         first_step: the number the framework gives a run's first step (it is measured whatever
             the cadence: the start the findings judge growth from).
@@ -53,16 +53,16 @@ class Monitor:
 
     Attributes:
         history: the logged dicts, kept where nothing else receives them (``keep_history``).
-        points: the invariance probe's points (:class:`~lnmonitor.core.invariance.points.InvariancePoints`).
+        runs: the invariance probe's runs (:class:`~lnmonitor.core.invariance.runs.InvarianceRuns`).
     """
 
-    def __init__(self, settings: Settings, owner: str, voice: Voice, views: Callable, *,
+    def __init__(self, settings: Settings, name: str, messages: Messages, views: Callable, *,
                  first_step: int = 0, advice: str = "") -> None:
-        self.settings, self.owner, self.voice, self._views = settings, owner, voice, views
+        self.settings, self.name, self.messages, self._views = settings, name, messages, views
         self.history = History(settings.keep_history)
-        self.points = InvariancePoints(owner, voice, advice=advice)
-        self.findings = door_reader(settings.findings, settings.on_finding, lambda: voice.speaks, owner,
-                                    voice.say)
+        self.runs = InvarianceRuns(name, messages, advice=advice)
+        self.findings = findings_reader(settings.findings, settings.on_finding, lambda: messages.speaks,
+                                        name, messages.info)
         self.first_step = first_step
         self.every_n_steps = settings.every_n_steps
         self.meter: LadderMeter | None = None
@@ -95,13 +95,14 @@ class Monitor:
         s = self.settings
         self.close()
         self.meter = LadderMeter(model, include=s.include, exclude=s.exclude, final_norm=s.final_norm,
-                                 ladder=s.ladder, row_mask=s.row_mask, owner=self.owner, say=self.voice.say,
-                                 warn=self.voice.warn, watch_growth=reads_growth(self.findings))
+                                 ladder=s.ladder, row_mask=s.row_mask, name=self.name,
+                                 info=self.messages.info, warn=self.messages.warn,
+                                 watch_growth=reads_growth(self.findings))
         self.meter.order = list(self.order)
-        views = self._views(self.owner, self.voice.say, self.voice.warn, images=s.images,
+        views = self._views(self.name, self.messages.info, self.messages.warn, images=s.images,
                             image_every_n_steps=s.image_every_n_steps, summary=s.summary)
-        self.after = AfterStep(self.meter, self.findings, views, speaks=speaks, warn=self.voice.warn,
-                               owner=self.owner)
+        self.after = AfterStep(self.meter, self.findings, views, speaks=speaks, warn=self.messages.warn,
+                               name=self.name)
         self.every_n_steps = s.every_n_steps or self._resumed_every or every_n_steps or LOOP_EVERY_N_STEPS
         self.last_step, self._log, self.measuring = last_step, log, None
         return self.meter
@@ -206,19 +207,19 @@ class MonitorAttributes:
 
     @property
     def last_invariance(self) -> InvarianceResult | None:
-        """The last invariance point's full result (its sweep points included)."""
-        return self.monitor.points.last
+        """The last probe run's full result (its sweep points included)."""
+        return self.monitor.runs.last
 
     @property
     def invariance_off_reason(self) -> str | None:
         """Why the invariance probe is off for this run (None while it is on, or never asked for)."""
-        return self.monitor.points.off_reason
+        return self.monitor.runs.off_reason
 
     @property
     def history(self) -> list[dict[str, float]]:
         """Every logged dict, with its ``step`` (see ``keep_history``)."""
         return self.monitor.history.rows
 
-    def shut(self) -> None:
+    def detach(self) -> None:
         """Remove every hook and forget the step in progress (the guard tripped, or the run ended)."""
         self.monitor.close()

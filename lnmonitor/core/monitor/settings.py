@@ -122,22 +122,22 @@ class Settings:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def build(cls, settings: Settings | None, fields: Mapping[str, object], owner: str,
+    def build(cls, settings: Settings | None, fields: Mapping[str, object], name: str,
               reads: Sequence[str] | None = None) -> Settings:
         """A monitor's settings: ``settings`` (a :class:`Settings`), or keyword ``fields`` of the
         same names (not both); a name that is not a setting, or not one of those the monitor
         ``reads`` (None: all), is refused with the names it takes."""
         names = [f.name for f in dataclasses.fields(cls)] if reads is None else list(reads)
-        unknown = [name for name in fields if name not in names]
+        unknown = [key for key in fields if key not in names]
         if unknown:
             raise arguments.ArgumentError(
-                f"{owner} has no setting {', '.join(map(repr, unknown))}: it reads {names} "
+                f"{name} has no setting {', '.join(map(repr, unknown))}: it reads {names} "
                 "(lnmonitor.Settings)")
         if settings is None:
             return cls(**fields)
         if not isinstance(settings, cls) or fields:
             raise arguments.ArgumentError(
-                f"{owner} takes settings=lnmonitor.Settings(...) or the settings as keyword arguments, "
+                f"{name} takes settings=lnmonitor.Settings(...) or the settings as keyword arguments, "
                 f"not both; got settings={settings!r} and {sorted(fields)}")
         return settings
 

@@ -1,33 +1,33 @@
-"""What every door shares: how it speaks, the one guard around its entry points, its history.
+"""What every monitor shares: how it speaks, the one guard around its entry points, its history.
 
-A door (the Lightning callbacks, the ``transformers.Trainer`` callback, the plain-loop
+A monitor (the Lightning callbacks, the ``transformers.Trainer`` callback, the plain loop's
 monitor) only decides when to measure and where the numbers go; what they all need is
 written here, once, with no framework imported:
 
-* :class:`Voice` -- information (``say``) and warnings said once per key (``warn``), from
+* :class:`Messages` -- information (``info``) and warnings said once per key (``warn``), from
   the process that speaks (rank zero) only;
-* :func:`guarded` -- every entry point of a door runs inside it: an exception from
-  lnmonitor, or from the user's code it calls, turns that door off with one message naming
+* :func:`guarded` -- every entry point of a monitor runs inside it: an exception from
+  lnmonitor, or from the user's code it calls, turns that monitor off with one message naming
   the cause and where it was raised, its hooks are removed, and training goes on.  Only the
-  refusals a door lists (bad arguments, a model with no norm to measure) pass through;
+  ``configuration_errors`` a monitor lists (bad arguments, a model with no norm to measure) pass through;
 * :class:`History` -- the logged dicts of a run, kept when nothing else receives them.
 
 Example::
 
-    >>> class Door:
-    ...     refusals = (ValueError,)
+    >>> class Monitor:
+    ...     configuration_errors = (ValueError,)
     ...     def __init__(self):
-    ...         self.voice = Voice(warn=lambda text: None)
+    ...         self.messages = Messages(warn=lambda text: None)
     ...         self.off_reason = None
-    ...     def shut(self):
+    ...     def detach(self):
     ...         pass  # remove hooks, forget the step
     ...     @guarded
     ...     def on_step(self, step):
     ...         return 1 / step
-    >>> door = Door()
-    >>> door.on_step(0) is None, door.off_reason.split(":")[0]
+    >>> monitor = Monitor()
+    >>> monitor.on_step(0) is None, monitor.off_reason.split(":")[0]
     (True, 'ZeroDivisionError')
-    >>> door.on_step(1) is None  # off for the rest of the run
+    >>> monitor.on_step(1) is None  # off for the rest of the run
     True
 """
 
@@ -42,13 +42,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["History", "Voice", "due", "entry_points", "guarded", "where"]
+__all__ = ["History", "Messages", "due", "entry_points", "guarded", "where"]
 
 _log = logging.getLogger("lnmonitor")
 
 
 def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
-    """Whether the doors measure optimizer step ``step`` (0-based, before its update): every
+    """Whether the monitors measure optimizer step ``step`` (0-based, before its update): every
     ``every_n_steps``-th, and the last when it is known."""
     return step % every_n_steps == 0 or step == last_step
 
@@ -64,7 +64,7 @@ def _print_info(text: str) -> None:
 
 
 # the code between a user's line and a warning of lnmonitor's: lnmonitor itself, the frameworks
-# that call its doors, and contextlib (a ``with monitor.step(...)`` block ends there)
+# that call its monitors, and contextlib (a ``with monitor.step(...)`` block ends there)
 _FRAMEWORKS = ("lnmonitor", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
                "transformers", "accelerate", "torch", "contextlib")
 
@@ -93,26 +93,26 @@ def _warn(text: str) -> None:
     warn_at_user(text)
 
 
-class Voice:
-    """What a door says: ``say(text)`` for information, ``warn(key, text)`` once per key.
+class Messages:
+    """What a monitor says: ``info(text)`` for information, ``warn(key, text)`` once per key.
 
     Args:
-        say: where information goes (default: the ``lnmonitor`` logger when logging is
+        info: where information goes (default: the ``lnmonitor`` logger when logging is
             configured, else standard error, so it is seen either way).
         warn: ``warn(text)`` for a warning (default ``warnings.warn``).
         speaks: whether this process speaks (False on every rank but zero).
     """
 
-    def __init__(self, say: Callable[[str], None] | None = None,
+    def __init__(self, info: Callable[[str], None] | None = None,
                  warn: Callable[[str], None] | None = None, speaks: bool = True) -> None:
-        self._say = say or _print_info
+        self._info = info or _print_info
         self._warn = warn or _warn
         self.speaks = speaks
         self._warned: set[str] = set()
 
-    def say(self, text: str) -> None:
+    def info(self, text: str) -> None:
         if self.speaks:
-            self._say(text)
+            self._info(text)
 
     def warn(self, key: str, text: str) -> None:
         """Warn the first time ``key`` comes up (until :meth:`reset`)."""
@@ -128,7 +128,7 @@ class Voice:
 
 
 class History:
-    """The dicts a door logged in this run, each with its ``step``: kept when ``keep`` is
+    """The dicts a monitor logged in this run, each with its ``step``: kept when ``keep`` is
     True, or when it is None and nothing else receives them (``receivers`` is False)."""
 
     def __init__(self, keep: bool | None) -> None:
@@ -167,14 +167,14 @@ def where(err: BaseException) -> str:
 
 
 def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Callable:
-    """Run a door's entry point inside the guard.
+    """Run a monitor's entry point inside the guard.
 
-    The door has ``off_reason`` (None while on), ``voice`` (a :class:`Voice`), ``shut()``
+    The monitor has ``off_reason`` (None while on), ``messages`` (a :class:`Messages`), ``detach()``
     (remove every hook, forget the step: called once when the guard trips), and may have
-    ``refusals`` (the exception types that pass through: bad configuration) and ``advice``
+    ``configuration_errors`` (the exception types that pass through: bad configuration) and ``advice``
     (a sentence added to the message).  While the
-    door is off the entry point does nothing and returns None.  ``starts_run``: the entry
-    point that begins a run (a fit's ``setup``, ``on_train_begin``) turns the door on again
+    monitor is off the entry point does nothing and returns None.  ``starts_run``: the entry
+    point that begins a run (a fit's ``setup``, ``on_train_begin``) turns the monitor on again
     first.  The guarded body stays reachable as ``entry.__wrapped__``.
     """
 
@@ -187,9 +187,9 @@ def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Call
                 return None
             try:
                 return entry.__wrapped__(self, *args, **kwargs)
-            except tuple(getattr(self, "refusals", ())):
+            except tuple(getattr(self, "configuration_errors", ())):
                 raise
-            except Exception as err:  # noqa: BLE001 - the one place a door swallows an error
+            except Exception as err:  # noqa: BLE001 - the one place a monitor swallows an error
                 _trip(self, fn.__name__, err)
                 return None
 
@@ -199,17 +199,17 @@ def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Call
     return wrap(method) if method is not None else wrap
 
 
-def _trip(door, entry: str, err: Exception) -> None:
-    door.off_reason = f"{type(err).__name__}: {err} (raised at {where(err)}, during {entry})"
+def _trip(monitor, entry: str, err: Exception) -> None:
+    monitor.off_reason = f"{type(err).__name__}: {err} (raised at {where(err)}, during {entry})"
     try:
-        door.shut()
+        monitor.detach()
     except Exception as again:  # noqa: BLE001 - say both, stop nothing
-        door.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
-    owner = getattr(door, "owner", type(door).__name__)
-    advice = getattr(door, "advice", "")
-    door.voice.warn("guard", off_message(owner, door.off_reason) + ". Training goes "
-                             "on; nothing more is measured or logged by it. " + (advice or
-                             "Please report this with the message if the model and batch look ordinary."))
+        monitor.off_reason += f"; removing its hooks failed too ({type(again).__name__}: {again})"
+    name = getattr(monitor, "name", type(monitor).__name__)
+    advice = (getattr(monitor, "advice", "")
+              or "Please report this with the message if the model and batch look ordinary.")
+    monitor.messages.warn("guard", off_message(name, monitor.off_reason) + ". Training goes on; nothing more "
+                                   "is measured or logged by it. " + advice)
 
 
 def entry_points(cls: type) -> list[str]:

@@ -1,6 +1,6 @@
 """Which norms a monitor measures, and what it tells the user about them.
 
-:func:`choose_norms` is the prologue every door and monitor shares: find the model's
+:func:`choose_norms` is the prologue every monitor shares: find the model's
 normalisation layers (:func:`lnmonitor.core.norms.find.discover_norms`), keep those the user's
 patterns select, and refuse with a :class:`NormSelectionError` that says what to do
 when nothing sensible is left.
@@ -26,7 +26,7 @@ def choose_norms(
     include: str | Sequence[str] | None,
     exclude: str | Sequence[str] | None,
     final_norm: str | None,
-    owner: str,
+    name: str,
     warn: Callable[[str, str], None],
 ) -> list[NormInfo]:
     """The selected norms of ``model``; ``warn("refused", ...)`` names the modules that look
@@ -34,16 +34,16 @@ def choose_norms(
     has no norm, the patterns select none, or ``final_norm`` is not a selected norm."""
     discovery = discover_norms(model)
     found = discovery.norms
-    refused = refused_message(owner, discovery.refused)
+    refused = refused_message(name, discovery.refused)
     if not found:
-        raise NormSelectionError(no_norm_message(owner, model) + (f" {refused}" if refused else ""))
+        raise NormSelectionError(no_norm_message(name, model) + (f" {refused}" if refused else ""))
     if refused:
         warn("refused", refused)
     selected = select_norms(found, include, exclude)
     names = [n.name for n in found]
     if not selected:
         raise NormSelectionError(
-            f"{owner}: include={include} exclude={exclude} select none of the {len(found)} "
+            f"{name}: include={include} exclude={exclude} select none of the {len(found)} "
             f"normalisation layers found: {', '.join(names)}. Fix the patterns (fnmatch globs "
             "over these names)."
         )
@@ -52,17 +52,17 @@ def choose_norms(
         where = ("is excluded by include/exclude" if final_norm in names else
                  f"is not measured: {refusal.reason}" if refusal else "is not a norm")
         raise NormSelectionError(
-            f"{owner}: final_norm={final_norm!r} {where}; the selected norms are "
+            f"{name}: final_norm={final_norm!r} {where}; the selected norms are "
             f"{', '.join(n.name for n in selected)}."
         )
     return selected
 
 
-def no_norm_message(owner: str, module: nn.Module) -> str:
-    """Why ``owner`` cannot work on ``module``, with the module types it saw and the fix."""
+def no_norm_message(name: str, module: nn.Module) -> str:
+    """Why ``name`` cannot work on ``module``, with the module types it saw and the fix."""
     types = sorted({type(m).__name__ for m in module.modules()})
     return (
-        f"{owner} found no normalisation layer in {type(module).__name__} "
+        f"{name} found no normalisation layer in {type(module).__name__} "
         f"({sum(1 for _ in module.modules())} modules of types {', '.join(types)}). "
         "It looks for nn.LayerNorm, nn.RMSNorm and modules with `normalized_shape`, `eps` and "
         "`weight` attributes; declare others with a class attribute "
@@ -71,7 +71,7 @@ def no_norm_message(owner: str, module: nn.Module) -> str:
     )
 
 
-def measured_eps_message(owner: str, norms: Sequence[NormInfo]) -> str | None:
+def measured_eps_message(name: str, norms: Sequence[NormInfo]) -> str | None:
     """Which eps lnmonitor measured for the norms that have no eps attribute (None: none)."""
     measured = [n for n in norms if n.eps_measured]
     if not measured:
@@ -79,7 +79,7 @@ def measured_eps_message(owner: str, norms: Sequence[NormInfo]) -> str | None:
     values = sorted({n.eps() for n in measured})
     classes = sorted({type(n.module).__name__ for n in measured})
     return (
-        f"{owner}: {', '.join(n.name for n in measured[:4])}{', ...' if len(measured) > 4 else ''} "
+        f"{name}: {', '.join(n.name for n in measured[:4])}{', ...' if len(measured) > 4 else ''} "
         f"({', '.join(classes)}) has no eps attribute; the eps its forward applies, measured "
         f"from its output, is {', '.join(f'{e:g}' for e in values)} (used for sigma, eps/var "
         f"and the transmission). To state it instead: lnmonitor.register_norm({classes[0]}, "
@@ -87,7 +87,7 @@ def measured_eps_message(owner: str, norms: Sequence[NormInfo]) -> str | None:
     )
 
 
-def refused_message(owner: str, refused: Sequence[Refusal]) -> str | None:
+def refused_message(name: str, refused: Sequence[Refusal]) -> str | None:
     """One message naming the modules that look like norms but are not measured, and why."""
     if not refused:
         return None
@@ -99,6 +99,6 @@ def refused_message(owner: str, refused: Sequence[Refusal]) -> str | None:
         names = ", ".join(r.name for r in rs[:3]) + (", ..." if len(rs) > 3 else "")
         parts.append(f"{cls} ({len(rs)}: {names}): {rs[0].reason}")
     return (
-        f"{owner}: {len(refused)} module(s) look like normalisation layers but are not measured, "
+        f"{name}: {len(refused)} module(s) look like normalisation layers but are not measured, "
         f"the rest of the model is: {'; '.join(parts)}."
     )

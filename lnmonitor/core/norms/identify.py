@@ -1,7 +1,7 @@
 """The float64 check: which spec a candidate norm computes, or why it is refused.
 
 Every candidate (:func:`lnmonitor.core.norms.registry.candidates`) is checked once against its own
-output: a float64 twin of the module (:func:`lnmonitor.core.float64.float64_twin`) runs on four
+output: the module's float64 forward (:func:`lnmonitor.core.float64.float64_forward`) runs on four
 designed rows and must reproduce ``gain * xhat + bias`` of its kind to 1e-4.  A declared or
 registered norm is checked as declared; for the others lnmonitor tries the kinds and the
 gains ``weight``, ``1 + weight`` (Gemma, LitGPT's ``add_unit_offset``) and none, and keeps
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lnmonitor.core import dtensors, zero3
-from lnmonitor.core.float64 import float64_twin
+from lnmonitor.core.float64 import float64_forward
 from lnmonitor.core.hooks import unmeasured
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.norms.registry import NormSpec, candidates, norm_eps, registry_version
@@ -62,7 +62,7 @@ def width_of(module: nn.Module, spec: NormSpec) -> int | None:
 
 @torch.no_grad()
 def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
-    """Run the float64 twin on the four check rows (once, cached in ``y_cache``) and compare
+    """Run the float64 forward on the four check rows (once, cached in ``y_cache``) and compare
     with the closed form of ``spec``; measure the epsilon when the module has none."""
     d = width_of(module, spec) or 16
     gain = spec.gain_of(module, torch.float64)
@@ -78,7 +78,7 @@ def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
         z = (z - z.mean()) / z.square().mean().sub(z.mean().square()).sqrt()
         small = math.sqrt(_LOW_VAR)
         x = torch.stack((2.0 + z, 0.5 + small * z, small * z, -3.0 + 10.0 * z)).to(device)
-        y = float64_twin(module)(x)
+        y = float64_forward(module)(x)
         y_cache[d] = (x, y.to(torch.float64) if isinstance(y, Tensor) and y.shape == x.shape else None)
     x, y = y_cache[d]
     if y is None:
@@ -87,7 +87,7 @@ def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
     b = torch.zeros_like(g) if bias is None else bias.to(device)
     c = x - x.mean(-1, keepdim=True) if spec.kind == "layer" else x
     v = c.square().mean(-1)
-    # the twin runs in float64: an eps of None is float64's machine epsilon there, as in torch
+    # the float64 forward: an eps of None is float64's machine epsilon there, as in torch
     eps = _measured_eps(c, v, g, b, y, spec.kind) if spec.eps_measured else norm_eps(
         module, torch.float64, spec.eps)
     if eps is None:

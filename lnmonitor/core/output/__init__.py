@@ -1,3 +1,3 @@
 """Names and output: ``metric_names`` (the one codec that builds and parses every logged tag),
-``writers`` (where a door's numbers go when no framework logs them) and ``files`` (atomic,
+``writers`` (where a monitor's numbers go when no framework logs them) and ``files`` (atomic,
 strict-JSON files)."""

@@ -1,4 +1,4 @@
-"""Where a door's numbers go when no framework logs them (a plain loop).
+"""Where a monitor's numbers go when no framework logs them (a plain loop).
 
 :func:`metric_writer` turns what the user passes -- a ``torch.utils.tensorboard``
 ``SummaryWriter``, a callable ``write(metrics, step)``, or None -- into one function

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lnmonitor.core.float64 import float64_twin
+from lnmonitor.core.float64 import float64_forward
 from lnmonitor.core.kinds import NormKind
 from lnmonitor.core.maths import geometry
 from lnmonitor.core.norms.find import NormInfo, describe_norm
@@ -150,7 +150,7 @@ def probe_norm_jacobian(
 
     ``norm`` is a ``NormInfo`` from :func:`lnmonitor.core.norms.find.find_norms` or a norm module
     (``kind``/``eps`` read from it when :mod:`lnmonitor.core.norms.find` recognises it).  The
-    module's float64 twin (:func:`lnmonitor.core.float64.float64_twin`) is differentiated; the
+    module's float64 forward (:func:`lnmonitor.core.float64.float64_forward`) is differentiated; the
     model is not touched.  The rank and spectrum use the eps the module applies to float32
     input; the error is measured against the closed form at the eps it applies to float64
     input (the two differ only for an eps of None, the dtype's machine epsilon).
@@ -173,9 +173,9 @@ def probe_norm_jacobian(
         if g is not None and g.shape[0] != d:
             raise ValueError(f"norm {name!r}: gain has {g.shape[0]} entries, the row has {d}")
         closed = geometry.jacobian(row, eps, kind, g)
-        twin = float64_twin(module)
+        forward = float64_forward(module)
         device = next((p.device for p in module.parameters()), row.device)
-        auto = torch.autograd.functional.jacobian(lambda r: twin(r[None].to(device))[0].cpu(), row)
+        auto = torch.autograd.functional.jacobian(lambda r: forward(r[None].to(device))[0].cpu(), row)
         error = float((geometry.jacobian(row, eps64, kind, g) - auto).abs().max())
         sv = torch.linalg.svdvals(closed)
         sv0 = torch.linalg.svdvals(geometry.jacobian(row, 0.0, kind, g))

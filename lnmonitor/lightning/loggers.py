@@ -1,15 +1,15 @@
-"""The metric sink each lnmonitor callback owns: where its numbers go.
+"""Where each lnmonitor Lightning callback's numbers go: its :class:`Loggers`.
 
 * every logger in ``trainer.loggers`` (TensorBoard, CSV, W&B, MLflow), from global rank
   zero only; TensorBoard gets all of a step's scalars as one event;
-* :attr:`MetricSink.history`: the logged dicts of the current fit, kept when the Trainer
+* :attr:`Loggers.history`: the logged dicts of the current fit, kept when the Trainer
   has no logger (one warning says so) or when asked;
 * TensorBoard extras: a custom-scalars layout (the categories of every lnmonitor
   callback of the run, merged into one), the run's HPARAMS session (the module's
   hyperparameters next to every lnmonitor callback's own, written once) and histograms.
 
 A logged step never goes back, so a resumed fit does not log a step twice.  What
-belongs to one fit is reset by :meth:`MetricSink.setup`, so a callback reused for a
+belongs to one fit is reset by :meth:`Loggers.setup`, so a callback reused for a
 second fit logs that one too; what belongs to one logger is keyed by the logger object
 itself (weakly), never by its ``id``, which Python reuses.
 """
@@ -25,20 +25,20 @@ from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 
-from lnmonitor.core.monitor.shared import History, Voice, warn_at_user
+from lnmonitor.core.monitor.shared import History, Messages, warn_at_user
 from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
 from lnmonitor.core.output.writers import write_scalars
 
-__all__ = ["MetricSink", "write_histogram"]
+__all__ = ["Loggers", "write_histogram"]
 
 class _Board:
-    """What the lnmonitor sinks writing to one TensorBoard run share: the merged
-    custom-scalars layout and the run's one HPARAMS session."""
+    """What the :class:`Loggers` of the lnmonitor callbacks writing to one TensorBoard run share:
+    the merged custom-scalars layout and the run's one HPARAMS session."""
 
     def __init__(self) -> None:
         self.layout: dict[str, dict] = {}
         self.expected: weakref.WeakSet = weakref.WeakSet()
-        self.given: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sink -> (params, metrics)
+        self.given: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Loggers -> (params, metrics)
         self.written = False
 
 
@@ -53,13 +53,13 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
     return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
 
 
-class MetricSink:
-    """The logging side of one callback (``owner`` is its class name, for messages; ``voice``
+class Loggers:
+    """The logging side of one callback (``name`` is its class name, for messages; ``messages``
     says them, once per key and fit)."""
 
-    def __init__(self, owner: str, keep_history: bool | None, voice: Voice | None = None) -> None:
-        self.owner = owner
-        self.voice = voice or Voice(say=rank_zero_info, warn=rank_zero_only(warn_at_user))
+    def __init__(self, name: str, keep_history: bool | None, messages: Messages | None = None) -> None:
+        self.name = name
+        self.messages = messages or Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.kept = History(keep_history)
         self.last_step = -1
         self._layout: dict[str, dict] = {}
@@ -77,13 +77,13 @@ class MetricSink:
         (given later by :meth:`give_hparams`)."""
         self.last_step = -1
         self._ready = weakref.WeakSet()
-        self.voice.reset(speaks=trainer.is_global_zero)
+        self.messages.reset(speaks=trainer.is_global_zero)
         self.kept.reset(receivers=bool(trainer.loggers))
         if not trainer.loggers and trainer.is_global_zero:
             self.warn_once(
                 "no-logger",
-                f"{self.owner}: the Trainer has no logger, so the metrics stay in "
-                f"`{self.owner}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
+                f"{self.name}: the Trainer has no logger, so the metrics stay in "
+                f"`{self.name}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
                 "TensorBoardLogger) to see them in a dashboard.",
             )
         if hparams and trainer.is_global_zero:
@@ -96,7 +96,7 @@ class MetricSink:
         """This callback's columns of the run's HPARAMS session.  TensorBoard keeps a run's
         first session and Lightning writes the module's right after ``on_fit_start``, so the
         session -- the module's and datamodule's hyperparameters plus every lnmonitor
-        callback's -- is written when the last sink announced at setup has given its share.
+        callback's -- is written when the last callback announced at setup has given its share.
         True when a TensorBoard run's session takes them (global rank zero)."""
         taken = False
         for logger in _tensorboard_loggers(trainer) if trainer.is_global_zero else ():
@@ -105,7 +105,7 @@ class MetricSink:
                 continue
             board.given[self] = (params, metrics)
             taken = True
-            if all(sink in board.given for sink in board.expected):
+            if all(loggers in board.given for loggers in board.expected):
                 _write_session(logger, board, trainer, pl_module)
         return taken
 
@@ -142,7 +142,7 @@ class MetricSink:
                 try:
                     tensorboard_extra(logger.experiment, step)
                 except Exception as err:  # noqa: BLE001 - extras must never stop training
-                    self.warn_once("extras", f"{self.owner}: TensorBoard extras skipped: {err!r}")
+                    self.warn_once("extras", f"{self.name}: TensorBoard extras skipped: {err!r}")
             if not _write_scalars(logger, metrics, step):
                 logger.log_metrics(metrics, step=step)
         return True
@@ -163,11 +163,11 @@ class MetricSink:
                     logger.log_image(key=tag, images=[image], step=step)
             except Exception as err:  # noqa: BLE001 - a picture must never stop training
                 where = type(logger).__name__
-                self.warn_once("images", f"{self.owner}: pictures not logged to {where}: {err!r}")
+                self.warn_once("images", f"{self.name}: pictures not logged to {where}: {err!r}")
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (global rank zero) the first time ``key`` comes up in this fit."""
-        self.voice.warn(key, message)
+        self.messages.warn(key, message)
 
 
 def _write_layout(logger: TensorBoardLogger, categories: dict[str, dict]) -> None:

@@ -1,11 +1,11 @@
-"""One meter, three doors: Lightning, transformers.Trainer and a plain loop log the same numbers.
+"""One meter, three integrations: Lightning, transformers.Trainer and a plain loop log the same numbers.
 
 One tiny transformers GPT-2 (random weights, no dropout), the same starting weights, the
 same batch at every step (the whole 8-sequence data set: a step's medians do not depend
 on the order of its rows), plain SGD without clipping, the same loss (the Trainer's
-per-token normalisation made equal to the model's, see ``labels``): the three doors must
+per-token normalisation made equal to the model's, see ``labels``): the three integrations must
 log the same metric names and values within one histogram bin at every measured step.  (That
-the meter and the loop door import and run without Lightning, and that the loop door refuses
+the meter and the loop monitor import and run without Lightning, and that the loop monitor refuses
 nonsense, is tested where it runs without transformers: test_layout.py, test_loop.py.)
 """
 
@@ -66,7 +66,7 @@ class Wrapped(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def lightning_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
+def lightning_callbacks(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
     """``(ladder, invariance)`` by step, the LightningModule's ``model.`` taken out of the names."""
     model = gpt2()
     model.load_state_dict(state)
@@ -84,7 +84,7 @@ def lightning_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], d
 
 
 def _logits_and_loss(module, batch):
-    """The loss the other doors probe (``model(**batch)``: the loss and logits) in Lightning, whose
+    """The loss the other integrations probe (``model(**batch)``: the loss and logits) in Lightning, whose
     default (``training_step``) gives the loss alone."""
     out = module.model(input_ids=batch[0], labels=labels(batch[0]))
     return out.logits, out.loss
@@ -98,7 +98,7 @@ def _by_step(history) -> dict[int, dict]:
     return steps
 
 
-def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], LNMonitorCallback]:
+def transformers_callback(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], LNMonitorCallback]:
     model = gpt2()
     model.load_state_dict(state)
     data = [{"input_ids": x, "labels": y} for x, y in zip(tokens(), labels(tokens()), strict=True)]
@@ -110,8 +110,8 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
         disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    # the Trainer handed to it, as before (tests/test_transformers_door.py: callbacks=[...]); every step
-    # measured, as the Trainer door measures the updates that end on its logging steps
+    # the Trainer handed to it, as before (tests/test_transformers_callback.py: callbacks=[...]); every step
+    # measured, as the Trainer callback measures the updates that end on its logging steps
     callback = LNMonitorCallback(trainer, every_n_steps=1, keep_history=True, invariance_every_n_steps=STEPS,
                                  probe_size=PROBE)
     trainer.add_callback(callback)
@@ -123,7 +123,7 @@ def transformers_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict]
     return ladder, callback
 
 
-def loop_door(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
+def loop_monitor(state, tmp_path, accumulate: int) -> tuple[dict[int, dict], dict[int, dict]]:
     """``(ladder, invariance)`` by step; the probe's loss is the model's own (``model(**batch).loss``)."""
     model = gpt2()
     model.load_state_dict(state)
@@ -181,16 +181,16 @@ def _pictures(folder) -> dict[str, list[tuple[int, int, int]]]:
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate, capsys):
-    """With ``accumulate`` micro-batches per optimizer step, each door measures all of them as
+def test_the_three_integrations_log_the_same_numbers(tmp_path, accumulate, capsys):
+    """With ``accumulate`` micro-batches per optimizer step, each monitor measures all of them as
     one step.  With accumulation the Trainer's own update differs from the mean-loss step the
     others take (transformers 5.3 divides the accumulated gradient by the number of
     micro-batches once more: doubling its learning rate made its weights follow the others
     here), so there the Trainer's numbers are compared where the weights are the same: step 0."""
     state = {k: v.clone() for k, v in gpt2().state_dict().items()}
-    lit, lit_inv = lightning_door(state, tmp_path, accumulate)
-    hf, callback = transformers_door(state, tmp_path, accumulate)
-    loop, loop_inv = loop_door(state, tmp_path, accumulate)
+    lit, lit_inv = lightning_callbacks(state, tmp_path, accumulate)
+    hf, callback = transformers_callback(state, tmp_path, accumulate)
+    loop, loop_inv = loop_monitor(state, tmp_path, accumulate)
     assert sorted(lit) == sorted(hf) == sorted(loop) == MEASURED
     for step in MEASURED:
         a, b, c = (dict(d[step]) for d in (lit, hf, loop))
@@ -203,16 +203,16 @@ def test_the_three_doors_log_the_same_numbers(tmp_path, accumulate, capsys):
             if accumulate == 1 or step == 0:
                 assert b[tag] == pytest.approx(value, **tol), (step, tag)
             assert c[tag] == pytest.approx(value, **tol), (step, tag)
-    # the Trainer door's invariance probe ran at the end, with the model's labels loss
+    # the Trainer callback's invariance probe ran at the end, with the model's labels loss
     inv = list(_by_step(h for h in callback.history if h.keys() & INVARIANCE_TAGS).values())
     assert callback.invariance_off_reason is None and [h["step"] for h in inv] == [STEPS]
     shift, axis = inv[0]["lnmonitor/invariance/shift_5/dloss"], inv[0]["lnmonitor/invariance/axis_5/dloss"]
     assert abs(shift) < 1e-5 < abs(axis)
-    # and the numbers reached TensorBoard through each door's writer, read back
+    # and the numbers reached TensorBoard through each monitor's writer, read back
     assert "train/lnmonitor/ladder/attenuation" in _events(tmp_path / "hf")
     assert {"lnmonitor/ladder/attenuation", "lnmonitor/sigma/transformer.ln_f"} <= _events(tmp_path / "loop")
-    # the invariance probe: the same points, tags and numbers through the Lightning and loop doors (the
-    # loop door's end is its last step, before the update that Lightning's end point follows); the
+    # the invariance probe: the same points, tags and numbers through the Lightning and loop monitors (the
+    # loop monitor's end is its last step, before the update that Lightning's end point follows); the
     # same tags through the Trainer's (its probe rows are the first of its shuffled training loader)
     assert sorted(lit_inv) == [0, 2, 4] and sorted(loop_inv) == [0, 2, 3]
     end = {tag for tag in inv[0] if tag != "step"}
@@ -246,7 +246,7 @@ def _trainer_script(out, processes: int) -> dict:
 
 
 @pytest.mark.slow
-def test_the_trainer_door_under_torchrun_merges_both_processes_like_one(tmp_path):
+def test_the_trainer_callback_under_torchrun_merges_both_processes_like_one(tmp_path):
     """Two processes (the Trainer's own accelerate set-up, gloo), four sequences each: every
     measured step merges the 8 x 16 rows, and the numbers are one process's on all 8; the
     points land on the fit's first step and the Trainer's logging steps (``logging_steps=2``)."""

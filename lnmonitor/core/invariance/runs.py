@@ -1,19 +1,20 @@
-"""The invariance points a door takes: one rule for every door.
+"""The invariance probe's runs at training steps: one rule for every monitor.
 
-Each door (the Lightning invariance monitor, the ``transformers.Trainer`` callback, the plain
-loop) decides *when* a point is due and *where* its numbers go; what happens at a point is
-the same everywhere and written here: a point already taken is not taken again unless its
-sweep is asked for and missing, a non-finite loss is said once and the next point is tried,
-a sweep without a slope is noted once with the reason on the ``lnmonitor`` logger (nothing to
-act on: a short or healthy run often has too few points to fit), and a probe that cannot run
-on this model turns the probe off with its cause and location (the rest of the door goes on),
-naming ``loss_fn=`` when it was the door's default call of the model with the batch that failed.
+Each monitor (the Lightning invariance monitor, the ``transformers.Trainer`` callback, the
+plain loop's monitor) decides *when* a probe run is due and *where* its numbers go; what happens
+at a probe run is the same everywhere and written here: a step already probed is not probed
+again unless its sweep is asked for and missing, a non-finite loss is said once and the next
+step is tried, a sweep without a slope is noted once with the reason on the ``lnmonitor`` logger
+(nothing to act on: a short or healthy run often has too few sweep points to fit), and a probe
+that cannot run on this model turns the probe off with its cause and location (the rest of the
+monitor goes on), naming ``loss_fn=`` when it was the monitor's default call of the model with
+the batch that failed.
 
 Example::
 
-    >>> from lnmonitor.core.monitor.shared import Voice
-    >>> points = InvariancePoints("Door", Voice(warn=print))
-    >>> points.take(0, sweep=False) is None  # no probe yet: nothing to take
+    >>> from lnmonitor.core.monitor.shared import Messages
+    >>> runs = InvarianceRuns("Monitor", Messages(warn=print))
+    >>> runs.take(0, sweep=False) is None  # no probe yet: nothing to take
     True
 """
 
@@ -25,13 +26,13 @@ import math
 from lnmonitor.core.invariance.loss_contract import default_loss
 from lnmonitor.core.invariance.probe import InvarianceProbe, NonFiniteLoss
 from lnmonitor.core.invariance.results import InvarianceResult
-from lnmonitor.core.monitor.shared import Voice, off_message, where
+from lnmonitor.core.monitor.shared import Messages, off_message, where
 
-__all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "SHARDED_REFUSED", "InvariancePoints"]
+__all__ = ["FSDP1_REFUSED", "LOSS_FN_ADVICE", "SHARDED_REFUSED", "InvarianceRuns"]
 
 _log = logging.getLogger("lnmonitor")
 
-# what a door with a ``loss_fn=`` argument adds when its default call of the model failed
+# what a monitor with a ``loss_fn=`` argument adds when its default call of the model failed
 LOSS_FN_ADVICE = (
     "The probe called the model with the batch (model(*batch), model(**batch) for a dict) and read "
     "the loss or (logits, loss) it returned; if your model takes its inputs otherwise (LitGPT's "
@@ -39,42 +40,43 @@ LOSS_FN_ADVICE = (
     "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
 
-# why a door's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
+# why a monitor's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
 # inside the root's forward, and the probe's passes call the model itself
 FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Lightning's and Fabric's "
                  "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
                  "the probe's passes call the model itself; the ladder is not affected. Shard with FSDP2 "
                  "(fully_shard, Lightning's ModelParallelStrategy) or use DDP to probe the final norm.")
 
-# why the transformers.Trainer door's probe is off for a sharded model (core.wrappers.sharded): it probes on
-# the main process alone, and such a model's forward gathers its parameters from every process
+# why the transformers.Trainer callback's probe is off for a sharded model (core.wrappers.sharded): it probes
+# on the main process alone, and such a model's forward gathers its parameters from every process
 SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP, DeepSpeed ZeRO-3), so "
-                   "its forward is a collective every process must join, and this door probes on the main "
-                   "process alone; the ladder is not affected. To probe the final norm, train with DDP or "
-                   "DeepSpeed ZeRO-2, or use LoopMonitor (lnmonitor.integrations.loop), which probes a "
-                   "sharded model on every process.")
+                   "its forward is a collective every process must join, and this callback probes on the "
+                   "main process alone; the ladder is not affected. To probe the final norm, train with "
+                   "DDP or DeepSpeed ZeRO-2, or use LoopMonitor (lnmonitor.integrations.loop), which "
+                   "probes a sharded model on every process.")
 
 
-class InvariancePoints:
-    """The points of one run of ``prober`` on ``batch`` (:meth:`begin`), taken by :meth:`take`;
-    ``owner`` starts the messages ``voice`` says, and ``on_off(reason)``, when given, is called
-    instead of the message when the probe turns off; ``advice`` ends that message when the probe
-    failed running the default loss (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a door
-    with a ``loss_fn=`` argument passes :data:`LOSS_FN_ADVICE`.
+class InvarianceRuns:
+    """The probe runs of ``prober`` on ``batch`` during one training run (:meth:`begin`), each
+    taken by :meth:`take`; ``name`` starts the messages ``messages`` says, and ``on_off(reason)``,
+    when given, is called instead of the message when the probe turns off; ``advice`` ends that
+    message when the probe failed running the default loss
+    (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a monitor with a ``loss_fn=``
+    argument passes :data:`LOSS_FN_ADVICE`.
 
     Attributes:
         off_reason: why the probe is off for this run (None while it is on).
-        last_step: the step of the last point taken (-1: none); a door that keeps its own
+        last_step: the step probed last (-1: none); a monitor that keeps its own
             (a checkpoint's, on resume) sets it.
-        last: the last point's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
+        last: the last probe run's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
     """
 
-    def __init__(self, owner: str, voice: Voice, on_off=None, advice: str = "") -> None:
-        self.owner = owner
-        self.voice = voice
+    def __init__(self, name: str, messages: Messages, on_off=None, advice: str = "") -> None:
+        self.name = name
+        self.messages = messages
         self.advice = advice
         self._noted: set[str] = set()
-        self._on_off = on_off  # a door whose probe is the door itself turns itself off (and says so)
+        self._on_off = on_off  # a monitor whose probe is the monitor itself turns itself off (and says so)
         self.prober: InvarianceProbe | None = None
         self.batch = None
         self.off_reason: str | None = None
@@ -93,7 +95,7 @@ class InvariancePoints:
         if self._on_off is not None:
             self._on_off(reason)
             return
-        self.voice.warn("invariance-off", off_message(f"{self.owner}: the invariance probe", reason))
+        self.messages.warn("invariance-off", off_message(f"{self.name}: the invariance probe", reason))
 
     def wanted(self, step: int, *, sweep: bool) -> bool:
         """Whether :meth:`take` would probe ``step`` (its sweep too with ``sweep``)."""
@@ -102,8 +104,8 @@ class InvariancePoints:
         return step > self.last_step or (sweep and self.prober.sweep_missing(step))
 
     def take(self, step: int, *, sweep: bool) -> tuple[dict[str, float], bool] | None:
-        """The point of ``step`` (the sweep too with ``sweep``): its new finite metrics and
-        whether they extend the point taken last (its sweep added to it); None when nothing
+        """The probe run of ``step`` (the sweep too with ``sweep``): its new finite metrics and
+        whether they extend the step probed last (its sweep added to it); None when nothing
         was taken (taken already, no probe, a non-finite loss, the probe turned off)."""
         if not self.wanted(step, sweep=sweep):
             return None
@@ -111,9 +113,9 @@ class InvariancePoints:
         self.last_step = step
         try:
             result, metrics = self.prober.point(self.batch, step, sweep=sweep)
-        except NonFiniteLoss as err:  # this point only: a later one may be finite again
-            self.voice.warn("nan-loss", f"{self.owner}: no invariance point at step {step}: {err}. Said "
-                                        "once; the next point is probed again.")
+        except NonFiniteLoss as err:  # this step only: a later one may be finite again
+            self.messages.warn("nan-loss", f"{self.name}: no invariance point at step {step}: {err}. Said "
+                                           "once; the next point is probed again.")
             return None
         except Exception as err:  # noqa: BLE001 - the probe's failure stops the probe, not the training
             advice = f" {self.advice}" if self.advice and self.prober.loss_fn is default_loss else ""
@@ -122,6 +124,6 @@ class InvariancePoints:
         self.last = result
         if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
             self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
-            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.owner, step,
+            _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.name, step,
                       result.fit_note)
         return metrics, extend

@@ -1,4 +1,4 @@
-"""tools/door_dump.py: the dump of what the three doors log, and its comparison bit for bit."""
+"""tools/metrics_dump.py: the dump of what the three integrations log, and its comparison bit for bit."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "door_dump.py"
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "metrics_dump.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("door_dump", TOOL)
+    spec = importlib.util.spec_from_file_location("metrics_dump", TOOL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -29,7 +29,7 @@ def test_compare_names_every_value_that_differs_in_its_last_bit_and_every_missin
 
 
 @pytest.mark.slow
-def test_the_dump_holds_every_door_and_is_the_same_twice(tmp_path):
+def test_the_dump_holds_every_integration_and_is_the_same_twice(tmp_path):
     pytest.importorskip("transformers")
     tool = _tool()
     first, second = tmp_path / "a.json", tmp_path / "b.json"
@@ -38,10 +38,10 @@ def test_the_dump_holds_every_door_and_is_the_same_twice(tmp_path):
     import json
 
     dump = json.loads(first.read_text())
-    for door, part in (("lightning", "ladder"), ("lightning", "invariance"), ("transformers", "all"),
-                       ("loop", "all")):
-        steps = dump[door]["values"][part]
-        assert steps and all(steps.values()), (door, part)
+    for integration, part in (("lightning", "ladder"), ("lightning", "invariance"), ("transformers", "all"),
+                             ("loop", "all")):
+        steps = dump[integration]["values"][part]
+        assert steps and all(steps.values()), (integration, part)
     assert any("lnmonitor summary" in line for line in dump["loop"]["said"])
 
 

@@ -1,4 +1,4 @@
-"""The transformers.Trainer door as a fine-tuning script uses it: ``Trainer(...,
+"""The transformers.Trainer callback as a fine-tuning script uses it: ``Trainer(...,
 trainer.add_callback(LNMonitorCallback(trainer))``, a tiny random Llama, sequences of different lengths
 padded per batch by ``DataCollatorForLanguageModeling(mlm=False)`` with a tokenizer built
 here (``tokenizers``' WordLevel, pad id 1: nothing downloaded), the Trainer's default eval
@@ -87,7 +87,7 @@ def test_padded_eval_batches_are_joined_and_the_probe_measures(fine_tune):
     callback, files, said = fine_tune
     assert callback.invariance_off_reason is None, callback.invariance_off_reason
     assert not [s for s in said if "probe" in s], said
-    rows = callback._points.batch
+    rows = callback._runs.batch
     assert isinstance(rows, transformers.BatchEncoding) and rows["input_ids"].shape[0] == 64
     pads = rows["attention_mask"] == 0
     assert pads.any() and (rows["input_ids"][pads] == PAD).all() and (rows["labels"][pads] == -100).all()
@@ -129,7 +129,7 @@ def test_the_custom_scalars_layout_names_the_trainers_tags(fine_tune):
     # every chart draws something of this run, but the sweep's fit, which this run has not (the
     # reason is kept, and noted on the lnmonitor logger: not a warning, there is nothing to do)
     callback = fine_tune[0]
-    assert callback._points.last.fit_note.startswith("no fit")
+    assert callback._runs.last.fit_note.startswith("no fit")
     assert not [s for s in said if "no scale-sweep slope" in s]
     tags = set(acc.Tags()["scalars"])
     for title, patterns in charts.items():
@@ -192,7 +192,7 @@ def test_a_wrong_trainer_argument_is_refused_by_name():
 
 
 def test_logging_first_step_is_measured_too(tmp_path):
-    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well; the door measures
+    """With ``logging_first_step`` the Trainer logs its loss at step 1 as well; the monitor measures
     the fit's first step with or without it (tests/test_baseline.py)."""
     tok = tokenizer()
     callback = LNMonitorCallback(invariance_every_n_steps=None, keep_history=True)

@@ -1,7 +1,7 @@
-"""Never fatal: every entry point of every door runs inside one guard.
+"""Never fatal: every entry point of every monitor runs inside one guard.
 
 An exception injected into the body of each entry point (the guarded body is the entry's
-``__wrapped__``; the guard itself is the real one) must turn that door off with one warning
+``__wrapped__``; the guard itself is the real one) must turn that monitor off with one warning
 naming the cause and the entry point, leave no hook behind, and let the fit finish; the other
 monitors of the same fit go on measuring.  A structural test makes sure no entry point is
 left outside the guard, so a hook added later cannot crash a user's training.
@@ -18,7 +18,7 @@ from conftest import gpt, loader
 from lightning.pytorch.callbacks import Callback
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor, StructureProbe
-from lnmonitor.core.monitor.shared import History, Voice, entry_points, guarded
+from lnmonitor.core.monitor.shared import History, Messages, entry_points, guarded
 from lnmonitor.integrations.loop import LoopMonitor
 
 STEPS = 4
@@ -94,7 +94,7 @@ def test_an_exception_in_any_lightning_hook_turns_that_callback_off_and_the_fit_
         assert not broken.meter or not broken.meter.measuring
 
 
-def test_a_guarded_door_is_on_again_for_the_next_fit(monkeypatch):
+def test_a_guarded_monitor_is_on_again_for_the_next_fit(monkeypatch):
     mon = LayerNormMonitor(every_n_steps=1, keep_history=True, images=False, summary=False)
     calls: list[str] = []
     _inject(monkeypatch, LayerNormMonitor, "on_train_batch_end", calls)
@@ -138,15 +138,15 @@ def test_a_logger_that_raises_on_lnmonitor_metrics_turns_the_monitor_off_with_it
 # -- the plain loop --------------------------------------------------------------------
 
 
-def test_every_public_method_of_the_loop_door_runs_inside_the_guard():
+def test_every_public_method_of_the_loop_monitor_runs_inside_the_guard():
     public = {n for n, v in vars(LoopMonitor).items() if callable(v) and not n.startswith("_")}
     inside = set(entry_points(LoopMonitor))
-    # shut is what the guard calls; the state is plain data to save and load, with nothing to trip
-    assert public - {"step", "shut", "state_dict", "load_state_dict"} <= inside, public - inside
+    # detach is what the guard calls; the state is plain data to save and load, with nothing to trip
+    assert public - {"step", "detach", "state_dict", "load_state_dict"} <= inside, public - inside
 
 
 @pytest.mark.parametrize("entry", ["start", "stop"])
-def test_an_exception_in_the_loop_door_turns_it_off_and_the_loop_goes_on(monkeypatch, entry):
+def test_an_exception_in_the_loop_monitor_turns_it_off_and_the_loop_goes_on(monkeypatch, entry):
     calls: list[str] = []
     _inject(monkeypatch, LoopMonitor, entry, calls)
     module = gpt(STEPS)
@@ -162,7 +162,7 @@ def test_an_exception_in_the_loop_door_turns_it_off_and_the_loop_goes_on(monkeyp
     assert not monitor.meter.measuring  # no hook left on the model
 
 
-def test_the_users_exception_goes_through_and_the_loop_door_leaves_no_hook():
+def test_the_users_exception_goes_through_and_the_loop_monitor_leaves_no_hook():
     module = gpt(STEPS)
     monitor = LoopMonitor(module, every_n_steps=1)
     with pytest.raises(Injected):
@@ -172,7 +172,7 @@ def test_the_users_exception_goes_through_and_the_loop_door_leaves_no_hook():
     assert not monitor.meter.measuring and monitor.off_reason is None
 
 
-# -- the transformers.Trainer door -------------------------------------------------------
+# -- the transformers.Trainer callback -------------------------------------------------------
 
 
 def _trainer_events(cls) -> set[str]:
@@ -182,7 +182,7 @@ def _trainer_events(cls) -> set[str]:
             and getattr(cls, name) is not getattr(TrainerCallback, name)}
 
 
-def test_every_trainer_event_of_the_trainer_door_runs_inside_the_guard():
+def test_every_trainer_event_of_the_trainer_callback_runs_inside_the_guard():
     pytest.importorskip("transformers")
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
@@ -219,8 +219,8 @@ def _hf_events():
 
 
 @pytest.mark.parametrize("entry", _hf_events())
-def test_an_exception_in_any_trainer_event_turns_the_door_off_and_training_finishes(monkeypatch, tmp_path,
-                                                                                   entry):
+def test_an_exception_in_any_trainer_event_turns_the_callback_off_and_training_finishes(monkeypatch, tmp_path,
+                                                                                        entry):
     from lnmonitor.integrations.transformers import LNMonitorCallback
 
     calls: list[str] = []
@@ -236,17 +236,17 @@ def test_an_exception_in_any_trainer_event_turns_the_door_off_and_training_finis
 # -- the parts -------------------------------------------------------------------------
 
 
-def test_the_guard_names_the_cause_and_where_and_shuts_once():
-    shut: list[int] = []
+def test_the_guard_names_the_cause_and_where_and_detaches_once():
+    detached: list[int] = []
 
-    class Door:
-        refusals = (KeyError,)
+    class Monitor:
+        configuration_errors = (KeyError,)
 
         def __init__(self):
-            self.voice, self.off_reason, self.owner = Voice(warn=said.append), None, "Door"
+            self.messages, self.off_reason, self.name = Messages(warn=said.append), None, "Monitor"
 
-        def shut(self):
-            shut.append(1)
+        def detach(self):
+            detached.append(1)
 
         @guarded
         def entry(self, x):
@@ -257,26 +257,26 @@ def test_the_guard_names_the_cause_and_where_and_shuts_once():
             return "on"
 
     said: list[str] = []
-    door = Door()
-    with pytest.raises(KeyError):  # a refusal passes through and turns nothing off
-        door.entry("b")
-    assert door.off_reason is None
-    door.entry([])  # a list is unhashable: TypeError, not a refusal
-    assert door.off_reason.startswith("TypeError") and "test_door.py" in door.off_reason
-    assert shut == [1] and len(said) == 1 and "Door is off" in said[0]
-    assert door.entry("a") is None  # off
-    assert door.begin() == "on" and door.off_reason is None  # a new run
+    monitor = Monitor()
+    with pytest.raises(KeyError):  # a configuration error passes through and turns nothing off
+        monitor.entry("b")
+    assert monitor.off_reason is None
+    monitor.entry([])  # a list is unhashable: TypeError, not a configuration error
+    assert monitor.off_reason.startswith("TypeError") and "test_guard.py" in monitor.off_reason
+    assert detached == [1] and len(said) == 1 and "Monitor is off" in said[0]
+    assert monitor.entry("a") is None  # off
+    assert monitor.begin() == "on" and monitor.off_reason is None  # a new run
 
 
-def test_voice_says_each_key_once_and_only_where_it_speaks():
+def test_messages_warn_each_key_once_and_only_where_it_speaks():
     said: list[str] = []
-    voice = Voice(say=said.append, warn=said.append)
-    voice.warn("k", "one")
-    voice.warn("k", "again")
-    voice.say("info")
-    voice.reset(speaks=False)
-    voice.warn("k", "rank one")
-    voice.say("rank one")
+    messages = Messages(info=said.append, warn=said.append)
+    messages.warn("k", "one")
+    messages.warn("k", "again")
+    messages.info("info")
+    messages.reset(speaks=False)
+    messages.warn("k", "rank one")
+    messages.info("rank one")
     assert said == ["one", "info"]
 
 

@@ -1,5 +1,5 @@
-"""The metric sink: the custom-scalars layout of every lnmonitor callback merged into one, one
-HPARAMS session with the module's hyperparameters, histograms."""
+"""The Lightning callbacks' Loggers: the custom-scalars layout of every lnmonitor callback merged
+into one, one HPARAMS session with the module's hyperparameters, histograms."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.invariance.results import CASES
-from lnmonitor.lightning.sink import MetricSink
+from lnmonitor.lightning.loggers import Loggers
 
 
 def test_tensorboard_layout_hparams_and_histograms(tmp_path):
@@ -89,12 +89,12 @@ def test_per_logger_state_is_keyed_by_the_logger_itself_never_its_id(tmp_path):
         logger = TensorBoardLogger(tmp_path, name=name, default_hp_metric=False)
         fit(gpt(1), loader(4, 4), [ln], 1, logger=logger)
         assert "custom_scalars__config__" in events(logger.log_dir).Tags()["tensors"], name
-    sink = MetricSink("test", keep_history=None)
+    loggers = Loggers("test", keep_history=None)
     gone = TensorBoardLogger(tmp_path, name="c")
-    sink._ready.add(gone)
+    loggers._ready.add(gone)
     del gone
     gc.collect()
-    assert len(sink._ready) == 0
+    assert len(loggers._ready) == 0
 
 
 def test_a_callbacks_warning_points_at_the_users_fit_line_not_lnmonitors():

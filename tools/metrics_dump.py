@@ -1,18 +1,18 @@
-"""Everything the three doors log, as float hex: the check that a change of the code's shape
-changed no number.
+"""Everything the three integrations log, as float hex: the check that a change of the code's
+shape changed no number.
 
-Runs the three-doors test's tiny transformers GPT-2 (tests/test_doors.py: random weights, fixed
-seeds, the same batch) through each door -- Lightning
+Runs the tiny transformers GPT-2 of tests/test_three_callbacks.py (random weights, fixed seeds,
+the same batch) through each integration -- Lightning
 (:class:`~lnmonitor.LayerNormMonitor`, :class:`~lnmonitor.FinalNormInvarianceMonitor`),
 ``transformers.Trainer`` (:class:`~lnmonitor.LNMonitorCallback`) and a plain loop
 (:class:`~lnmonitor.LoopMonitor`, on batches padded to different lengths) -- and writes every
-logged value of every step as ``float.hex`` to one JSON file, with everything the doors printed
+logged value of every step as ``float.hex`` to one JSON file, with everything the monitors printed
 (their notes and end-of-fit summaries).  Two dumps, one taken before a change and one after,
 must be equal wherever no number was meant to change::
 
-    python tools/door_dump.py before.json        # on the old commit
-    python tools/door_dump.py after.json         # on the new one
-    python tools/door_dump.py --compare before.json after.json
+    python tools/metrics_dump.py before.json        # on the old commit
+    python tools/metrics_dump.py after.json         # on the new one
+    python tools/metrics_dump.py --compare before.json after.json
 
 ``--compare`` prints each tag whose values differ (bit for bit) and exits 1 if any does.
 """
@@ -35,19 +35,19 @@ STEPS = 6  # three measured steps at every 2nd and the last
 
 
 def _parity():
-    """tests/test_doors.py, whose model, batch, labels and LightningModule the dump runs: one
-    definition of the three doors' common ground."""
+    """tests/test_three_callbacks.py, whose model, batch, labels and LightningModule the dump runs: one
+    definition of the three integrations' common ground."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "tests" / "test_doors.py"
-    spec = importlib.util.spec_from_file_location("test_doors", path)
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_three_callbacks.py"
+    spec = importlib.util.spec_from_file_location("test_three_callbacks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _hex(history) -> dict[str, dict[str, str]]:
-    """``{step: {tag: float hex}}`` of a door's kept history."""
+    """``{step: {tag: float hex}}`` of a monitor's kept history."""
     out: dict[str, dict[str, str]] = {}
     for logged in history:
         step = str(logged["step"])
@@ -57,7 +57,7 @@ def _hex(history) -> dict[str, dict[str, str]]:
     return out
 
 
-def lightning_door(folder: Path) -> dict:
+def lightning_callbacks(folder: Path) -> dict:
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
@@ -76,7 +76,7 @@ def lightning_door(folder: Path) -> dict:
     return {"ladder": _hex(monitor.history), "invariance": _hex(invariance.history)}
 
 
-def transformers_door(folder: Path) -> dict:
+def transformers_callback(folder: Path) -> dict:
     import transformers
 
     from lnmonitor import LNMonitorCallback
@@ -95,7 +95,7 @@ def transformers_door(folder: Path) -> dict:
     return {"all": _hex(callback.history)}
 
 
-def loop_door(_folder: Path) -> dict:
+def loop_monitor(_folder: Path) -> dict:
     import torch
 
     from lnmonitor import LoopMonitor
@@ -120,21 +120,21 @@ def loop_door(_folder: Path) -> dict:
 
 
 def dump() -> dict:
-    """Every door's logged values and printed summary."""
+    """Every monitor's logged values and printed summary."""
     import torch
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, door in (("lightning", lightning_door), ("transformers", transformers_door),
-                           ("loop", loop_door)):
+        for name, run in (("lightning", lightning_callbacks), ("transformers", transformers_callback),
+                          ("loop", loop_monitor)):
             said = io.StringIO()
             handler = logging.StreamHandler(said)
             logging.getLogger("lnmonitor").addHandler(handler)
             with warnings.catch_warnings(), contextlib.redirect_stderr(said):
                 warnings.simplefilter("ignore")
-                values = door(Path(tmp) / name)
+                values = run(Path(tmp) / name)
             logging.getLogger("lnmonitor").removeHandler(handler)
             out[name] = {"values": values, "said": said.getvalue().splitlines()}
     return out
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a file to write the dump to, or --compare BEFORE AFTER")
     result = dump()
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True))
-    counts = {door: sum(len(s) for part in d["values"].values() for s in part.values())
-              for door, d in result.items()}
-    print(f"wrote {args.out}: values logged by door {counts}")
+    counts = {integration: sum(len(s) for part in d["values"].values() for s in part.values())
+              for integration, d in result.items()}
+    print(f"wrote {args.out}: values logged by integration {counts}")
     return 0
 
 
