@@ -1,4 +1,7 @@
-"""The tiny character-level GPT recipe the monitors are demonstrated on."""
+"""The tiny character-level GPT recipe the monitors are demonstrated on: ``recipe`` (its
+settings, no torch), ``corpus`` (the built-in texts), ``data`` (batches), ``model`` (the GPT),
+``module`` (its LightningModule), ``train`` (the fit with the monitors), ``progress`` (progress
+lines where the output is no terminal) and ``checkpoint`` (safe checkpoint loading)."""
 
 from lnmonitor import _lazy_attributes
 
