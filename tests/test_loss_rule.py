@@ -153,7 +153,7 @@ def test_a_healthy_loop_says_nothing_and_a_loop_without_losses_pays_nothing():
     for step in range(3):
         with quiet.step(step):
             model(x, x)[1].backward()
-    assert quiet.findings.loss_rule.seen == 0 and quiet.monitor.after._losses is None
+    assert quiet.findings.loss_rule.seen == 0 and quiet.monitor._losses is None
 
 
 def test_the_lightning_callback_reads_the_training_steps_loss():

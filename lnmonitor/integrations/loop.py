@@ -251,11 +251,8 @@ class LoopMonitor(MonitorAttributes):
     def _probe_point(self, step: int, *, sweep: bool) -> None:
         """The probe run of ``step`` (its sweep too with ``sweep``), on rank zero (every
         rank of a sharded model, which writes from rank zero)."""
-        if not (self._every_rank or _rank_zero()):
-            return
-        taken = self._runs.take(step, sweep=sweep)
-        if taken is not None and _rank_zero():
-            self.monitor.after.log(step, taken[0], self._emit)
+        if self._every_rank or _rank_zero():
+            self.monitor.probe(step, self._emit, sweep=sweep)
 
 
 def _rank_zero() -> bool:

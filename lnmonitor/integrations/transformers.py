@@ -164,7 +164,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
-        if self.monitor.after is None:  # no training began through on_train_begin: nothing to do
+        if self.monitor.views is None:  # no training began through on_train_begin: nothing to do
             return
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
         self.monitor.end_step(state.global_step, stop, judge_loss=False, write_image=self._image_writer())
@@ -176,7 +176,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         """The Trainer logged its training loss (the mean since its last log, the same on every
         process): the findings' loss rule reads it."""
-        if self.monitor.after is None or not isinstance(logs, Mapping) or "loss" not in logs:
+        if self.monitor.views is None or not isinstance(logs, Mapping) or "loss" not in logs:
             return
         self.monitor.add_loss(logs["loss"])
         self.monitor.judge_loss(state.global_step, lambda: setattr(control, "should_training_stop", True))
@@ -187,7 +187,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         if control.should_training_stop or state.global_step >= state.max_steps:
             if self.settings.invariance_every_n_steps is not None:
                 self._run_probe(args, state, control, sweep=True)
-            if self.monitor.after is not None:
+            if self.monitor.views is not None:
                 self.monitor.end(self._image_writer())
 
     @guarded
@@ -250,10 +250,8 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         self._runs.begin(probe, rows)
 
     def _run_probe(self, args, state, control, *, sweep: bool) -> None:
-        taken = self._runs.take(state.global_step, sweep=sweep)
-        if taken is not None:
-            report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
-            self.monitor.after.log(state.global_step, taken[0], report)
+        report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
+        self.monitor.probe(state.global_step, report, sweep=sweep)
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -249,7 +249,7 @@ class LayerNormMonitor(MonitorCallback):
         if trainer.global_step == self._stepping:
             return  # still accumulating gradients for this step
         step, self._stepping = self._stepping, None
-        first = self.monitor.after.positions  # the fit's first logged measured step: the roles are known
+        first = self.monitor.positions  # the fit's first logged measured step: the roles are known
         stop = lambda: setattr(trainer, "should_stop", True)  # noqa: E731
         metrics = self.monitor.end_step(step, stop, counts=self.histograms, label=f"the measured step {step}",
                                         write_image=self._image_writer(trainer))

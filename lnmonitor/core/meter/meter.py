@@ -31,7 +31,7 @@ The path of one number, the dead-plane share median of one norm, from the hook t
       -> row_stats.read -> RowStats  a norm's statistics: the step's one host sync
     ladder.norm_figures -> NormFigures -> LadderFigures   the figures (sigma, 1/sigma, shares, ...)
       -> LadderResult.metrics -> dict[str, float]          the metrics, tagged by output.metric_names
-    monitor.after_step.AfterStep -> monitor.monitor.Monitor.log -> the callback's logger
+    monitor.Monitor.end_step -> Monitor.log -> the callback's logger
 
 The meter never raises into training: a hook that cannot measure the model turns it off
 (:attr:`LadderMeter.off_reason`, said once); it speaks through ``info`` and ``warn`` (once per
