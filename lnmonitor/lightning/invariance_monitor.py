@@ -46,7 +46,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     The Lightning callback of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
     the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
     batch, at step indices that are multiples of
-    ``every_n_steps`` (before that step's update: taken as soon as the previous update is
+    ``invariance_every_n_steps`` (before that step's update: taken as soon as the previous update is
     done, so that a checkpoint saved then records it; this includes the point after the
     last update) and, with ``on_validation=True``, after each validation (not the sanity
     check; a validation at a step already probed reuses that point), run
@@ -59,9 +59,11 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     final norm evaluated in float64 there (only the final norm sees the transformed
     input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
     mode and the RNG state are restored; only rank zero computes (no collectives, the
-    other ranks go on training), except for a sharded model (FSDP, FSDP2), whose forward
-    needs every rank: then all ranks probe rank zero's probe batch together and rank zero
-    logs; a compiled model is probed eagerly.  With ``every_n_steps`` set, a fit that ends
+    other ranks go on training), except for a sharded model (FSDP2, tensor parallelism),
+    whose forward needs every rank: then all ranks probe rank zero's probe batch together and
+    rank zero logs (an FSDP1 model is refused, said once:
+    :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`); a compiled model is probed eagerly.
+    With ``invariance_every_n_steps`` set, a fit that ends
     at a point not probed yet (after its last update) is probed there too, so the curve
     reaches the end of training.
 
