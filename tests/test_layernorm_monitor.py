@@ -379,12 +379,12 @@ def test_an_error_inside_a_hook_turns_the_monitor_off_and_training_goes_on(monke
 @pytest.mark.parametrize("finish", ["finish_rows", "finish_layernorm_backward"])
 def test_an_error_finishing_the_rows_at_the_step_end_turns_the_monitor_off_and_training_goes_on(
         monkeypatch, finish):
-    import lnmonitor.core.meter.step_rows as step_rows
+    import lnmonitor.core.meter.taps as taps
 
     def broken(*args):
         raise RuntimeError("rows the taps cannot finish")
 
-    monkeypatch.setitem(step_rows._FINISH, "rows" if finish == "finish_rows" else "layernorm", broken)
+    monkeypatch.setitem(taps._FINISH, "rows" if finish == "finish_rows" else "layernorm", broken)
     mon = monitor()
     model = gpt(3, norm="rms" if finish == "finish_rows" else "layer")  # RMSNorm: the input path
     t, caught = fit(model, loader(12, 4), [mon], 3)

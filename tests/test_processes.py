@@ -20,7 +20,7 @@ from lnmonitor.core.maths import histograms as H
 from lnmonitor.core.maths.replicas import replicated
 from lnmonitor.core.meter import row_stats as R
 from lnmonitor.core.meter.processes import merge_processes
-from lnmonitor.core.meter.step_rows import StepRows
+from lnmonitor.core.meter.taps import StepRows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from ranks import Metered  # noqa: E402  (benchmarks/ranks.py's meter of the collectives)

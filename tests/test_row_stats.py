@@ -12,7 +12,7 @@ import torch
 
 from lnmonitor.core.maths import histograms as H
 from lnmonitor.core.meter import row_stats as R
-from lnmonitor.core.meter.step_rows import StepRows
+from lnmonitor.core.meter.taps import StepRows
 
 
 def test_an_empty_step_reads_as_nan():
@@ -27,7 +27,7 @@ def test_histogram_rows_equals_a_per_norm_reference():
     """Histograms, sums and maxima of mixed widths and kinds, with rows that have no share (zero or
     nan gradient) or no statistic at all (nan, inf or zero var, padding) and a norm without rows,
     against a naive loop."""
-    from lnmonitor.core.meter.step_rows import CallRecord
+    from lnmonitor.core.meter.taps import CallRecord
 
     g = torch.Generator().manual_seed(5)
     recs = [CallRecord(1, 50, 16, 1e-5, 2), CallRecord(0, 40, 8, 1e-5, 1), CallRecord(1, 30, 16, 1e-5, 2)]
@@ -88,7 +88,7 @@ def test_rows_without_a_target_are_the_final_norms_rows_without_gradient():
 def test_read_gives_each_norms_medians_within_a_bin_of_its_rows():
     """read: each norm's var and ms medians within a bin (``VAR_RESOLUTION``) of its rows' own, the
     norms' values orders of magnitude apart, and its share median within ``SHARE_RESOLUTION``."""
-    from lnmonitor.core.meter.step_rows import CallRecord
+    from lnmonitor.core.meter.taps import CallRecord
 
     g = torch.Generator().manual_seed(7)
     rows, d = 41, 16  # an odd count: each median is one row's value

@@ -1,6 +1,6 @@
 """Mergeable fixed-bin histograms: the flat float32 vector of one measured step.
 
-A step's rows (see :mod:`lnmonitor.core.meter.step_rows`) become one flat float32 vector per process
+A step's rows (see :mod:`lnmonitor.core.meter.taps`) become one flat float32 vector per process
 (:func:`lnmonitor.core.meter.row_stats.histogram_rows`), laid out by :class:`Layout`:
 
 * per norm, fixed-bin histograms (counts):

@@ -23,9 +23,9 @@ once, assigns the norms' roles on the first step, and computes every figure with
 The path of one number, the dead-plane share median of one norm, from the hook to the logger
 (docs/layout.md lists it name by name, and a test resolves every name)::
 
-    taps.NormTap              the hooks of the measured step: each call's rows (step_rows.RawCall,
+    taps.NormTap              the hooks of the measured step: each call's rows (taps.RawCall,
                               maths.reductions), on the device
-      -> step_rows.StepRows   the step's rows, finished together
+      -> taps.StepRows        the step's rows, finished together
     row_stats.histogram_rows  every norm's rows as one flat vector of histograms (maths.histograms)
       -> processes.merge_processes   all-reduced over processes (a fixed number of bytes a rank)
       -> row_stats.read -> RowStats  a norm's statistics: the step's one host sync
@@ -309,6 +309,9 @@ class LadderMeter:
     def result(self, merge: bool = False, *, counts: bool = False,
                label: str = "the measured step") -> LadderResult | None:
         """The last measured step's numbers, or None when there is none (off, or not measured).
+        The first call of a run also decides the norms' roles from the step's merged rows (which
+        norms are rungs, which is the final norm) and, with ``watch_growth``, hooks the first and
+        last rung for the every-step growth: both need a measured step's gradient.
 
         ``merge``: merge over every process of ``torch.distributed``'s default group
         (:func:`~lnmonitor.core.meter.processes.merge_processes`: every process must call this

@@ -1,6 +1,6 @@
 """The per-norm statistics of one measured step: the rows histogrammed, then read.
 
-:func:`histogram_rows` turns one process's rows (see :mod:`lnmonitor.core.meter.step_rows`) into the
+:func:`histogram_rows` turns one process's rows (see :mod:`lnmonitor.core.meter.taps`) into the
 step's flat float32 vector on the device (laid out by
 :class:`~lnmonitor.core.maths.histograms.Layout`, merged across processes by
 :func:`~lnmonitor.core.maths.histograms.merge`); :func:`read` brings the merged vector to the host
@@ -29,7 +29,7 @@ from lnmonitor.core.maths.histograms import (
 )
 from lnmonitor.core.maths.reductions import row_values
 from lnmonitor.core.maths.replicas import fingerprints
-from lnmonitor.core.meter.step_rows import StepRows
+from lnmonitor.core.meter.taps import StepRows
 
 __all__ = ["RowStats", "count_targets", "histogram_rows", "read"]
 
