@@ -273,7 +273,7 @@ def test_every_monitor_takes_one_settings_object_with_one_name_a_setting():
     with pytest.raises(MisconfigurationException,
                        match="no setting 'every_n_steps'.*invariance_every_n_steps"):
         FinalNormInvarianceMonitor(every_n_steps=500)  # the ladder's cadence: the probe's has its own name
-    with pytest.raises(ArgumentError, match="no setting 'evry_n_steps'"):
+    with pytest.raises(ArgumentError, match="no setting 'evry_n_steps'; did you mean 'every_n_steps'"):
         LoopMonitor(model, evry_n_steps=5)
     with pytest.raises(ArgumentError, match="not both"):
         LNMonitorCallback(settings=expected, every_n_steps=3)

@@ -151,8 +151,8 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         if self.trainer is None:
             self.messages.warn("no-trainer", "LNMonitorCallback: no transformers.Trainer was handed to it, "
                                              "so its metrics go to no report_to integration: they are kept "
-                                             "in .history. trainer.add_callback(LNMonitorCallback(trainer)) "
-                                             "reports them.")
+                                             "in the callback's .history. Pass it the Trainer to report "
+                                             "them: trainer.add_callback(LNMonitorCallback(trainer)).")
         self.monitor.history.reset(receivers=bool(self._reporters))
         self._runs.begin(None, None)
         if self.settings.invariance_every_n_steps is not None:
@@ -224,9 +224,10 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 return batch
         batch = first_samples(kwargs.get("train_dataloader"), size, pad=pad, info=info, warn=warn)
         if batch is not None:
-            self.messages.warn("train-probe", "LNMonitorCallback: no eval dataset to take held-out probe "
-                                              "rows from, so the invariance probe runs on the first training "
-                                              "rows.")
+            why = ("no eval dataset to take held-out probe rows from" if trainer is not None else
+                   "no Trainer was handed to it, so it cannot read the eval set")
+            self.messages.warn("train-probe", f"LNMonitorCallback: {why}, so the invariance probe runs on "
+                                              "the first training rows.")
         return batch
 
     def _start_probe(self, model, kwargs) -> None:

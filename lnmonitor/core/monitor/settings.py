@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -130,8 +131,10 @@ class Settings:
         names = [f.name for f in dataclasses.fields(cls)] if reads is None else list(reads)
         unknown = [key for key in fields if key not in names]
         if unknown:
+            near = [close[0] for key in unknown if (close := difflib.get_close_matches(key, names, 1))]
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise arguments.ArgumentError(
-                f"{name} has no setting {', '.join(map(repr, unknown))}: it reads {names} "
+                f"{name} has no setting {', '.join(map(repr, unknown))}{hint} It takes {names} "
                 "(lnmonitor.Settings)")
         if settings is None:
             return cls(**fields)
