@@ -26,11 +26,13 @@ The path of one number, the dead-plane share median of one norm, from the hook t
     taps.NormTap              the hooks of the measured step: each call's rows (taps.RawCall,
                               maths.reductions), on the device
       -> taps.StepRows        the step's rows, finished together
-    row_stats.histogram_rows  every norm's rows as one flat vector of histograms (maths.histograms)
+    row_stats.histogram_rows  every row's share (maths.reductions.row_values), binned into one
+                              flat vector of histograms over every norm
       -> processes.merge_processes   all-reduced over processes (a fixed number of bytes a rank)
-      -> row_stats.read -> RowStats  a norm's statistics: the step's one host sync
+      -> row_stats.read -> RowStats  a norm's statistics, the median read from its histogram
+                                     (maths.histograms.hist_quantiles): the step's one host sync
     ladder.norm_figures -> NormFigures -> LadderFigures   the figures (sigma, 1/sigma, shares, ...)
-      -> LadderResult.metrics -> dict[str, float]          the metrics, tagged by output.metric_names
+      -> LadderResult.metrics -> dict[str, float]          the finite metrics (output.metric_names)
     monitor.Monitor.end_step -> Monitor.log -> the callback's logger
 
 The meter never raises into training: a hook that cannot measure the model turns it off
