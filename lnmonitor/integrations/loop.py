@@ -24,7 +24,7 @@ from lnmonitor.core.invariance.runs import FSDP1_REFUSED, LOSS_FN_ADVICE
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import Messages, due, guarded
+from lnmonitor.core.monitor.shared import Messages, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, LADDER_LAYOUT
 from lnmonitor.core.output.writers import metric_writer
@@ -141,9 +141,7 @@ class LoopMonitor(MonitorAttributes):
         if self.monitor.measuring is not None:
             return False
         self._started = step
-        every = self.settings.invariance_every_n_steps
-        if every is not None and due(step, every):
-            self._probe_point(step, sweep=False)
+        self._probe_point(step)
         return self.monitor.start(step)
 
     @guarded
@@ -202,7 +200,7 @@ class LoopMonitor(MonitorAttributes):
         if self._ended:
             return
         self._ended = True
-        self._probe_point(step, sweep=True)
+        self._probe_point(step, end=True)
         self.monitor.end(self._write_image)
 
     # -- writing -----------------------------------------------------------------------
@@ -248,11 +246,11 @@ class LoopMonitor(MonitorAttributes):
                                 meter=self.meter)
         self._runs.begin(probe, map_tensors(rows, lambda t: t.to(device)))
 
-    def _probe_point(self, step: int, *, sweep: bool) -> None:
-        """The probe run of ``step`` (its sweep too with ``sweep``), on rank zero (every
-        rank of a sharded model, which writes from rank zero)."""
+    def _probe_point(self, step: int, *, end: bool = False) -> None:
+        """The probe run of ``step`` when due (:meth:`Monitor.probe`), on rank zero (every rank of
+        a sharded model, which writes from rank zero)."""
         if self._every_rank or _rank_zero():
-            self.monitor.probe(step, self._emit, sweep=sweep)
+            self.monitor.probe(step, self._emit, end=end)
 
 
 def _rank_zero() -> bool:

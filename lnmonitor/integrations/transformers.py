@@ -33,7 +33,7 @@ from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
-from lnmonitor.core.monitor.shared import Messages, due, guarded
+from lnmonitor.core.monitor.shared import Messages, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
 from lnmonitor.core.output.metric_names import (
     TRAINER_SPLIT,
@@ -168,9 +168,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
             return
         stop = lambda: setattr(control, "should_training_stop", True)  # noqa: E731
         self.monitor.end_step(state.global_step, stop, judge_loss=False, write_image=self._image_writer())
-        every = self.settings.invariance_every_n_steps
-        if every is not None and due(state.global_step, every):
-            self._run_probe(args, state, control, sweep=False)
+        self._run_probe(args, state, control)
 
     @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -185,10 +183,8 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         # the end of training comes here before on_train_end, where the integrations close
         if control.should_training_stop or state.global_step >= state.max_steps:
-            if self.settings.invariance_every_n_steps is not None:
-                self._run_probe(args, state, control, sweep=True)
-            if self.monitor.views is not None:
-                self.monitor.end(self._image_writer())
+            self._run_probe(args, state, control, end=True)
+            self.monitor.end(self._image_writer())
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
@@ -250,9 +246,9 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                                 meter=self.meter, autocast=autocast)
         self._runs.begin(probe, rows)
 
-    def _run_probe(self, args, state, control, *, sweep: bool) -> None:
+    def _run_probe(self, args, state, control, *, end: bool = False) -> None:
         report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
-        self.monitor.probe(state.global_step, report, sweep=sweep)
+        self.monitor.probe(state.global_step, report, end=end)
 
     # -- reporting ---------------------------------------------------------------------
 

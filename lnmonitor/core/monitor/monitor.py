@@ -249,10 +249,14 @@ class Monitor:
                 self.views.add(step, metrics)
         return logged
 
-    def probe(self, step: int, log: Log, *, sweep: bool) -> None:
-        """The invariance probe's run at ``step`` (its scale sweep too with ``sweep``), unless it was
-        taken: its metrics through ``log`` and kept for the summary."""
-        taken = self.runs.take(step, sweep=sweep)
+    def probe(self, step: int, log: Log, *, end: bool = False) -> None:
+        """The invariance probe's run at ``step`` when its cadence (``invariance_every_n_steps``) has
+        one there, or with ``end`` the run after the last update with its scale sweep; unless it
+        was taken: its metrics through ``log`` and kept for the summary."""
+        every = self.settings.invariance_every_n_steps
+        if every is None or not (end or step % every == 0):
+            return
+        taken = self.runs.take(step, sweep=end)
         if taken is not None and log(step, taken[0], None) and self._speaks():
             self.views.add(step, taken[0])
 
