@@ -409,3 +409,5 @@ def test_a_resumed_loop_logs_no_step_twice_and_raises_no_finding_twice():
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert len(seen) == 1 and resumed.findings.start == first.findings.start
     assert resumed.state_dict()["last_logged_step"] == 4
+    with pytest.raises(TypeError, match="takes the dict LoopMonitor.state_dict"):
+        resumed.load_state_dict(None)

@@ -13,7 +13,7 @@ Lightning is imported.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch.distributed as dist
 from torch import nn
@@ -128,7 +128,11 @@ class LoopMonitor(MonitorAttributes):
         return {**self.monitor.state_dict(), "invariance_last_step": self._runs.last_step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the run :meth:`state_dict` saved: no step logged twice, no finding raised twice."""
+        """Resume the run :meth:`state_dict` saved: no step logged twice, no finding raised twice.
+        Raises TypeError for anything but the dict :meth:`state_dict` returned."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"LoopMonitor.load_state_dict takes the dict LoopMonitor.state_dict() returned, "
+                            f"got {type(state).__name__}")
         self.monitor.load_state_dict(state)
         self._runs.last_step = int(state.get("invariance_last_step", -1))
 
