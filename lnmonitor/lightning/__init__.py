@@ -1,14 +1,10 @@
 """The Lightning callbacks, one per module, each logging through its own
-:class:`~lnmonitor.lightning.loggers.Loggers`.
-
-* :class:`LayerNormMonitor`: every norm's 1/sigma ladder and dead-plane share;
-* :class:`FinalNormInvarianceMonitor`: the final norm's shift and scale invariance;
-* :class:`StructureProbe`: block versus branch rank and gain spread after validation.
-
-Each in its own module (``layernorm_monitor``, ``invariance_monitor``, ``structure_probe``),
-beside what they share: ``base`` (their messages, guard and checkpoint state), ``loggers`` (the
-Trainer's loggers: scalars, images, layouts, HPARAMS) and ``probe_loss`` (the invariance probe's
-loss where the module has no loss contract).
+:class:`~lnmonitor.lightning.loggers.Loggers`: :class:`LayerNormMonitor` (``layernorm_monitor``: every norm's
+1/sigma ladder and dead-plane share), :class:`FinalNormInvarianceMonitor` (``invariance_monitor``: the final
+norm's shift and scale invariance) and :class:`StructureProbe` (``structure_probe``: block versus branch rank
+and gain spread after validation).  Beside them: ``base`` (their messages, guard and checkpoint state),
+``loggers`` (scalars, images, layouts, HPARAMS) and ``probe_loss`` (the probe's loss where the module has no
+loss contract).
 """
 
 from lnmonitor.lightning.invariance_monitor import FinalNormInvarianceMonitor

@@ -1,7 +1,5 @@
-"""What every lnmonitor Lightning callback shares: its
-:class:`~lnmonitor.lightning.loggers.Loggers`, ``history``, the messages it says (rank zero),
-the guard its hooks run in (:func:`lnmonitor.core.monitor.shared.guarded`) and the last step it
-logged in its checkpoint state."""
+"""What every lnmonitor Lightning callback shares: its :class:`~lnmonitor.lightning.loggers.Loggers`,
+``history``, messages (rank zero), guard and the last logged step in its checkpoint state."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ __all__ = ["MonitorCallback", "misconfiguration"]
 
 @contextlib.contextmanager
 def misconfiguration() -> Iterator[None]:
-    """Bad arguments and unmeasurable models raised inside as Lightning's
-    ``MisconfigurationException``, with the same message."""
+    """Bad arguments and unmeasurable models raised inside as ``MisconfigurationException``, same message."""
     try:
         yield
     except (ArgumentError, NormSelectionError) as err:
@@ -35,11 +32,9 @@ def misconfiguration() -> Iterator[None]:
 class MonitorCallback(Callback):
     """A callback that logs through its own :class:`~lnmonitor.lightning.loggers.Loggers`.
 
-    Its hooks run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
-    callback off for the rest of the fit with one warning naming the cause (``off_reason``),
-    :meth:`detach` removes what it had hooked, and the fit goes on.  A configuration Lightning
-    cannot run (``MisconfigurationException``: bad arguments, a model with no norm to measure)
-    is raised, as Lightning's own callbacks raise it."""
+    Its hooks run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the callback
+    off for the rest of the fit with one warning (``off_reason``), :meth:`detach` removes its hooks and the
+    fit goes on.  ``MisconfigurationException`` (bad arguments, no norm to measure) is raised."""
 
     configuration_errors = (MisconfigurationException,)
 
@@ -56,12 +51,6 @@ class MonitorCallback(Callback):
     def history(self) -> list[dict[str, float]]:
         """Every dict logged in the current fit, with its ``step`` (see ``keep_history``)."""
         return self._loggers.history
-
-    def _info(self, text: str) -> None:
-        self.messages.info(text)
-
-    def _warn(self, key: str, text: str) -> None:
-        self.messages.warn(key, text)
 
     @override
     def state_dict(self) -> dict[str, Any]:

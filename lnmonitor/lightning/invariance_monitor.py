@@ -1,9 +1,4 @@
-r"""
-Final-Norm Invariance Monitor
-=============================
-
-Check, while training, that the loss ignores shifts and scales of the final norm's input.
-"""
+"""The Lightning callback checking that the loss ignores shifts and scales of the final norm's input."""
 
 from __future__ import annotations
 
@@ -23,11 +18,7 @@ from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import due, guarded, off_message
 from lnmonitor.core.norms.discovery import choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
-from lnmonitor.core.output.metric_names import (
-    INVARIANCE_LAYOUT,
-    invariance_metric,
-    run_metric,
-)
+from lnmonitor.core.output.metric_names import INVARIANCE_LAYOUT, invariance_metric, run_metric
 from lnmonitor.core.wrappers import fsdp1, sharded
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
 from lnmonitor.lightning.layernorm_monitor import LayerNormMonitor
@@ -43,64 +34,43 @@ READS = ("invariance_every_n_steps", "probe_size", "final_norm", "cases", "scale
 class FinalNormInvarianceMonitor(MonitorCallback):
     r"""Check that the loss ignores shifts and scales of the final norm's input.
 
-    The Lightning callback of :class:`lnmonitor.core.invariance.probe.InvarianceProbe`: it decides when
-    the probe runs, on which rows, and logs what it finds.  On a fixed held-out probe
-    batch, at step indices that are multiples of
-    ``invariance_every_n_steps`` (before that step's update: taken as soon as the previous update is
-    done, so that a checkpoint saved then records it; this includes the point after the
-    last update) and, with ``on_validation=True``, after each validation (not the sanity
-    check; a validation at a step already probed reuses that point), run
-    :func:`lnmonitor.core.invariance.measure.final_norm_invariance`: the five cases of docs/design.md
-    (one forward pass of the probe rows; the five more replay what ran before the final norm
-    and run only the rest).  The scale sweep (8 scales, 7 more passes) runs at
-    the end of the fit (the last point), after each validation with ``on_validation=True``,
-    and every ``sweep_every_n_steps``: the curves need the cases, the sweep's slope is read
-    at the end.  The input is transformed in float64 inside a forward hook and the
-    final norm evaluated in float64 there (only the final norm sees the transformed
-    input), so for a LayerNorm the shift cases are exactly zero.  The model's train/eval
-    mode and the RNG state are restored; only rank zero computes (no collectives, the
-    other ranks go on training), except for a sharded model (FSDP2, tensor parallelism),
-    whose forward needs every rank: then all ranks probe rank zero's probe batch together and
-    rank zero logs (an FSDP1 model is refused, said once:
-    :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`); a compiled model is probed eagerly.
-    With ``invariance_every_n_steps`` set, a fit that ends
-    at a point not probed yet (after its last update) is probed there too, so the curve
-    reaches the end of training.
+    The Lightning callback of :class:`~lnmonitor.core.invariance.probe.InvarianceProbe`.  On a fixed held-out
+    probe batch it runs the five cases of docs/design.md (one forward pass of the probe rows; the others
+    replay what ran before the final norm) at the step indices that are multiples of
+    ``invariance_every_n_steps`` (taken as soon as the previous update is done, so that a checkpoint saved
+    then records it; the point after the last update included) and, with ``on_validation=True``, after each
+    validation (not the sanity check; a step already probed is reused).  The scale sweep (8 scales, 7 more
+    passes) runs at the end of the fit, after validations with ``on_validation=True`` and every
+    ``sweep_every_n_steps``.  The final norm sees the transformed input in float64 (the shift cases are
+    exactly zero for a LayerNorm); train/eval mode and the RNG state are restored.  Only rank zero computes,
+    except for a sharded model (FSDP2, tensor parallelism): all ranks probe rank zero's batch and rank zero
+    logs (FSDP1 is refused, said once: :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`); a compiled
+    model is probed eagerly.
 
-    Before its first run it checks, with one gradient pass on the probe batch
-    (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), that the final norm's input reaches
-    the loss only through the norm.  When it does not -- a model without a final norm,
-    whose last norm sits inside a block -- the cases would read zero although the loss
-    is not invariant: the monitor says so in a warning, sets ``off_reason`` and logs
-    nothing.  Any error while probing (a ``loss_fn`` that returns no loss, a model it does
-    not understand, ...) also turns it off with a warning instead of stopping the training.
+    Before its first run one gradient pass checks that the final norm's input reaches the loss only through
+    the norm (:func:`~lnmonitor.core.invariance.final_norm.final_norm_bypass`); when it does not (no final
+    norm: the last norm sits inside a block) the cases would read zero falsely, so the monitor warns, sets
+    ``off_reason`` and logs nothing.  Any error while probing also turns it off with a warning.
 
     Args:
         settings: a :class:`~lnmonitor.core.monitor.settings.Settings`, of which it reads
-            ``invariance_every_n_steps`` (None: only after validation), ``probe_size`` (the
-            first samples of the held-out rows; None keeps one whole batch), ``final_norm``,
-            ``cases``, ``scales``, ``summary`` and ``keep_history``; or pass those as keyword
-            arguments.
-        on_validation: also run after each validation, the sweep included (one forward pass
-            of the probe rows and 12 replayed ones; docs/performance.md has its cost).
-        sweep_every_n_steps: also run the scale sweep at the points that are multiples of
-            this (a multiple of ``invariance_every_n_steps``, or it never coincides); ``None``
-            (default): the sweep runs at the end of the fit (and after validations with
-            ``on_validation``).
-        probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the
-            first ``probe_size`` samples of the validation data the Trainer uses (a
-            datamodule's, the module's or the loaders given to ``fit``; as many batches
-            as it takes), else the first training batch (with a warning: it is not held out).
-        loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``;
-            ``None`` uses ``module(*batch)`` when it returns a loss (a tensor,
-            ``(logits, loss)``, a mapping or ``ModelOutput`` with ``loss``), else the loss
-            ``training_step(batch, 0)`` returns, with ``self.log`` muted (automatic
-            optimisation only); see :mod:`lnmonitor.lightning.probe_loss`.
+            ``invariance_every_n_steps``, ``probe_size``, ``final_norm``, ``cases``, ``scales``, ``summary``
+            and ``keep_history``; or those as keyword arguments.
+        on_validation: also run after each validation, the sweep included (one forward pass of the probe
+            rows and 12 replayed ones; docs/performance.md has its cost).
+        sweep_every_n_steps: also run the scale sweep at the points that are multiples of this (a multiple
+            of ``invariance_every_n_steps``, or it never coincides); ``None``: only as said above.
+        probe_batch: the batch to probe (anything ``loss_fn`` accepts).  ``None``: the first ``probe_size``
+            samples of the validation data the Trainer uses (as many batches as it takes), else the first
+            training batch (with a warning: it is not held out).
+        loss_fn: ``loss_fn(module, batch)`` returning the loss or ``(logits, loss)``; ``None``: see
+            :mod:`lnmonitor.lightning.probe_loss` (``module(*batch)`` when it returns a loss, else the loss
+            ``training_step(batch, 0)`` returns, under automatic optimisation).
 
     Raises:
-        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
-            range, or when it would never run; when the fit starts, if the model has no
-            normalisation layer or ``final_norm`` is not one.
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or range, or when it
+            would never run; when the fit starts, if the model has no normalisation layer or ``final_norm``
+            is not one.
 
     Example::
 
@@ -109,30 +79,27 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         >>> monitor = FinalNormInvarianceMonitor(invariance_every_n_steps=500)
         >>> trainer = Trainer(callbacks=[monitor])
 
-    Logged metrics (``<case>`` in ``shift_5``, ``shift_1000``, ``scale_3``,
-    ``scale_3_shift_5``, ``axis_5``):
+    Logged metrics (``<case>`` in ``shift_5``, ``shift_1000``, ``scale_3``, ``scale_3_shift_5``, ``axis_5``):
 
-    ================================================  ========================================
-    ``lnmonitor/invariance/<case>/dloss``             loss(transformed) - loss (nats); zero
-                                                      for the shifts, eps-sized for the
-                                                      scales, clearly non-zero for ``axis_5``
-    ``lnmonitor/invariance/<case>/log10_abs_dloss``   ``log10 |dloss|``, readable across the
-                                                      decades between the cases (none when
-                                                      dloss is exactly 0)
-    ``lnmonitor/invariance/<case>/max_dlogit``        max |delta logit| (logit units), when
-                                                      the forward returns logits
-    ``lnmonitor/invariance/<case>/out_residual``      median over rows of
-                                                      ``|xhat(Th) - xhat(h)| / |xhat(h)|`` in
-                                                      float64 (= ``|a sigma/sigma_a - 1|``)
-    ``lnmonitor/invariance/scale_slope``              slope of log|dloss| vs log(eps/v) over
-                                                      the sweep points with 1e-5 < eps/v < 10
+    ================================================  ====================================================
+    ``lnmonitor/invariance/<case>/dloss``             loss(transformed) - loss (nats); zero for the shifts,
+                                                      eps-sized for the scales, clearly non-zero for
+                                                      ``axis_5``
+    ``lnmonitor/invariance/<case>/log10_abs_dloss``   ``log10 |dloss|``, readable across the decades
+                                                      between the cases (none when dloss is exactly 0)
+    ``lnmonitor/invariance/<case>/max_dlogit``        max |delta logit| (logit units), when the forward
+                                                      returns logits
+    ``lnmonitor/invariance/<case>/out_residual``      median over rows of ``|xhat(Th) - xhat(h)| /
+                                                      |xhat(h)|`` in float64 (= ``|a sigma/sigma_a - 1|``)
+    ``lnmonitor/invariance/scale_slope``              slope of log|dloss| vs log(eps/v) over the sweep
+                                                      points with 1e-5 < eps/v < 10
     ``lnmonitor/invariance/scale_constant``           exp(intercept) of that fit (nats)
-    ``lnmonitor/invariance/scale_rounding_points``    sweep points with eps/v <= 1e-5 whose
-                                                      loss moved: float32 rounding, not eps
-    ================================================  ========================================
+    ``lnmonitor/invariance/scale_rounding_points``    sweep points with eps/v <= 1e-5 whose loss moved:
+                                                      float32 rounding, not eps
+    ================================================  ====================================================
 
-    The three ``scale_*`` metrics come at the points with the sweep (the end of the fit, see
-    above).  The full result of the latest run (per-scale points included) is ``last_result``.
+    The three ``scale_*`` metrics come with the sweep.  The latest run's full result (per-scale points
+    included) is ``last_result``.
     """
 
     advice = ("If it was raised by your training_step or forward running the probe batch, "
@@ -147,12 +114,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             if self.settings.invariance_every_n_steps is None and not self.on_validation:
                 raise MisconfigurationException(
                     "FinalNormInvarianceMonitor would never run: set invariance_every_n_steps to a positive "
-                    "integer or on_validation=True"
-                )
+                    "integer or on_validation=True")
             self.sweep_every_n_steps = arguments.positive_int(sweep_every_n_steps, "sweep_every_n_steps")
-            self.loss_fn = arguments.function(
-                loss_fn, "loss_fn", "loss_fn(module, batch) -> loss or (logits, loss)"
-            )
+            self.loss_fn = arguments.function(loss_fn, "loss_fn",
+                                              "loss_fn(module, batch) -> loss or (logits, loss)")
         self.probe_batch = probe_batch
         s = self.settings
         self.invariance_every_n_steps, self.probe_size = s.invariance_every_n_steps, s.probe_size
@@ -208,14 +173,13 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # After configure_model and the strategy's setup: the model is complete and sharded.
         with misconfiguration():
             self._norms = choose_norms(pl_module, None, None, self.final_norm, "FinalNormInvarianceMonitor",
-                                       self._warn)
+                                       self.messages.warn)
         said = measured_eps_message("FinalNormInvarianceMonitor", self._norms)
         if said:
-            self._info(said)
+            self.messages.info(said)
         self._sharded = sharded(pl_module)
         if fsdp1(pl_module):  # its units gather their weights only inside the wrapper's forward
             self._disable(FSDP1_REFUSED)
-            self._warn("off", off_message(self.name, FSDP1_REFUSED))
             return
         self._enabled = True
 
@@ -225,18 +189,16 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if self.invariance_every_n_steps is not None:  # the point after the last update (its sweep)
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
         if self.summary and self.last_result is not None and trainer.is_global_zero:
-            self._info(invariance_summary(self._final_name, self._loggers.last_step,
-                                          self.last_result.metrics(), self.settings.changed()))
+            self.messages.info(invariance_summary(self._final_name, self._loggers.last_step,
+                                                  self.last_result.metrics(), self.settings.changed()))
         if self._enabled and self._loggers.last_step < 0 and trainer.is_global_zero:
             every = self.invariance_every_n_steps
             when = f"every {every} optimizer steps" if every else ""
             if self.on_validation:
                 when += (" and " if when else "") + "after each validation"
-            self._loggers.warn_once(
-                "never-ran",
-                f"FinalNormInvarianceMonitor never ran in this fit: it runs {when}, and no such point "
-                "came (no validation ran?). Set invariance_every_n_steps, or add validation data.",
-            )
+            self._loggers.warn_once("never-ran", f"FinalNormInvarianceMonitor never ran in this fit: it runs "
+                                    f"{when}, and no such point came (no validation ran?). Set "
+                                    "invariance_every_n_steps, or add validation data.")
 
     def _disable(self, reason: str) -> None:
         self._enabled = False
@@ -259,11 +221,9 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The probe run of step s (the weights after s updates) is taken as soon as update s is
-        # done rather than at the start of step s: a checkpoint saved now (ModelCheckpoint
-        # runs after the other callbacks) then records it, and the validation that may
-        # follow at the same global step reuses it, so a fit resumed from this checkpoint
-        # neither repeats nor misses it (this includes the probe run after the last update).
+        # Step s's probe run (the weights after s updates) is taken as soon as update s is done: a checkpoint
+        # saved now (ModelCheckpoint runs after the other callbacks) records it and a validation at the same
+        # step reuses it, so a fit resumed from this checkpoint neither repeats nor misses it.
         self._take_due(trainer, pl_module)
 
     @override
@@ -281,8 +241,7 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             self._run(trainer, pl_module, step, sweep=sweeps is not None and due(step, sweeps))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, step: int, sweep: bool) -> None:
-        """Probe ``step``, its sweep with ``sweep``, unless it was logged (with its
-        sweep, when asked)."""
+        """Probe ``step``, its sweep with ``sweep``, unless it was logged (with its sweep, when asked)."""
         add_sweep = sweep and self._prober is not None and self._prober.sweep_missing(step)
         if not self._enabled or (step <= self._loggers.last_step and not add_sweep):
             return
@@ -309,11 +268,10 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             # beside a LayerNormMonitor, its meter's norms and final norm: one rule for both
             meter = next((cb.meter for cb in trainer.callbacks
                           if isinstance(cb, LayerNormMonitor) and cb.meter is not None), None)
-            self._prober = InvarianceProbe(
-                pl_module, self.loss_fn or probe_loss(pl_module, probe), final_norm=self.final_norm,
-                cases=self.cases, scales=self.scales, autocast=trainer.precision_plugin.forward_context,
-                norms=None if meter is not None else self._norms, meter=meter,
-            )
+            self._prober = InvarianceProbe(pl_module, self.loss_fn or probe_loss(pl_module, probe),
+                                           final_norm=self.final_norm, cases=self.cases, scales=self.scales,
+                                           autocast=trainer.precision_plugin.forward_context,
+                                           norms=None if meter is not None else self._norms, meter=meter)
         return self._prober
 
     def _get_probe(self, trainer: Trainer, pl_module: LightningModule):
@@ -323,17 +281,15 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         if batch is None:
             batch = first_samples(
                 trainer.val_dataloaders, self.probe_size, pad=pad_id_of(pl_module),
-                info=lambda text: self._info(f"FinalNormInvarianceMonitor: {text}."),
-                warn=lambda text: self._warn("probe-rows", f"FinalNormInvarianceMonitor: {text}."))
+                info=lambda text: self.messages.info(f"FinalNormInvarianceMonitor: {text}."),
+                warn=lambda text: self.messages.warn("probe-rows", f"FinalNormInvarianceMonitor: {text}."))
         if batch is None:
             batch = self._first_train_batch
             if batch is None:
                 return None
-            self._loggers.warn_once(
-                "train-probe",
-                "FinalNormInvarianceMonitor: no validation data to take a held-out probe batch from, "
-                "so it probes the first training batch; pass probe_batch=... to choose.",
-            )
+            self._loggers.warn_once("train-probe", "FinalNormInvarianceMonitor: no validation data to take a "
+                                    "held-out probe batch from, so it probes the first training batch; pass "
+                                    "probe_batch=... to choose.")
         batch = probe_batch(batch, self.probe_size)
         if self._sharded:  # every rank probes the same rows: rank zero's
             batch = trainer.strategy.broadcast(map_tensors(batch, lambda t: t.cpu()), src=0)

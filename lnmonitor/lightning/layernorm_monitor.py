@@ -1,9 +1,4 @@
-r"""
-LayerNorm Monitor
-=================
-
-Watch every normalisation layer's 1/sigma ladder and dead-plane share while training.
-"""
+"""The Lightning callback watching every normalisation layer's 1/sigma ladder and dead-plane share."""
 
 from __future__ import annotations
 
@@ -36,35 +31,28 @@ __all__ = ["LayerNormMonitor"]
 class LayerNormMonitor(MonitorCallback):
     r"""Watch every normalisation layer's 1/sigma ladder and dead-plane share.
 
-    The Lightning callback of :class:`lnmonitor.core.meter.meter.LadderMeter`: it decides which steps
-    the meter measures and logs what the meter finds.  Every ``every_n_steps`` optimizer
-    steps (default: the Trainer's
-    ``log_every_n_steps``; gradient accumulation does not multiply the count), and at the
-    last optimizer step of the fit when the Trainer knows it, the
-    selected norms are hooked for the whole step, over every row (token) of the global
-    batch: all micro-batches and, under DDP, all ranks.  On the other steps no hook is
-    registered.  Per row the monitor measures, in float32 on the device, the norm's
-    input variance ``v`` (mean square for RMSNorm), the stream's mean square, and the
-    share of ``w = gain * dL/dy`` in the norm's dead subspace (span{1, xhat}, or
-    span{xhat} for RMSNorm); see docs/design.md.  The rows are counted in fixed-bin
-    histograms (:mod:`lnmonitor.core.maths.histograms`: share resolved to 2.4e-4, sigma and rms to
-    0.39% relative, eps/var to 0.78%, over the whole float32 range), all-reduced across
-    ranks (their occupied bins alone: a fixed amount per rank, whatever the number of ranks),
-    and read on the host once.
+    The Lightning callback of :class:`~lnmonitor.core.meter.meter.LadderMeter`.  Every ``every_n_steps``
+    optimizer steps and at the fit's last step (when the Trainer knows it) the selected norms are hooked for
+    the whole step, over every row (token) of the global batch: all micro-batches and, under DDP, all ranks;
+    on other steps no hook is registered.  Per row it measures, in float32, the norm's input variance ``v``
+    (mean square for RMSNorm), the stream's mean square and the share of ``w = gain * dL/dy`` in the norm's
+    dead subspace (span{1, xhat}, or span{xhat} for RMSNorm; docs/design.md), counted in fixed-bin
+    histograms (:mod:`lnmonitor.core.maths.histograms`: share resolved to 2.4e-4, sigma and rms to 0.39%
+    relative, eps/var to 0.78%), merged across ranks and read on the host once.  Autocast, gradient
+    accumulation, ``torch.compile`` (measured steps run eagerly) and activation checkpointing:
+    docs/conditions.md.  A selected norm that gets no row in a measured step is named in a warning, once.
 
     Args:
-        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (what to measure, how often,
-            the findings, the pictures; ``every_n_steps`` defaults to the Trainer's
-            ``log_every_n_steps``; gradient accumulation does not multiply the count), or pass
-            its fields as keyword arguments.  ``loss_blowup`` reads the loss ``training_step``
-            returns; ``on_finding`` returning True stops the fit (``trainer.should_stop``).
+        settings: a :class:`~lnmonitor.core.monitor.settings.Settings`, or its fields as keyword arguments.
+            ``every_n_steps`` defaults to the Trainer's ``log_every_n_steps`` (gradient accumulation does
+            not multiply it); ``loss_blowup`` reads the loss ``training_step`` returns; ``on_finding``
+            returning True stops the fit (``trainer.should_stop``).
         histograms: also write TensorBoard histograms of the per-row share and sigma.
 
     Raises:
-        MisconfigurationException: in ``__init__`` for an argument of the wrong type or
-            range; when the fit starts, if the model has no normalisation layer, the
-            patterns select none, ``final_norm`` is not a selected norm, or a selected norm
-            is too narrow for its dead subspace.
+        MisconfigurationException: in ``__init__`` for an argument of the wrong type or range; when the fit
+            starts, if the model has no normalisation layer, the patterns select none, ``final_norm`` is not
+            a selected norm, or a selected norm is too narrow for its dead subspace.
 
     Example::
 
@@ -73,70 +61,47 @@ class LayerNormMonitor(MonitorCallback):
         >>> monitor = LayerNormMonitor(every_n_steps=10)
         >>> trainer = Trainer(callbacks=[monitor])
 
-    Logged metrics (``<norm>`` is the norm's qualified name in the LightningModule,
-    e.g. ``model.blocks.0.ln1``; all are over the rows of one measured step):
+    Logged metrics (``<norm>`` is the norm's qualified name in the LightningModule, e.g.
+    ``model.blocks.0.ln1``; all are over the rows of one measured step):
 
-    ==========================================  ==============================================
-    ``lnmonitor/sigma/<norm>``                  median ``sqrt(v + eps)`` of the input rows
-                                                (units of the input)
-    ``lnmonitor/inv_sigma/<norm>``              ``1 / sigma``: the norm's gain on the residual
-                                                stream (1 / input units); the ladder
-    ``lnmonitor/rms/<norm>``                    median ``sqrt(mean(x^2))`` of the stream the
-                                                norm reads (input units)
+    ==========================================  ==============================================================
+    ``lnmonitor/sigma/<norm>``                  median ``sqrt(v + eps)`` of the input rows (input units)
+    ``lnmonitor/inv_sigma/<norm>``              ``1 / sigma``: the norm's gain on the residual stream
+                                                (1 / input units); the ladder
+    ``lnmonitor/rms/<norm>``                    median ``sqrt(mean(x^2))`` of the stream the norm reads
+                                                (input units)
     ``lnmonitor/eps_over_var/<norm>``           median ``eps / v`` (dimensionless)
-    ``lnmonitor/transmission/<norm>``           median ``eps / (v + eps)``: the fraction the
-                                                Jacobian passes along the scale direction
-    ``lnmonitor/log10_eps_over_var/<norm>``     ``log10`` of the median ``eps / v`` (these two
-    ``lnmonitor/log10_transmission/<norm>``     span decades: read them on this scale)
+    ``lnmonitor/transmission/<norm>``           median ``eps / (v + eps)``: the fraction the Jacobian passes
+                                                along the scale direction
+    ``lnmonitor/log10_eps_over_var/<norm>``     ``log10`` of the median ``eps / v`` (these two span decades:
+    ``lnmonitor/log10_transmission/<norm>``     read them on this scale)
     ``lnmonitor/share_median/<norm>``           median dead-plane share ``|P w| / |w|`` (0..1)
     ``lnmonitor/share_p90/<norm>``              its 90th percentile
     ``lnmonitor/share_max/<norm>``              its exact maximum
-    ``lnmonitor/skipped_rows/<norm>``           rows without a share that are faults
-                                                (non-finite gradient or input, constant
-                                                row), count: 0 on a healthy run
-    ``lnmonitor/zero_grad_rows/<norm>``         rows with no gradient (zero or rounding-
-                                                level, finite input) where their position
-                                                has no target (label -100, a causal LM's
-                                                last token), count
-    ``lnmonitor/share_baseline/median``         median share of a random direction for this
-                                                width and dead-subspace dimension
-    ``lnmonitor/share_baseline/max``            median of the max of as many random rows as
-                                                were measured (compare with ``share_max``)
+    ``lnmonitor/skipped_rows/<norm>``           rows without a share that are faults (non-finite gradient or
+                                                input, constant row), count: 0 on a healthy run
+    ``lnmonitor/zero_grad_rows/<norm>``         rows with no gradient (zero or rounding-level, finite input)
+                                                where their position has no target (label -100, a causal
+                                                LM's last token), count
+    ``lnmonitor/share_baseline/median``         median share of a random direction for this width and
+                                                dead-subspace dimension
+    ``lnmonitor/share_baseline/max``            median of the max of as many random rows as were measured
+                                                (compare with ``share_max``)
     ``lnmonitor/ladder/attenuation``            ``inv_sigma(first rung) / inv_sigma(last rung)``
     ``lnmonitor/ladder/growth``                 ``rms(last rung) / rms(first rung)``
-    ``lnmonitor/ladder/<stack>/attenuation``,   the same over another stack's ladder (an
-    ``lnmonitor/ladder/<stack>/growth``         encoder-decoder's encoder, ``model.encoder``)
-    ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward
-                                                order (0 first), -1 for a norm that is not a
-                                                rung; logged at the first measured step of
-                                                each fit (a resumed fit's log has them too)
-    ==========================================  ==============================================
+    ``lnmonitor/ladder/<stack>/attenuation``,   the same over another stack's ladder (an encoder-decoder's
+    ``lnmonitor/ladder/<stack>/growth``         encoder, ``model.encoder``)
+    ``lnmonitor/ladder_position/<norm>``        the norm's place among the rungs in forward order (0 first),
+                                                -1 for a norm that is not a rung; logged at the first
+                                                measured step of each fit (a resumed fit's log has them too)
+    ==========================================  ==============================================================
 
-    With ``images=True`` it also logs the pictures ``lnmonitor/ladder`` (at measured steps
-    ``image_every_n_steps`` apart, and the last) and ``lnmonitor/ladder_over_training`` (at
-    the end of the fit).
-
-    When the selected norms differ in width or kind, the baselines are logged per norm
-    as ``lnmonitor/share_baseline/median/<norm>`` and ``.../max/<norm>``.  With a
-    TensorBoard logger: a custom-scalars layout (the whole ladder, the shares against
-    their baselines, each as one multi-line chart), the norm kind, eps and width in the
-    HPARAMS tab, and with ``histograms=True`` ``lnmonitor/hist/share/<norm>`` and
-    ``lnmonitor/hist/sigma/<norm>``.
-
-    What real training throws at it (docs/conditions.md):
-
-    * autocast (bf16, fp16 with a GradScaler): rows are reduced in float32; the share is
-      a ratio, so the loss scale cancels; rows whose gradient or input is not finite (an
-      fp16 overflow, a NaN) are skipped and counted in ``skipped_rows``, rows whose
-      gradient is zero in ``zero_grad_rows``;
-    * gradient accumulation: one measured step covers all its micro-batches;
-    * ``torch.compile``: compiled code does not run hooks registered after it compiled, so
-      the measured steps run eagerly (``torch.compiler.set_stance("force_eager")``, said
-      once when the fit starts) and the others run the compiled code;
-    * activation checkpointing: every norm call is measured once (see
-      :mod:`lnmonitor.core.meter.taps`);
-    * a selected norm that gets no row in a measured step (never called, or hidden from
-      the hooks) is named in a warning, once; nothing is made up for it.
+    With ``images=True`` also the pictures ``lnmonitor/ladder`` (at measured steps ``image_every_n_steps``
+    apart, and the last) and ``lnmonitor/ladder_over_training`` (at the end of the fit).  When the selected
+    norms differ in width or kind, the baselines are per norm: ``lnmonitor/share_baseline/median/<norm>`` and
+    ``.../max/<norm>``.  With a TensorBoard logger: a custom-scalars layout (the whole ladder, the shares
+    against their baselines), the norm kind, eps and width in the HPARAMS tab, and with ``histograms=True``
+    ``lnmonitor/hist/share/<norm>`` and ``lnmonitor/hist/sigma/<norm>``.
     """
 
     def __init__(self, settings: Settings | None = None, *, histograms: bool = False, **fields) -> None:
@@ -169,10 +134,8 @@ class LayerNormMonitor(MonitorCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
-            every_n_steps=self.settings.every_n_steps, include=self.settings.include,
-            exclude=self.settings.exclude
-        )
+        s = self.settings
+        return self._generate_state_key(every_n_steps=s.every_n_steps, include=s.include, exclude=s.exclude)
 
     # -- one fit ---------------------------------------------------------------------
 
@@ -195,12 +158,14 @@ class LayerNormMonitor(MonitorCallback):
             self.meter = self.monitor.begin(pl_module, log, speaks=lambda: trainer.is_global_zero,
                                             every_n_steps=max(int(trainer.log_every_n_steps), 1),
                                             last_step=int(last) - 1 if math.isfinite(last) else None)
-        # TensorBoard keeps the session written now, before a step has found the roles: its columns
-        # name the final norm the meter's rule expects from what is known (checked at the first step)
+        # TensorBoard keeps the session written now, before a step found the roles: its columns name the
+        # final norm the meter's rule expects from what is known (checked at the first step)
         by_name = {n.name: n for n in self.meter.norms}
         self._columns = expected_final([by_name[n] for n in self.meter.forward_order()], self.settings.ladder,
                                        self.settings.final_norm)
-        if not self._loggers.give_hparams(trainer, pl_module, *self._hparams(pl_module)):
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
+        columns = monitor_columns(self.norms, dtype, self.every_n_steps, self._columns)
+        if not self._loggers.give_hparams(trainer, pl_module, *columns):
             self._columns = None
 
     @override
@@ -255,31 +220,22 @@ class LayerNormMonitor(MonitorCallback):
                                         write_image=self._image_writer(trainer))
         if metrics is not None:
             self.last_row_stats = self.monitor.last_result.row_stats
-            if first:
-                self._check_columns(self.monitor.last_result.figures.final)
+            if first:  # say once when the HPARAMS columns named another final norm than the step found
+                named, self._columns = self._columns, None
+                final = self.monitor.last_result.figures.final
+                if named is not None and named != final:
+                    self.messages.warn("columns", columns_message("LayerNormMonitor", named, final))
 
     def _image_writer(self, trainer: Trainer):
         return lambda tag, image, step: self._loggers.log_image(trainer, tag, step, image)
 
     def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], result: LadderResult | None,
              ) -> bool:
-        """Log ``metrics`` at ``step`` (with the share and sigma histograms of a measured step's
-        ``result`` when asked for)."""
+        """Log ``metrics`` at ``step``, with the histograms of a measured step's ``result`` when asked."""
         extra = None
         if self.histograms and result is not None:
             extra = lambda writer, s: self._histograms(writer, s, result)  # noqa: E731
         return self._loggers.log(trainer, step, metrics, extra)
-
-    def _hparams(self, pl_module: LightningModule) -> tuple[dict, list[str]]:
-        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
-        return monitor_columns(self.norms, dtype, self.every_n_steps, self._columns)
-
-    def _check_columns(self, final: str | None) -> None:
-        """Say once when the HPARAMS columns name a norm that the first measured step did not find
-        to be the final norm."""
-        named, self._columns = self._columns, None
-        if named is not None and named != final:
-            self._warn("columns", columns_message("LayerNormMonitor", named, final))
 
     def _histograms(self, writer, step: int, result: LadderResult) -> None:
         for i, (info, s) in enumerate(zip(result.norms, result.row_stats, strict=True)):

@@ -1,17 +1,10 @@
 """Where each lnmonitor Lightning callback's numbers go: its :class:`Loggers`.
 
-* every logger in ``trainer.loggers`` (TensorBoard, CSV, W&B, MLflow), from global rank
-  zero only; TensorBoard gets all of a step's scalars as one event;
-* :attr:`Loggers.history`: the logged dicts of the current fit, kept when the Trainer
-  has no logger (one warning says so) or when asked;
-* TensorBoard extras: a custom-scalars layout (the categories of every lnmonitor
-  callback of the run, merged into one), the run's HPARAMS session (the module's
-  hyperparameters next to every lnmonitor callback's own, written once) and histograms.
-
-A logged step never goes back, so a resumed fit does not log a step twice.  What
-belongs to one fit is reset by :meth:`Loggers.setup`, so a callback reused for a
-second fit logs that one too; what belongs to one logger is keyed by the logger object
-itself (weakly), never by its ``id``, which Python reuses.
+Every logger in ``trainer.loggers``, from global rank zero (TensorBoard gets a step's scalars as one event,
+plus a custom-scalars layout and one HPARAMS session merged over every lnmonitor callback of the run, and
+histograms); :attr:`Loggers.history` keeps them when the Trainer has no logger or when asked.  A logged step
+never goes back (a resumed fit logs no step twice); :meth:`Loggers.setup` resets what belongs to one fit.
+What belongs to one logger is keyed by the logger object itself (weakly), never by its reused ``id``.
 """
 
 from __future__ import annotations
@@ -31,9 +24,10 @@ from lnmonitor.core.output.writers import write_scalars
 
 __all__ = ["Loggers", "write_histogram"]
 
+
 class _Board:
-    """What the :class:`Loggers` of the lnmonitor callbacks writing to one TensorBoard run share:
-    the merged custom-scalars layout and the run's one HPARAMS session."""
+    """What the :class:`Loggers` writing to one TensorBoard run share: the merged custom-scalars layout and
+    the run's one HPARAMS session."""
 
     def __init__(self) -> None:
         self.layout: dict[str, dict] = {}
@@ -54,8 +48,7 @@ def _tensorboard_loggers(trainer) -> list[TensorBoardLogger]:
 
 
 class Loggers:
-    """The logging side of one callback (``name`` is its class name, for messages; ``messages``
-    says them, once per key and fit)."""
+    """The logging side of one callback (``name``: its class name, for messages; ``messages`` says them)."""
 
     def __init__(self, name: str, keep_history: bool | None, messages: Messages | None = None) -> None:
         self.name = name
@@ -72,20 +65,16 @@ class Loggers:
     # -- one fit ---------------------------------------------------------------------
 
     def setup(self, trainer, *, hparams: bool = False) -> None:
-        """Start a fit (or a validation run): forget what the last one logged, decide where
-        the history goes, and, with ``hparams``, announce a share of the HPARAMS session
-        (given later by :meth:`give_hparams`)."""
+        """Start a fit (or a validation run): forget the last one's steps, decide where the history goes,
+        and with ``hparams`` announce a share of the HPARAMS session (given by :meth:`give_hparams`)."""
         self.last_step = -1
         self._ready = weakref.WeakSet()
         self.messages.reset(speaks=trainer.is_global_zero)
         self.kept.reset(receivers=bool(trainer.loggers))
         if not trainer.loggers and trainer.is_global_zero:
-            self.warn_once(
-                "no-logger",
-                f"{self.name}: the Trainer has no logger, so the metrics stay in "
-                f"`{self.name}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
-                "TensorBoardLogger) to see them in a dashboard.",
-            )
+            self.warn_once("no-logger", f"{self.name}: the Trainer has no logger, so the metrics stay in "
+                           f"`{self.name}.history` (a list of dicts with a 'step' key). Pass a logger (e.g. "
+                           "TensorBoardLogger) to see them in a dashboard.")
         if hparams and trainer.is_global_zero:
             for logger in _tensorboard_loggers(trainer):
                 board = _board(logger)
@@ -93,11 +82,9 @@ class Loggers:
                     board.expected.add(self)
 
     def give_hparams(self, trainer, pl_module, params: dict[str, Any], metrics: list[str]) -> bool:
-        """This callback's columns of the run's HPARAMS session.  TensorBoard keeps a run's
-        first session and Lightning writes the module's right after ``on_fit_start``, so the
-        session -- the module's and datamodule's hyperparameters plus every lnmonitor
-        callback's -- is written when the last callback announced at setup has given its share.
-        True when a TensorBoard run's session takes them (global rank zero)."""
+        """This callback's columns of the run's HPARAMS session, written (with the module's and datamodule's
+        hyperparameters) once every callback announced at setup has given its share: TensorBoard keeps a
+        run's first session.  True when a TensorBoard run's session takes them (global rank zero)."""
         taken = False
         for logger in _tensorboard_loggers(trainer) if trainer.is_global_zero else ():
             board = _board(logger)
@@ -115,14 +102,11 @@ class Loggers:
 
     # -- logging -----------------------------------------------------------------------
 
-    def log(
-        self, trainer, step: int, metrics: dict[str, float],
-        tensorboard_extra: Callable[[Any, int], None] | None = None, *, extend: bool = False,
-    ) -> bool:
-        """Log ``metrics`` at ``step`` unless that step was logged already (False then); only
-        global rank zero writes.  ``tensorboard_extra(writer, step)`` adds what only
-        TensorBoard shows (histograms); a failure there is said once and never stops training.
-        ``extend``: metrics measured later for the step logged last are added to it."""
+    def log(self, trainer, step: int, metrics: dict[str, float],
+            tensorboard_extra: Callable[[Any, int], None] | None = None, *, extend: bool = False) -> bool:
+        """Log ``metrics`` at ``step`` unless that step was logged already (False then); only global rank
+        zero writes.  ``tensorboard_extra(writer, step)`` adds TensorBoard-only output (histograms; a
+        failure is said once).  ``extend``: add metrics measured later to the step logged last."""
         again = extend and step == self.last_step
         if step <= self.last_step and not again:
             return False
@@ -148,9 +132,8 @@ class Loggers:
         return True
 
     def log_image(self, trainer, tag: str, step: int, image) -> None:
-        """An ``(H, W, 3)`` uint8 picture to every logger that takes images, from global rank
-        zero: TensorBoard (the Images tab, a slider over steps), W&B and Neptune
-        (``log_image``), MLflow (an artifact per step); the others get none."""
+        """An ``(H, W, 3)`` uint8 picture to every logger that takes images, from global rank zero:
+        TensorBoard, W&B and Neptune (``log_image``), MLflow (an artifact per step)."""
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
@@ -171,8 +154,8 @@ class Loggers:
 
 
 def _write_layout(logger: TensorBoardLogger, categories: dict[str, dict]) -> None:
-    """Merge ``categories`` into the run's custom-scalars layout and write it again (the
-    plugin reads the latest layout, so every callback's categories survive)."""
+    """Merge ``categories`` into the run's custom-scalars layout and write it again (the plugin reads the
+    latest)."""
     board = _board(logger)
     board.layout.update(categories)
     keys = sorted(board.layout, key=lambda k: (
@@ -200,8 +183,7 @@ def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _module_hparams(trainer, pl_module) -> dict[str, Any]:
-    """The module's and datamodule's hyperparameters, without the long strings (a
-    vocabulary) that make no column: TensorBoard shows only so many, sorted by name."""
+    """The module's and datamodule's hyperparameters, without long strings (a vocabulary): no column."""
     params: dict[str, Any] = {}
     if getattr(pl_module, "_log_hyperparams", True):
         params.update(dict(pl_module.hparams_initial))
@@ -243,8 +225,8 @@ def _write_scalars(logger: TensorBoardLogger, metrics: dict[str, float], step: i
 
 
 def write_histogram(writer, tag: str, step: int, counts, edges, group: int) -> None:
-    """Coarsen a fixed-bin histogram by ``group`` bins and write it as a TensorBoard
-    histogram (sum and sum of squares from the bucket centres)."""
+    """Coarsen a fixed-bin histogram by ``group`` bins and write it as a TensorBoard histogram (sum and sum of
+    squares from the bucket centres)."""
     counts = np.asarray(counts, dtype=np.float64)
     nz = np.nonzero(counts)[0]
     if nz.size == 0:

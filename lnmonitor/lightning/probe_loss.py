@@ -1,15 +1,10 @@
-"""The loss the invariance probe uses when the user gives none.
+"""The loss the invariance probe uses when the user gives none: :func:`probe_loss` finds one, once, on the
+probe batch (many LightningModules compute their loss only in ``training_step``):
 
-Many LightningModules have no ``forward``, or a ``forward(x)`` that returns logits, and
-compute their loss in ``training_step`` (wrapping a transformers model:
-``self.model(input_ids=x, labels=x).loss``).  :func:`probe_loss` finds, once, on the probe
-batch, a loss function that works:
-
-1. ``module(*batch)`` (``module(**batch)`` for a mapping) when it returns a loss: a scalar
-   tensor, ``(logits, loss)``, or a mapping or ``ModelOutput`` with ``loss``;
-2. else, under automatic optimisation, the loss ``training_step(batch, 0)`` returns (a
-   scalar tensor or a mapping with ``loss``), with ``self.log`` and ``self.log_dict`` muted
-   while it runs so that no logged metric is touched.
+1. ``module(*batch)`` (``module(**batch)`` for a mapping) when it returns a loss: a scalar tensor,
+   ``(logits, loss)``, or a mapping or ``ModelOutput`` with ``loss``;
+2. else, under automatic optimisation, the loss ``training_step(batch, 0)`` returns (a scalar tensor or a
+   mapping with ``loss``), with ``self.log`` and ``self.log_dict`` muted while it runs.
 
 When neither gives a loss, :class:`NoLoss` says what each did and how to pass one.
 """
@@ -66,8 +61,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def probe_loss(module: LightningModule, batch) -> LossFn:
-    """A loss function for the invariance probe on ``batch`` (see the module docstring);
-    raises :class:`NoLoss` when there is none."""
+    """A loss function for the invariance probe on ``batch`` (see above); raises :class:`NoLoss` if none."""
     tried = []
     for name, fn in (("forward(*batch)", default_loss), ("training_step(batch, 0)", training_step_loss)):
         if fn is training_step_loss and not module.automatic_optimization:

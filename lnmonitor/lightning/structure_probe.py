@@ -1,9 +1,4 @@
-r"""
-Structure Probe
-===============
-
-Block versus branch rank and each norm's gain spread, measured at the end of validation.
-"""
+"""The Lightning callback measuring block versus branch rank and each norm's gain spread after validation."""
 
 from __future__ import annotations
 
@@ -42,63 +37,55 @@ class ProbeResult:
     norms: list[NormJacobianProbe] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for b in self.blocks:
-            out[probe_metric("block_rank", b.name)] = float(b.block_rank)
-            out[probe_metric("block_sv_min", b.name)] = b.block_sv_min
-            out[probe_metric("block_sv_max", b.name)] = b.block_sv_max
-            out[probe_metric("branch_rank", b.name)] = float(b.branch_rank)
-            out[probe_metric("branch_sv_min", b.name)] = b.branch_sv_min
-            out[probe_metric("branch_sv_max", b.name)] = b.branch_sv_max
-        for n in self.norms:
-            out[probe_metric("gain_spread", n.name)] = n.gain_spread
+        keys = ("block_rank", "block_sv_min", "block_sv_max", "branch_rank", "branch_sv_min", "branch_sv_max")
+        out = {probe_metric(key, b.name): float(getattr(b, key)) for b in self.blocks for key in keys}
+        out.update({probe_metric("gain_spread", n.name): n.gain_spread for n in self.norms})
         return out
 
 
 class StructureProbe(MonitorCallback):
     r"""Measure block versus branch rank and each norm's gain spread at the end of validation.
 
-    On the first validation batch the callback keeps, through temporary forward hooks,
-    one sequence of each residual block's input and each norm's input row at
-    ``position``; at the end of validation it differentiates float64 CPU copies of the
-    blocks (:func:`lnmonitor.core.probes.structure.probe_block_rank`) and of the norms
-    (:func:`lnmonitor.core.probes.structure.probe_norm_jacobian`).  The model itself is not modified and
-    no hook stays registered outside that batch.  For the tiny GPT (width 128, 4 blocks)
-    a run costs well under a second on a CPU; for bigger models raise
-    ``every_n_validations``.  Sanity-check validation is skipped; only global rank zero
-    measures and logs (no collectives).
+    On the first validation batch temporary forward hooks keep one sequence of each residual block's input
+    and each norm's input row at ``position``; at the end of validation it differentiates float64 CPU copies
+    of the blocks (:func:`~lnmonitor.core.probes.structure.probe_block_rank`) and the norms
+    (:func:`~lnmonitor.core.probes.structure.probe_norm_jacobian`).  The model is not modified and no hook
+    outlives that batch.  For the tiny GPT (width 128, 4 blocks) a run costs well under a second on a CPU;
+    for bigger models raise ``every_n_validations``.  Sanity-check validation is skipped; only global rank
+    zero measures and logs (no collectives).  An error while probing turns the probe off with one warning;
+    training goes on.
 
     Args:
         every_n_validations: probe on every n-th validation run (1: every one).
-        position: the sequence position probed (negative counts from the end; default
-            the last, where causal attention sees the whole context).
-        blocks: qualified name of the ``ModuleList`` of residual blocks in the
-            LightningModule (e.g. ``"model.blocks"``); ``None`` finds the ModuleList of
-            repeated modules that contain a norm.
-        branch: the branch through each block's first norm: child names applied in order
-            (e.g. ``("ln1", "attn")``), a callable ``(block, h) -> output``, or ``None`` for
-            the first norm child and the child registered after it.
-        rtol: rank tolerance relative to the largest singular value; ``None`` uses numpy's
-            ``matrix_rank`` rule ``s_max * d * eps_float64``.
+        position: the sequence position probed (negative counts from the end; default the last, where
+            causal attention sees the whole context).
+        blocks: qualified name of the ``ModuleList`` of residual blocks in the LightningModule (e.g.
+            ``"model.blocks"``); ``None`` finds the ModuleList of repeated modules that contain a norm.
+        branch: the branch through each block's first norm: child names applied in order (e.g.
+            ``("ln1", "attn")``), a callable ``(block, h) -> output``, or ``None`` for the first norm child
+            and the child registered after it.
+        rtol: rank tolerance relative to the largest singular value; ``None`` uses numpy's ``matrix_rank``
+            rule ``s_max * d * eps_float64``.
         norm_jacobians: ``False`` to skip the per-norm Jacobian probe (the gain spread).
 
-    Logged metrics (through every logger in ``trainer.loggers``, at ``trainer.global_step``):
-        - ``lnmonitor/probe/block_rank/<block>``: numerical rank of ``d block(h)[p] / d h[p]``
-          (the width when the residual keeps the block invertible);
-        - ``lnmonitor/probe/block_sv_min/<block>``, ``lnmonitor/probe/block_sv_max/<block>``:
-          its smallest and largest singular values;
-        - ``lnmonitor/probe/branch_rank/<block>``, ``lnmonitor/probe/branch_sv_min/<block>``,
-          ``lnmonitor/probe/branch_sv_max/<block>``: the same for the branch through the
-          first norm (``attn(ln1(.))``), below the width because the norm deletes directions;
-        - ``lnmonitor/probe/gain_spread/<norm>``: max/min nonzero singular value of
-          ``diag(g) (1/sigma) P`` at the probed row (1 for a gain of ones).
+    Logged metrics (through every logger in ``trainer.loggers``, at ``trainer.global_step``; ``<block>`` and
+    ``<norm>`` are qualified names in the LightningModule):
 
-        ``<block>`` and ``<norm>`` are qualified names in the LightningModule.  The latest
-        results are also kept in :attr:`last` (a :class:`ProbeResult`).
+    - ``lnmonitor/probe/block_rank/<block>``: numerical rank of ``d block(h)[p] / d h[p]`` (the width when the
+      residual keeps the block invertible);
+    - ``lnmonitor/probe/block_sv_min/<block>``, ``lnmonitor/probe/block_sv_max/<block>``: its smallest and
+      largest singular values;
+    - ``lnmonitor/probe/branch_rank/<block>``, ``lnmonitor/probe/branch_sv_min/<block>``,
+      ``lnmonitor/probe/branch_sv_max/<block>``: the same for the branch through the first norm
+      (``attn(ln1(.))``), below the width because the norm deletes directions;
+    - ``lnmonitor/probe/gain_spread/<norm>``: max/min nonzero singular value of ``diag(g) (1/sigma) P`` at the
+      probed row (1 for a gain of ones).
+
+    The latest results are kept in :attr:`last` (a :class:`ProbeResult`).
 
     Raises:
-        MisconfigurationException: for invalid arguments (in ``__init__``) or, at
-            ``setup``, when the model has no norm, no residual blocks or no branch to probe.
+        MisconfigurationException: for invalid arguments (in ``__init__``) or, at ``setup``, when the model
+            has no norm, no residual blocks or no branch to probe.
 
     Example::
 
@@ -106,24 +93,14 @@ class StructureProbe(MonitorCallback):
         >>> from lnmonitor import StructureProbe
         >>> probe = StructureProbe(every_n_validations=2)
         >>> trainer = Trainer(callbacks=[probe])
-
-    An error while probing (a block it cannot differentiate, ...) turns the probe off with
-    one warning; training goes on.
     """
 
-    def __init__(
-        self,
-        every_n_validations: int = 1,
-        position: int = -1,
-        blocks: str | None = None,
-        branch: Sequence[str] | Callable[[nn.Module, Tensor], Tensor] | None = None,
-        rtol: float | None = None,
-        norm_jacobians: bool = True,
-    ) -> None:
+    def __init__(self, every_n_validations: int = 1, position: int = -1, blocks: str | None = None,
+                 branch: Sequence[str] | Callable[[nn.Module, Tensor], Tensor] | None = None,
+                 rtol: float | None = None, norm_jacobians: bool = True) -> None:
         with misconfiguration():
-            self.every_n_validations = arguments.positive_int(
-                every_n_validations, "every_n_validations", allow_none=False, unit="validation runs"
-            )
+            self.every_n_validations = arguments.positive_int(every_n_validations, "every_n_validations",
+                                                              allow_none=False, unit="validation runs")
             self.position = arguments.position(position, "position", "-1 for the last")
             self.blocks = arguments.module_name(blocks, "blocks", "model.blocks")
             self.branch = arguments.child_path(branch, "branch")
@@ -140,9 +117,8 @@ class StructureProbe(MonitorCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
-            every_n_validations=self.every_n_validations, position=self.position, blocks=self.blocks
-        )
+        return self._generate_state_key(every_n_validations=self.every_n_validations, position=self.position,
+                                        blocks=self.blocks)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -161,10 +137,9 @@ class StructureProbe(MonitorCallback):
             raise MisconfigurationException(f"StructureProbe: {err}") from None
         self._norm_list = found if self.norm_jacobians else []
         if self.norm_jacobians and not found:
-            raise MisconfigurationException(
-                "StructureProbe found no normalisation layer in the model: register yours with "
-                "lnmonitor.register_norm, or pass norm_jacobians=False"
-            )
+            raise MisconfigurationException("StructureProbe found no normalisation layer in the model: "
+                                            "register yours with lnmonitor.register_norm, or pass "
+                                            "norm_jacobians=False")
 
     # -- cadence -------------------------------------------------------------------------
 
@@ -227,19 +202,14 @@ class StructureProbe(MonitorCallback):
         if not measuring or capture is None:
             return
         if not capture.blocks:
-            self._loggers.warn_once(
-                "no-block",
-                "StructureProbe: no residual block ran on a (..., time, width) input during "
-                "validation; nothing was probed",
-            )
+            self._loggers.warn_once("no-block", "StructureProbe: no residual block ran on a (..., time, "
+                                    "width) input during validation; nothing was probed")
             return
         try:
             result = self._probe(trainer.global_step, capture)
         except Exception as err:  # noqa: BLE001 - a probe must never stop the user's training
             self._block_list = []
-            self._loggers.warn_once(
-                "off", off_message("StructureProbe", f"{type(err).__name__}: {err}")
-            )
+            self._loggers.warn_once("off", off_message("StructureProbe", f"{type(err).__name__}: {err}"))
             return
         self.last = result
         self._loggers.log(trainer, trainer.global_step, result.metrics())
@@ -250,9 +220,8 @@ class StructureProbe(MonitorCallback):
             h = capture.blocks.get(name)
             if h is None or not -h.shape[0] <= self.position < h.shape[0]:
                 continue
-            probe = probe_block_rank(
-                block, h, self._found, position=self.position, name=name, branch=self.branch, rtol=self.rtol
-            )
+            probe = probe_block_rank(block, h, self._found, position=self.position, name=name,
+                                     branch=self.branch, rtol=self.rtol)
             result.blocks.append(probe)
             result.position = probe.position
         for info in self._norm_list:
@@ -271,11 +240,9 @@ class StructureProbe(MonitorCallback):
     @guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._validations == 0 and self._block_list and trainer.is_global_zero:
-            self._loggers.warn_once(
-                "never-ran",
-                "StructureProbe never ran in this fit: it probes at the end of validation and no "
-                "validation ran. Add validation data, or run `lnmonitor analyze` on the checkpoint.",
-            )
+            self._loggers.warn_once("never-ran", "StructureProbe never ran in this fit: it probes at the end "
+                                    "of validation and no validation ran. Add validation data, or run "
+                                    "`lnmonitor analyze` on the checkpoint.")
 
     @override
     @guarded
