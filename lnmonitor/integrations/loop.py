@@ -1,13 +1,6 @@
-"""The plain-PyTorch integration: the meter and the invariance probe in a training loop of your own
-(nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), in a few added lines.
-
-:class:`LoopMonitor` decides which steps :class:`~lnmonitor.core.meter.meter.LadderMeter` measures
-(every ``every_n_steps``-th and the last), merges them across ``torch.distributed``
-processes when a process group is up, runs the final-norm invariance probe
-(:class:`~lnmonitor.core.invariance.measure.InvarianceProbe`) on held-out rows, and writes from rank
-zero to a TensorBoard ``SummaryWriter`` (scalars, the custom-scalars layout and the ladder
-pictures) or a function of your own -- the metric names of the Lightning callbacks.  No
-Lightning is imported.
+"""The plain-PyTorch integration: :class:`LoopMonitor`, the meter and the invariance probe in a training loop
+of your own (nanoGPT's ``train.py``, torchtitan, a Fabric loop, a notebook), logging the metric names of the
+Lightning callbacks.  No Lightning is imported.
 """
 
 from __future__ import annotations
@@ -37,36 +30,29 @@ __all__ = ["LoopMonitor"]
 class LoopMonitor(MonitorAttributes):
     r"""Measure a model's norms on every ``every_n_steps``-th optimizer step of a plain loop.
 
-    Call :meth:`start` before the forward and backward passes of a step (all its
-    micro-batches) and :meth:`stop` after them, before the optimizer's update, or wrap them in
-    :meth:`step`; the hooks exist only inside a measured step, and the step's numbers are
-    written when it ends.  With ``probe_batch``, the final-norm invariance probe runs at
-    :meth:`start` of every ``invariance_every_n_steps``-th step (the weights after that many
-    updates) and, with its scale sweep, at the end.  The end is the last step's :meth:`stop`
-    (with ``max_steps``) or :meth:`close`: then the sweep, the picture of the ladder over
-    training and the end-of-training summary.
+    Call :meth:`start` before a step's forward and backward passes (all its micro-batches) and :meth:`stop`
+    after them, before the optimizer's update, or wrap them in :meth:`step`; hooks exist only inside a
+    measured step, whose numbers are merged across ``torch.distributed`` processes and written when it ends.
+    With ``probe_batch`` the final-norm invariance probe runs at :meth:`start` of every
+    ``invariance_every_n_steps``-th step and, with its scale sweep, at the end: the last step's :meth:`stop`
+    (with ``max_steps``) or :meth:`close`, which also give the ladder over training and the summary.
 
     Args:
-        model: the module you call: the model, or Fabric's, DDP's, DeepSpeed's engine or
-            ``torch.compile``'s wrapper of it; norms are named as the model inside names them.
-        writer: a ``torch.utils.tensorboard.SummaryWriter`` (the metrics as one event per
-            step, the custom-scalars layout, and the pictures ``lnmonitor/ladder`` and
-            ``lnmonitor/ladder_over_training``), a function ``write(metrics, step)``, or None
-            (keep them in :attr:`history` only).
-        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (what to measure and how often;
-            ``every_n_steps`` defaults to 50 here), or pass its fields as keyword arguments.
-        max_steps: the number of optimizer steps (indices ``0 .. max_steps - 1``), when known:
-            the last is measured too, and ends the run.  nanoGPT runs ``iter_num`` from 0 to
-            ``max_iters`` inclusive: ``max_steps=max_iters + 1``.
-        probe_batch: held-out rows for the invariance probe, as ``loss_fn`` takes them
-            (default ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict, returning
-            a loss, ``(logits, loss)`` or an output with ``loss``); None: no probe (said once).
-        loss_fn: ``loss_fn(model, batch)`` returning the loss or ``(logits, loss)``; enter
-            your autocast context in it to probe at your training precision.
-
-    ``on_finding`` returning True sets :attr:`should_stop`, for the loop to check; the loss rule
-    (``loss_blowup``) reads the losses handed to :meth:`add_loss`.  To resume a run, save
-    :meth:`state_dict` with your checkpoint and give it to :meth:`load_state_dict`.
+        model: the module you call: the model, or Fabric's, DDP's, DeepSpeed's engine or ``torch.compile``'s
+            wrapper of it; norms are named as the model inside names them.
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (one event per step, the custom-scalars layout,
+            the pictures ``lnmonitor/ladder`` and ``lnmonitor/ladder_over_training``), a function
+            ``write(metrics, step)``, or None (keep them in :attr:`history` only).
+        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (``every_n_steps`` defaults to 50
+            here), or its fields as keyword arguments.  ``on_finding`` returning True sets
+            :attr:`should_stop`; ``loss_blowup`` reads the losses handed to :meth:`add_loss`.
+        max_steps: the number of optimizer steps (indices ``0 .. max_steps - 1``), when known: the last is
+            measured too, and ends the run (nanoGPT: ``max_steps=max_iters + 1``).
+        probe_batch: held-out rows for the invariance probe, as ``loss_fn`` takes them; None: no probe
+            (said once).
+        loss_fn: ``loss_fn(model, batch)`` returning the loss or ``(logits, loss)``; default
+            ``model(*batch)`` (``model(**batch)`` for a dict) returning a loss, ``(logits, loss)`` or an
+            output with ``loss``.  Enter your autocast context in it to probe at your training precision.
 
     Raises:
         lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.
@@ -84,13 +70,11 @@ class LoopMonitor(MonitorAttributes):
         >>> monitor.history[0]["step"], "lnmonitor/sigma/1" in monitor.history[0]
         (0, True)
 
-    Notes (the eps it measured, the rungs, the summary) are printed on rank zero, as
-    Lightning prints its callbacks' (:class:`~lnmonitor.core.monitor.shared.Messages`: where logging shows
-    the ``lnmonitor`` logger's INFO, they go there instead); what went wrong is a warning,
-    said once.  A writer that raises is said once and dropped; a probe that fails is turned
-    off with its reason (:attr:`invariance_off_reason`).  :meth:`start`, :meth:`stop` and
-    :meth:`close` run inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns
-    the monitor off with one warning naming the cause (:attr:`off_reason`), and the loop goes on.
+    To resume a run, save :meth:`state_dict` with your checkpoint and give it to :meth:`load_state_dict`.
+    Notes are said on rank zero (:class:`~lnmonitor.core.monitor.shared.Messages`), warnings once.  A writer
+    that raises is said once and dropped; a failing probe is turned off (:attr:`invariance_off_reason`).
+    :meth:`start`, :meth:`stop` and :meth:`close` run inside :func:`~lnmonitor.core.monitor.shared.guarded`:
+    an exception there turns the monitor off with one warning (:attr:`off_reason`), and the loop goes on.
     """
 
     configuration_errors = (arguments.ArgumentError, NormSelectionError)
@@ -123,13 +107,13 @@ class LoopMonitor(MonitorAttributes):
             self._start_probe(probe_batch, loss_fn)
 
     def state_dict(self) -> dict:
-        """What a resumed run needs (save it with your checkpoint): the last step logged, the
-        findings raised and the start they judge growth from, the last probe run."""
+        """What a resumed run needs: the last step logged, the findings raised and the start they judge
+        growth from, the last probe run."""
         return {**self.monitor.state_dict(), "invariance_last_step": self._runs.last_step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the run :meth:`state_dict` saved: no step logged twice, no finding raised twice.
-        Raises TypeError for anything but the dict :meth:`state_dict` returned."""
+        """Resume the run :meth:`state_dict` saved (no step logged or finding raised twice); TypeError for
+        anything but that dict."""
         if not isinstance(state, Mapping):
             raise TypeError(f"LoopMonitor.load_state_dict takes the dict LoopMonitor.state_dict() returned, "
                             f"got {type(state).__name__}")
@@ -140,8 +124,8 @@ class LoopMonitor(MonitorAttributes):
 
     @guarded
     def start(self, step: int) -> bool:
-        """Step ``step`` begins (before its forward): the invariance probe runs if it is due,
-        and the norms are hooked if the step is measured; True when it is."""
+        """Step ``step`` begins (before its forward): the probe runs if due, the norms are hooked if the step
+        is measured; True when it is."""
         if self.monitor.measuring is not None:
             return False
         self._started = step
@@ -150,9 +134,9 @@ class LoopMonitor(MonitorAttributes):
 
     @guarded
     def stop(self) -> dict[str, float] | None:
-        """Unhook, merge across processes and write the step's metrics (rank zero); returns
-        them, or None when this step was not measured.  Every process must call it.  After
-        the last step (``max_steps``) the run ends here (see :meth:`close`)."""
+        """Unhook, merge across processes and write the step's metrics (rank zero); returns them, or None
+        when the step was not measured.  Every process must call it.  The last step (``max_steps``) ends
+        the run (see :meth:`close`)."""
         if self._started is None:
             return None
         metrics = self.monitor.end_step(self._started, self._stop_run, write_image=self._write_image)
@@ -162,10 +146,8 @@ class LoopMonitor(MonitorAttributes):
 
     @guarded
     def add_loss(self, loss) -> None:
-        """The training loss of a micro-batch of the step in progress (a 0-dim tensor or a
-        number; not read until the step's end, and then without a host sync on a GPU), for the
-        findings' loss rule (``loss_blowup``: the loss above 1.5x its running minimum, said with
-        what the norms did).  Under several processes, call it on every process or on none."""
+        """A micro-batch's training loss (a 0-dim tensor or a number, read at the step's end without a host
+        sync) for the findings' loss rule (``loss_blowup``).  Call it on every process or on none."""
         self.monitor.add_loss(loss)
 
     @contextlib.contextmanager
@@ -181,16 +163,15 @@ class LoopMonitor(MonitorAttributes):
 
     @guarded
     def abort(self) -> None:
-        """End a measured step without its numbers (the loop's step raised): no hook of the step
-        is left (the every-step growth's stay until :meth:`close`)."""
+        """End a measured step without its numbers (the loop's step raised): no hook of the step is left
+        (the every-step growth's stay until :meth:`close`)."""
         self.monitor.measuring = None
         self.meter.abort()
 
     @guarded
     def close(self) -> None:
-        """End the run, after the last update (once; nothing more when the last step of
-        ``max_steps`` ended it): the probe run after that update with its scale sweep,
-        the ladder over training (a picture) and the summary.  A step still open is dropped."""
+        """End the run after the last update (once; nothing when ``max_steps`` ended it): the probe run
+        with its scale sweep, the ladder over training and the summary.  A step still open is dropped."""
         self.detach()
         if self._started is not None:
             self._end(self._started + 1)
@@ -210,8 +191,7 @@ class LoopMonitor(MonitorAttributes):
     # -- writing -----------------------------------------------------------------------
 
     def _emit(self, step: int, metrics: dict[str, float], result=None) -> bool:
-        """Keep and write ``metrics`` of ``step`` (rank zero; True on every rank: each has the
-        step's merged numbers)."""
+        """Keep and write ``metrics`` of ``step`` (rank zero; True on every rank: each has them merged)."""
         if not _rank_zero():
             return True
         self.monitor.history.add(step, metrics)
@@ -227,10 +207,8 @@ class LoopMonitor(MonitorAttributes):
     # -- the invariance probe ----------------------------------------------------------
 
     def _start_probe(self, batch, loss_fn: Callable | None) -> None:
-        """The probe of the user's model (its own forward, on rank zero alone: no wrapper's
-        collective), on the first ``size`` rows of ``batch`` moved to the model's device.  A
-        sharded model (FSDP2, tensor parallelism) is probed by every rank on rank zero's rows
-        (its forward is a collective)."""
+        """The probe of the user's model on the first ``probe_size`` rows of ``batch``, on rank zero alone;
+        a sharded model (FSDP2, tensor parallelism) by every rank on rank zero's rows."""
         model = self.meter.model
         if batch is None:
             self.messages.info("LoopMonitor: no probe_batch=, so the final-norm invariance probe does not "
@@ -251,8 +229,7 @@ class LoopMonitor(MonitorAttributes):
         self._runs.begin(probe, map_tensors(rows, lambda t: t.to(device)))
 
     def _probe_point(self, step: int, *, end: bool = False) -> None:
-        """The probe run of ``step`` when due (:meth:`Monitor.probe`), on rank zero (every rank of
-        a sharded model, which writes from rank zero)."""
+        """The probe run of ``step`` when due, on rank zero (every rank of a sharded model)."""
         if self._every_rank or _rank_zero():
             self.monitor.probe(step, self._emit, end=end)
 

@@ -1,7 +1,5 @@
 """The ``transformers.Trainer`` integration: the meter and the invariance probe as a ``TrainerCallback``.
-
-Needs the ``hf`` extra (``pip install 'lnmonitor[hf]'``); nothing else in lnmonitor imports
-transformers.
+Needs the ``hf`` extra (``pip install 'lnmonitor[hf]'``); nothing else in lnmonitor imports transformers.
 """
 
 from __future__ import annotations
@@ -35,62 +33,47 @@ from lnmonitor.core.monitor.monitor import Monitor, MonitorAttributes
 from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import Messages, guarded
 from lnmonitor.core.norms.discovery import NormSelectionError
-from lnmonitor.core.output.metric_names import (
-    TRAINER_SPLIT,
-    custom_scalars,
-    health_metric,
-)
+from lnmonitor.core.output.metric_names import TRAINER_SPLIT, custom_scalars, health_metric
 from lnmonitor.core.wrappers import sharded
 from lnmonitor.views.run_views import RunViews
 
 __all__ = ["LNMonitorCallback"]
 
 
-
 class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     r"""Watch the norms of the model a ``transformers.Trainer`` trains.
 
-    The norms are measured over every micro-batch of the optimizer steps whose update brings
-    the Trainer's ``global_step`` to a logging step -- every ``every_n_steps`` (default: the
-    Trainer's ``logging_steps``), the fit's first (the model before any update: the start every
-    later step's growth is judged against, whatever the cadence) and the last -- on
-    every process (merged over ``torch.distributed`` under ``accelerate``/``torchrun``), and
-    reported at that ``global_step``, where the Trainer logs its loss.  Every
-    ``invariance_every_n_steps`` steps and at the end of training (with its scale sweep) the
-    final-norm invariance probe runs on ``probe_size`` held-out rows (the first of the eval
-    dataset, batched by the Trainer's collator and joined across padded lengths with the
-    tokenizer's or the model config's pad id; else the first training rows, said once) with
-    the model's own ``labels`` loss (``model(**batch).loss``).  The metrics -- the names of
+    The norms are measured over every micro-batch of the optimizer steps whose update brings ``global_step``
+    to a logging step (every ``every_n_steps``, the fit's first: the start later growth is judged against,
+    and the last), on every process (merged over ``torch.distributed``), and reported at that
+    ``global_step``.  Every ``invariance_every_n_steps`` steps and at the end of training (with its scale
+    sweep) the final-norm invariance probe runs on ``probe_size`` held-out rows (the first of the eval
+    dataset, batched by the Trainer's collator and padded with the tokenizer's or the config's pad id; else
+    the first training rows, said once) with the model's own ``labels`` loss.  The metrics -- the names of
     :class:`~lnmonitor.lightning.layernorm_monitor.LayerNormMonitor` and
-    :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor` -- go from
-    the main process to every ``report_to`` integration (TensorBoard, W&B, MLflow, ...),
-    which apply their own naming (TensorBoard's and W&B's put ``train/`` before every tag;
-    TensorBoard also gets a Custom Scalars layout for those tags).  The end-of-run point is
-    reported at the last epoch's end, before the integrations close: one event file per
-    run.  Of these metrics only what the findings need goes to ``state.log_history`` (which every
-    checkpoint saves): ``{"lnmonitor/health/<kind>": 1.0, "step": global_step}`` when a kind is
-    raised (0.0 when it stops holding) and the ladder's growth at the fit's first step
-    (``lnmonitor/ladder/growth``), so that ``train(resume_from_checkpoint=...)``, the same fit,
-    does not raise a kind again and judges the growth from the same start.  As every
-    monitor does, it logs the ladder's picture (to the Trainer's TensorBoard writer, when it
-    reports to TensorBoard) and prints the one-screen summary at the end of training.
+    :class:`~lnmonitor.lightning.invariance_monitor.FinalNormInvarianceMonitor` -- go from the main process
+    to every ``report_to`` integration, which apply their own naming (TensorBoard's and W&B's put
+    ``train/`` before every tag; TensorBoard also gets a Custom Scalars layout and the ladder's picture).
+    The end-of-run point is reported at the last epoch's end, before the integrations close, and the
+    summary printed.  Only what the findings need goes to ``state.log_history`` (saved by every checkpoint,
+    so a resumed fit raises no kind again and judges growth from the same start):
+    ``{"lnmonitor/health/<kind>": 1.0, "step": global_step}`` when a kind is raised (0.0 when it stops
+    holding) and ``lnmonitor/ladder/growth`` at the fit's first step.
 
     Args:
         trainer: the ``transformers.Trainer`` to report through
-            (``trainer.add_callback(LNMonitorCallback(trainer))``): its ``report_to``
-            integrations get the metrics and its eval data the probe's rows.  A callback's
-            events do not hand it the Trainer, so without it the metrics are kept in
-            :attr:`history` only (said once) and the probe takes the first training rows.
-        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (``every_n_steps`` defaults to
-            the Trainer's ``logging_steps``), or pass its fields as keyword arguments.
-            ``on_finding`` returning True stops training (``control.should_training_stop``);
-            ``loss_blowup`` reads the loss the Trainer logs (its mean since the last log: the
-            Trainer hands its callbacks no step's loss), at its ``logging_steps``.
+            (``trainer.add_callback(LNMonitorCallback(trainer))``): its ``report_to`` integrations get the
+            metrics and its eval data the probe's rows.  Without it the metrics are kept in :attr:`history`
+            only (said once) and the probe takes the first training rows.
+        settings: a :class:`~lnmonitor.core.monitor.settings.Settings` (``every_n_steps`` defaults to the
+            Trainer's ``logging_steps``), or its fields as keyword arguments.  ``on_finding`` returning True
+            stops training (``control.should_training_stop``); ``loss_blowup`` reads the loss the Trainer
+            logs (its mean since the last log), at its ``logging_steps``.
 
     Raises:
         lnmonitor.core.monitor.arguments.ArgumentError: an argument of the wrong type or range.
-        lnmonitor.core.norms.discovery.NormSelectionError: when training begins, if the model has no
-            norm it can measure as asked.
+        lnmonitor.core.norms.discovery.NormSelectionError: when training begins, if the model has no norm it
+            can measure as asked.
 
     Example::
 
@@ -99,11 +82,9 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         >>> # trainer.add_callback(LNMonitorCallback(trainer, every_n_steps=50))
 
     Every event runs inside :func:`~lnmonitor.core.monitor.shared.guarded`: an exception there turns the
-    callback off with one warning naming the cause (:attr:`off_reason`), and training goes on;
-    a failing integration is dropped with one warning.  Under FSDP and DeepSpeed ZeRO-3 the
-    invariance probe is off (said once: :data:`~lnmonitor.core.invariance.runs.SHARDED_REFUSED`);
-    the Lightning callback and the plain loop's monitor probe an FSDP2 or tensor-parallel model on
-    every process (FSDP1 they refuse too: :data:`~lnmonitor.core.invariance.runs.FSDP1_REFUSED`).
+    callback off with one warning (:attr:`off_reason`), and training goes on; a failing integration is
+    dropped with one warning.  Under FSDP and DeepSpeed ZeRO-3 the invariance probe is off (said once:
+    :data:`~lnmonitor.core.invariance.runs.SHARDED_REFUSED`).
     """
 
     configuration_errors = (arguments.ArgumentError, NormSelectionError)
@@ -172,8 +153,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
 
     @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """The Trainer logged its training loss (the mean since its last log, the same on every
-        process): the findings' loss rule reads it."""
+        """The Trainer logged its training loss (its mean since the last log): the loss rule reads it."""
         if self.monitor.views is None or not isinstance(logs, Mapping) or "loss" not in logs:
             return
         self.monitor.add_loss(logs["loss"])
@@ -191,10 +171,8 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         self.detach()
 
     def _keep_health(self, state, metrics: Mapping[str, float]) -> None:
-        """Append to ``state.log_history`` what a resumed fit restores
-        (:func:`~lnmonitor.core.findings.reader.state_from_log`): the health tags that changed
-        since they were last kept, and the ladder's growth at the fit's start, the step the
-        findings judge from."""
+        """Append to ``state.log_history`` what a resumed fit restores (``state_from_log``): the health tags
+        that changed since last kept, and the ladder's growth at the fit's start."""
         if self.findings is None:
             return
         now = set(self.findings.holding)
@@ -208,8 +186,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     # -- the invariance probe ----------------------------------------------------------
 
     def _probe_rows(self, model, kwargs):
-        """The probe's rows from the eval data (the Trainer's eval loader), else from the first
-        training rows (said once); None when there are none."""
+        """The probe's rows from the Trainer's eval loader, else the first training rows (said once)."""
         pad = pad_id_of(model, kwargs.get("processing_class"))
         info = lambda text: self.messages.info(f"LNMonitorCallback: {text}.")  # noqa: E731
         warn = lambda text: self.messages.warn("probe-rows", f"LNMonitorCallback: {text}.")  # noqa: E731
@@ -253,8 +230,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     # -- reporting ---------------------------------------------------------------------
 
     def _report(self, metrics: dict[str, float], args, state, control) -> bool:
-        """To every ``report_to`` integration of the Trainer, from the main process; True when
-        reported."""
+        """To every ``report_to`` integration of the Trainer, from the main process; True when reported."""
         if not self._main or not metrics:
             return False
         self.monitor.history.add(state.global_step, metrics)
@@ -266,14 +242,13 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
                 reporter.on_log(args, state, control, logs=dict(metrics))
             except Exception as err:  # noqa: BLE001 - a reporter must never stop training
                 self._reporters.remove(reporter)
-                self.messages.warn(f"report-{type(reporter).__name__}",
-                              f"LNMonitorCallback: {type(reporter).__name__} failed ({err!r}); nothing more "
-                              "goes to it (training goes on).")
+                self.messages.warn(f"report-{type(reporter).__name__}", f"LNMonitorCallback: "
+                                   f"{type(reporter).__name__} failed ({err!r}); nothing more goes to it "
+                                   "(training goes on).")
         return True
 
     def _image_writer(self):
-        """``write(tag, image, step)`` into the Trainer's TensorBoard writer (its tags under
-        ``train/``), or None: not the main process, no TensorBoard, or it is closed."""
+        """``write(tag, image, step)`` into the Trainer's TensorBoard writer (under ``train/``), or None."""
         writers = [w for cb in self._reporters if (w := getattr(cb, "tb_writer", None)) is not None]
         if not writers or not self._main:
             return None
@@ -294,8 +269,7 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
 
 
 def _logging_steps(value: float, max_steps: int) -> int:
-    """The Trainer's ``logging_steps`` as a number of steps (a value below 1 is a ratio of
-    ``max_steps``)."""
+    """The Trainer's ``logging_steps`` as a number of steps (a value below 1 is a ratio of ``max_steps``)."""
     if 0 < value < 1:
         return max(math.ceil(value * max_steps), 1)
     return max(int(value), 1)
