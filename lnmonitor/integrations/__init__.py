@@ -5,16 +5,14 @@
   (needs the ``hf`` extra; imported only when used).
 """
 
+import importlib
+
 __all__ = ["LNMonitorCallback", "LoopMonitor"]
+
+_MODULES = {"LoopMonitor": "loop", "LNMonitorCallback": "transformers"}
 
 
 def __getattr__(name: str):
-    if name == "LoopMonitor":
-        from lnmonitor.integrations.loop import LoopMonitor
-
-        return LoopMonitor
-    if name == "LNMonitorCallback":
-        from lnmonitor.integrations.transformers import LNMonitorCallback
-
-        return LNMonitorCallback
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"lnmonitor.integrations.{_MODULES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

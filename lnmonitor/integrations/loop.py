@@ -120,8 +120,6 @@ class LoopMonitor(MonitorAttributes):
         self.monitor.load_state_dict(state)
         self._runs.last_step = int(state.get("invariance_last_step", -1))
 
-    # -- one step ----------------------------------------------------------------------
-
     @guarded
     def start(self, step: int) -> bool:
         """Step ``step`` begins (before its forward): the probe runs if due, the norms are hooked if the step
@@ -188,8 +186,6 @@ class LoopMonitor(MonitorAttributes):
         self._probe_point(step, end=True)
         self.monitor.end(self._write_image)
 
-    # -- writing -----------------------------------------------------------------------
-
     def _emit(self, step: int, metrics: dict[str, float], result=None) -> bool:
         """Keep and write ``metrics`` of ``step`` (rank zero; True on every rank: each has them merged)."""
         if not _rank_zero():
@@ -203,8 +199,6 @@ class LoopMonitor(MonitorAttributes):
                 self.messages.warn("writer", f"LoopMonitor: the writer failed ({err!r}); nothing more is "
                                              "written (training goes on)")
         return True
-
-    # -- the invariance probe ----------------------------------------------------------
 
     def _start_probe(self, batch, loss_fn: Callable | None) -> None:
         """The probe of the user's model on the first ``probe_size`` rows of ``batch``, on rank zero alone;

@@ -108,8 +108,6 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         self._held: set[str] = set()  # the finding kinds holding as last kept in log_history
         self._layout_written = False
 
-    # -- training ----------------------------------------------------------------------
-
     @guarded(starts_run=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._main = state.is_world_process_zero
@@ -183,8 +181,6 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
         if kept:
             state.log_history.append({**kept, "step": state.global_step})
 
-    # -- the invariance probe ----------------------------------------------------------
-
     def _probe_rows(self, model, kwargs):
         """The probe's rows from the Trainer's eval loader, else the first training rows (said once)."""
         pad = pad_id_of(model, kwargs.get("processing_class"))
@@ -226,8 +222,6 @@ class LNMonitorCallback(MonitorAttributes, TrainerCallback):
     def _run_probe(self, args, state, control, *, end: bool = False) -> None:
         report = lambda step, metrics, result: self._report(metrics, args, state, control)  # noqa: E731
         self.monitor.probe(state.global_step, report, end=end)
-
-    # -- reporting ---------------------------------------------------------------------
 
     def _report(self, metrics: dict[str, float], args, state, control) -> bool:
         """To every ``report_to`` integration of the Trainer, from the main process; True when reported."""

@@ -145,8 +145,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         # the key's name is the one older checkpoints saved it under
         return self._generate_state_key(every_n_steps=self.invariance_every_n_steps, cases=self.cases)
 
-    # -- one fit (or validation run) -------------------------------------------------
-
     @override
     @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -205,22 +203,18 @@ class FinalNormInvarianceMonitor(MonitorCallback):
         self.off_reason = reason
         self._loggers.warn_once("off", off_message("FinalNormInvarianceMonitor", reason))
 
-    # -- when to run -----------------------------------------------------------------
-
     @override
     @guarded
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self._first_train_batch is None and self.probe_batch is None:
             self._first_train_batch = batch
         self._take_due(trainer, pl_module)  # the fit's first point (the others come at the batch's end)
 
     @override
     @guarded
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         # Step s's probe run (the weights after s updates) is taken as soon as update s is done: a checkpoint
         # saved now (ModelCheckpoint runs after the other callbacks) records it and a validation at the same
         # step reuses it, so a fit resumed from this checkpoint neither repeats nor misses it.
@@ -231,8 +225,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.on_validation and not trainer.sanity_checking:
             self._run(trainer, pl_module, trainer.global_step, sweep=True)
-
-    # -- one run -----------------------------------------------------------------------
 
     def _take_due(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The probe run of the step the Trainer is at, when the cadence has one there (once)."""
@@ -295,8 +287,6 @@ class FinalNormInvarianceMonitor(MonitorCallback):
             batch = trainer.strategy.broadcast(map_tensors(batch, lambda t: t.cpu()), src=0)
         self._probe = trainer.strategy.batch_to_device(batch, pl_module.device)
         return self._probe
-
-    # -- checkpointing ---------------------------------------------------------------
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -137,8 +137,6 @@ class LayerNormMonitor(MonitorCallback):
         s = self.settings
         return self._generate_state_key(every_n_steps=s.every_n_steps, include=s.include, exclude=s.exclude)
 
-    # -- one fit ---------------------------------------------------------------------
-
     @override
     @guarded(starts_run=True)
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -189,13 +187,10 @@ class LayerNormMonitor(MonitorCallback):
         self.monitor.close()
         self._stepping = None
 
-    # -- the measured step -----------------------------------------------------------
-
     @override
     @guarded
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self.meter is None or self.meter.off_reason:
             return
         if self._stepping is None:
@@ -205,9 +200,8 @@ class LayerNormMonitor(MonitorCallback):
 
     @override
     @guarded
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if self._stepping is None:
             return
         self.monitor.add_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
@@ -244,8 +238,6 @@ class LayerNormMonitor(MonitorCallback):
             sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))
             write_histogram(writer, hist_metric("sigma", info.name), step,  # 1/8 octave buckets
                             s.var_counts, sigma_edges, group=16)
-
-    # -- checkpointing ---------------------------------------------------------------
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -62,8 +62,6 @@ class Loggers:
     def history(self) -> list[dict[str, float]]:
         return self.kept.rows
 
-    # -- one fit ---------------------------------------------------------------------
-
     def setup(self, trainer, *, hparams: bool = False) -> None:
         """Start a fit (or a validation run): forget the last one's steps, decide where the history goes,
         and with ``hparams`` announce a share of the HPARAMS session (given by :meth:`give_hparams`)."""
@@ -99,8 +97,6 @@ class Loggers:
     def add_layout(self, categories: dict[str, dict]) -> None:
         """Custom-scalars categories, written to each TensorBoard run with the first log there."""
         self._layout.update(categories)
-
-    # -- logging -----------------------------------------------------------------------
 
     def log(self, trainer, step: int, metrics: dict[str, float],
             tensorboard_extra: Callable[[Any, int], None] | None = None, *, extend: bool = False) -> bool:

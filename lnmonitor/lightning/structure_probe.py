@@ -120,8 +120,6 @@ class StructureProbe(MonitorCallback):
         return self._generate_state_key(every_n_validations=self.every_n_validations, position=self.position,
                                         blocks=self.blocks)
 
-    # -- setup ---------------------------------------------------------------------------
-
     @override
     @guarded(starts_run=True)
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -140,8 +138,6 @@ class StructureProbe(MonitorCallback):
             raise MisconfigurationException("StructureProbe found no normalisation layer in the model: "
                                             "register yours with lnmonitor.register_norm, or pass "
                                             "norm_jacobians=False")
-
-    # -- cadence -------------------------------------------------------------------------
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -162,24 +158,18 @@ class StructureProbe(MonitorCallback):
         self._measuring = due and trainer.is_global_zero and bool(self._block_list)
         self._release()
 
-    # -- capture -------------------------------------------------------------------------
-
     @override
     @guarded
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._measuring and self._capture is None:
             self._capture = SequenceCapture(self._block_list, self._norm_list)
             self._capture.attach()
 
     @override
     @guarded
-    def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-        batch_idx: int, dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._capture is not None:
             self._capture.detach()
 
@@ -191,8 +181,6 @@ class StructureProbe(MonitorCallback):
         if capture is not None:
             capture.detach()
         return capture
-
-    # -- measure and log -----------------------------------------------------------------
 
     @override
     @guarded
