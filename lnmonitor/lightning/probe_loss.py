@@ -12,18 +12,16 @@ When neither gives a loss, :class:`NoLoss` says what each did and how to pass on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lnmonitor.core.hooks import restored
-from lnmonitor.core.invariance.loss_contract import default_loss, split_output
+from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
 
 __all__ = ["NoLoss", "probe_loss", "training_step_loss"]
-
-LossFn = Callable[[LightningModule, object], object]
 
 
 class NoLoss(ValueError):
