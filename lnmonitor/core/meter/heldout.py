@@ -5,7 +5,7 @@ the reports) measure of a model is what the monitors log of a training step.
 inside one :meth:`LadderMeter.step <lnmonitor.core.meter.meter.LadderMeter.step>` (the batches
 are one measured step, as micro-batches are), and returns the meter's
 :class:`~lnmonitor.core.meter.meter.LadderResult`: the same per-norm statistics, role assignment
-(rungs, final norm), :func:`~lnmonitor.core.meter.ladder.ladder_figures` and baselines, and the
+(rungs, final norm), :func:`~lnmonitor.core.meter.meter.ladder_figures` and baselines, and the
 same logged names (:meth:`LadderResult.metrics`).  So one checkpoint measured by a monitor
 and by a held-out tool on the same rows gives the same numbers, to the bit.
 
