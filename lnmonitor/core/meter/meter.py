@@ -74,32 +74,16 @@ __all__ = [
 
 
 class LadderMeter:
-    """Measure the norms of ``model`` on the steps you choose (see the module docstring).
-
-    Args:
-        model: the module whose norms are measured, or the wrapper the user calls (Fabric's,
-            DDP, ``torch.compile``, FSDP1): names are qualified from the user's model inside.
-        include, exclude: ``fnmatch`` glob(s) over qualified names selecting the norms.
-        final_norm: qualified name of the final norm; ``None`` finds it on the first step.
-        ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
-            input flows on past it reads the residual stream).
-        row_mask: ``row_mask(batch)`` -> a bool tensor, True on the rows (tokens) to measure,
-            or None; ``batch`` is what :meth:`use_batch` was given, or the model's keyword
-            inputs.  None (default): :func:`~lnmonitor.core.meter.padding.padding_mask` (an
-            encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
-            counts.
-        name: the name messages start with (the callback's class name).
-        info: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Messages`'s: the
-            ``lnmonitor`` logger when logging is configured, else standard error).
-        warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
-        watch_growth: take the ladder's growth on every training step once the roles are known
-            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a monitor
-            turns it off when no finding reads it, so it costs nothing there.
+    """Measure the norms of ``model`` (or of the model inside the wrapper the user calls: Fabric's,
+    DDP, ``torch.compile``, FSDP1) on the steps you choose.  ``include``, ``exclude``,
+    ``final_norm``, ``ladder`` and ``row_mask`` are :class:`~lnmonitor.Settings`' fields (``row_mask``
+    reads what :meth:`use_batch` was given, or the model's keyword inputs); ``name`` starts the
+    messages; ``info(message)`` and ``warn(key, message)`` (once per key) say them;
+    ``watch_growth``: take the ladder's growth on every training step (:meth:`take_growth`).
 
     Raises:
-        NormSelectionError: the model has no normalisation layer, the patterns select none,
-            ``final_norm`` is not a selected norm, or a norm is too narrow for its dead
-            subspace.
+        NormSelectionError: no normalisation layer, the patterns select none, ``final_norm`` is
+            not a selected norm, or a norm is too narrow for its dead subspace.
     """
 
     def __init__(
@@ -193,9 +177,7 @@ class LadderMeter:
             self._tap.row_mask = self._rows(batch)
 
     def _on_inputs(self, module, args, kwargs) -> None:
-        """The model's keyword inputs (``model(**batch)``): a padding mask there is used; a
-        probe's forward inside the step (without gradient, or :func:`unmeasured`) is not the
-        step's and leaves the mask alone."""
+        """The model's keyword inputs: their padding mask is used (not a probe's forward's)."""
         if not (kwargs and measuring() and torch.is_grad_enabled()):
             return
         keep = self._rows(kwargs)
@@ -239,13 +221,9 @@ class LadderMeter:
             self._across.finish()
 
     def take_growth(self, step: int) -> tuple[int, float] | None:
-        """Close optimizer step ``step`` for the every-step growth
-        (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`): ``(step, growth)`` of the latest
-        step whose value has reached the host, or None (no ladder watched yet, no training
-        forward since the last call, or a copy still on its way from an accelerator).  Of several
-        processes (each sees its own batches), every process must call this at every step: the
-        growth is the step's largest over them (:class:`~lnmonitor.core.meter.processes.StepMaximum`:
-        on a GPU read a step later), so that a finding (and a stop) is the same on every rank."""
+        """Close optimizer step ``step`` for the every-step growth: ``(step, growth)`` of the latest
+        step whose value reached the host, or None.  Of several processes, every one must call this
+        every step: the growth is the largest over them (on a GPU read a step later)."""
         if self._across is not None:
             return self._take_across(step)
         if self.off_reason is not None:
@@ -256,8 +234,7 @@ class LadderMeter:
         return taken
 
     def _take_across(self, step: int) -> tuple[int, float] | None:
-        """:meth:`take_growth` of one of several processes: a process that can no longer watch
-        (off, or a hook's error) says so to the others, and all stop together."""
+        """:meth:`take_growth` of one of several processes: when one can no longer watch, all stop."""
         stop = self.off_reason is not None or self._watch.error is not None
         value = None if stop else self._watch.close()
         taken = self._across.close(step, value, stop, _device(self.model))
@@ -295,17 +272,10 @@ class LadderMeter:
 
     def result(self, merge: bool = False, *, counts: bool = False,
                label: str = "the measured step") -> LadderResult | None:
-        """The last measured step's numbers, or None when there is none (off, or not measured).
-        The first call of a run also decides the norms' roles from the step's merged rows (which
-        norms are rungs, which is the final norm) and, with ``watch_growth``, hooks the first and
-        last rung for the every-step growth: both need a measured step's gradient.
-
-        ``merge``: merge over every process of ``torch.distributed``'s default group
-        (:func:`~lnmonitor.core.meter.row_stats.merge_processes`: every process must call this
-        together; with one process it does nothing);
-        ``counts``: keep the histograms in the row statistics; ``label`` names the step in
-        messages (e.g. ``"step 120"``).
-        """
+        """The last measured step's numbers, or None (off, or not measured).  The first call
+        decides the roles from the merged rows and hooks the every-step growth.  ``merge``: over
+        every process of the default group (all must call together); ``counts``: keep the
+        histograms; ``label`` names the step in messages."""
         flat, self._pending = self._pending, None
         if flat is None:
             return None
@@ -376,8 +346,7 @@ class LadderMeter:
 
     @property
     def final(self) -> str | None:
-        """The final norm of the model's ladder, as the roles found it (None before the first
-        measured step, or where the model has none): the one the invariance probe checks."""
+        """The final norm of the model's ladder (None before the roles are known, or none)."""
         if not self.roles_known:
             return None
         main = [n.name for n in self.norms if self.stack_of.get(n.name, self.main_stack) == self.main_stack]
@@ -391,8 +360,7 @@ class LadderMeter:
                 and name not in self.refused]
 
     def forward_order(self) -> list[str]:
-        """The norms' names in the order they ran (:attr:`order`, a monitor may restore it), the
-        rest after."""
+        """The norms' names in the order they ran, the rest after."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, row_stats: list[RowStats]) -> None:
@@ -420,8 +388,7 @@ class LadderMeter:
             self._warn("one-rung", short)
 
     def _watch_ladder(self) -> None:
-        """Hook the first and last rung of the model's ladder for the every-step growth (of
-        several processes, every one at the same step: the roles come from the merged rows)."""
+        """Hook the first and last rung of the model's ladder for the every-step growth."""
         rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
         if self.watch_growth and len(rungs) >= 2:
             modules = {info.name: info.module for info in self.norms}
@@ -429,8 +396,7 @@ class LadderMeter:
             self._across = StepMaximum() if several_processes() else None
 
     def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
-        """The role decision by stack, stacks in forward order (the model's ladder is the one
-        of the norm before the logits)."""
+        """The role decision by stack, stacks in forward order."""
         order = dict.fromkeys(self.stack_of[n.name] for n in ordered)
         ladders: dict[str, list[str]] = {stack: [] for stack in order}
         post: dict[str, list[str]] = {stack: [] for stack in order}
@@ -459,13 +425,10 @@ def _device(model: nn.Module) -> torch.device:
 
 @dataclass(frozen=True)
 class NormFigures:
-    """The figures of one norm in one step: ``sigma = sqrt(var + eps)`` (input units), ``inv_sigma
-    = 1 / sigma`` (the ladder), ``rms = sqrt(ms)``, ``eps_over_var = eps / var`` and the
-    ``transmission = eps / (var + eps)`` (dimensionless), where ``var`` is the median over rows of
-    the norm's input variance (mean square for RMSNorm) and ``ms`` the median of the stream's mean
-    square ``mean(x^2)``; ``eps`` is the one the norm applied; ``stats`` holds the rest of what
-    was measured (the dead-plane shares' quantiles and the rows counted, nan or 0 where nothing
-    was)."""
+    """One norm's figures in one step: ``sigma = sqrt(var + eps)`` (input units), ``inv_sigma``,
+    ``rms = sqrt(ms)``, ``eps_over_var`` and ``transmission = eps / (var + eps)``, with ``var`` and
+    ``ms`` the medians over rows of the input's variance (RMSNorm: mean square) and mean square;
+    ``stats``: the rest (the shares' quantiles, the rows counted)."""
 
     name: str
     kind: NormKind
@@ -481,9 +444,7 @@ class NormFigures:
 
 @dataclass(frozen=True)
 class Ladder:
-    """The ladder of one stack other than the model's (an encoder-decoder's encoder):
-    ``stack``, the qualified name of the module that holds it, and its rungs, final norm,
-    attenuation and growth as in :class:`LadderFigures`."""
+    """The ladder of another stack (an encoder-decoder's encoder), as in :class:`LadderFigures`."""
 
     stack: str
     rungs: list[str]
@@ -494,12 +455,10 @@ class Ladder:
 
 @dataclass(frozen=True)
 class LadderFigures:
-    """Every norm's figures (in the order given), the ladder's rungs (forward order, the
-    final norm last when there is one), ``attenuation = inv_sigma(first rung) /
-    inv_sigma(last rung)`` and ``growth = rms(last rung) / rms(first rung)`` (nan with fewer
-    than two rungs), and the random-direction baselines of the shares.  The ladder is the
-    model's (the stack of the norm before the logits); ``other_ladders`` holds the ladders of the
-    other stacks, each its own residual stream (an encoder-decoder's encoder), in forward order."""
+    """Every norm's figures, the model's ladder (rungs in forward order, the final norm last),
+    ``attenuation = inv_sigma(first rung) / inv_sigma(last rung)``, ``growth = rms(last rung) /
+    rms(first rung)`` (nan below two rungs), the shares' random baselines, and the other stacks'
+    ladders."""
 
     norms: list[NormFigures]
     rungs: list[str]
@@ -513,8 +472,7 @@ class LadderFigures:
         return {f.name: f for f in self.norms}
 
     def baseline(self, name: str) -> tuple[float, float]:
-        """``(median, max)``: the random-direction baselines norm ``name``'s median and max
-        share are compared with (the shared pair, or the norm's own; nan where there is none)."""
+        """``(median, max)`` random baselines of norm ``name``'s shares (nan where none)."""
         pair = []
         for which in ("median", "max"):
             shared = self.baselines.get(baseline_metric(which), math.nan)
@@ -527,8 +485,7 @@ class LadderFigures:
         return Ladder("", self.rungs, self.final, self.attenuation, self.growth)
 
     def metrics(self) -> dict[str, float]:
-        """The figures under their logged names (nan entries included: the caller drops
-        what is not finite)."""
+        """The figures under their logged names, nan included."""
         m: dict[str, float] = {}
         for f in self.norms:
             s, n = f.stats, f.name
@@ -555,9 +512,8 @@ class LadderFigures:
         return m
 
     def positions(self) -> dict[str, float]:
-        """``lnmonitor/ladder_position/<norm>``: each rung's place in forward order (0 first),
-        -1 for the norms that are not rungs; the other stacks' rungs come first (an
-        encoder-decoder's encoder, then its decoder)."""
+        """``lnmonitor/ladder_position/<norm>``: each rung's place (0 first; other stacks' rungs
+        first), -1 for the other norms."""
         rungs = [name for ladder in (*self.other_ladders, self) for name in ladder.rungs]
         place = {name: float(i) for i, name in enumerate(rungs)}
         return {per_norm("ladder_position", f.name): place.get(f.name, -1.0) for f in self.norms}
@@ -565,8 +521,7 @@ class LadderFigures:
 
 @dataclass
 class LadderResult:
-    """One measured step: per-norm row statistics (merged over micro-batches and processes), the
-    norms with their roles, their figures and ladder (:class:`~lnmonitor.core.meter.meter.LadderFigures`)."""
+    """One measured step: each norm (with its role), its row statistics and the figures."""
 
     norms: list[NormInfo]
     row_stats: list[RowStats]
@@ -588,8 +543,7 @@ def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def norm_figures(name: str, kind: NormKind, width: int | None, eps: float, stats: RowStats) -> NormFigures:
-    """The figures of norm ``name`` (of ``kind`` and ``width``, applying ``eps``) from its
-    statistics."""
+    """The figures of norm ``name`` from its statistics."""
     var, ms = stats.var_median, stats.ms_median
     sigma = math.sqrt(var + eps) if var + eps >= 0 else math.nan
     return NormFigures(
@@ -606,13 +560,9 @@ def ladder_figures(
     figures: Sequence[NormFigures], rungs: Sequence[str], final: str | None = None,
     other_ladders: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
 ) -> LadderFigures:
-    """The ladder of the norms' ``figures`` (:func:`norm_figures`); ``rungs`` names the norms that
-    read the residual stream in forward order (``final``, when given, ends the ladder wherever it
-    stands in ``rungs``).  ``other_ladders`` gives the other stacks' ladders the same way,
-    ``{stack: (rungs, final)}`` in forward order (an encoder-decoder's encoder; ``rungs`` and
-    ``final`` are then the decoder's).  A rung not measured this step has nan figures, and so have
-    the attenuation and growth then: they are never taken between other rungs than the ladder's
-    ends."""
+    """The ladder of ``figures`` over ``rungs`` (forward order; ``final`` ends it), and the other
+    stacks' ``{stack: (rungs, final)}``.  A rung not measured this step makes the attenuation and
+    growth nan: they are taken between the ladder's ends alone."""
     figures = list(figures)
     by_name = {f.name: f for f in figures}
     main = _ladder(by_name, "", rungs, final)
@@ -635,8 +585,7 @@ def _ladder(by_name: Mapping[str, NormFigures], stack: str, rungs: Sequence[str]
 
 
 def _baselines(figures: Sequence[NormFigures]) -> dict[str, float]:
-    """One pair of baselines when every norm has one width and dead-subspace dimension,
-    else one pair per norm (``.../median/<norm>``, ``.../max/<norm>``)."""
+    """One pair of baselines, or one per norm when their widths or kinds differ."""
     shapes = {(f.width, geometry.dead_dim(f.kind)) for f in figures}
     out: dict[str, float] = {}
     if len(shapes) == 1:

@@ -93,8 +93,7 @@ class Layout:
         return np.linspace(0.0, 1.0, self.share_bins + 1)
 
     def value_edges(self) -> np.ndarray:
-        """Bin edges of the var/ms histograms: the float32 values whose bits are ``i << 16``
-        (the bins of inf and nan read as inf)."""
+        """Bin edges of the var/ms histograms: the float32 values whose bits are ``i << 16``."""
         first_inf = 0xFF << (23 - VALUE_SHIFT)  # exponent 255: inf and nan
         index = np.minimum(np.arange(self.value_bins + 1, dtype=np.int64), first_inf)
         return (index << VALUE_SHIFT).astype(np.uint32).view(np.float32).astype(np.float64)
@@ -112,10 +111,9 @@ def bin_edges(layout: Layout, which: str) -> np.ndarray:
 
 
 def fingerprints(data: Tensor, counts: Sequence[int], norms: Sequence[int], n_norms: int) -> Tensor:
-    """A float64 ``(n_norms,)`` fingerprint of the rows ``data`` (``(fields, rows)`` float32,
-    the calls one after the other, ``counts[i]`` rows of norm ``norms[i]``): per norm, the sum
-    over its rows of every finite field (nan and inf read as 0), summed call by call in the
-    order given; 0 for a norm without rows."""
+    """Per norm, the float64 sum of every finite field of its rows (``data``: the calls one after
+    the other, ``counts[i]`` rows of norm ``norms[i]``), deterministic so that processes holding
+    the same rows agree to the bit; 0 without rows."""
     per_row = torch.nan_to_num(data.double(), nan=0.0, posinf=0.0, neginf=0.0).sum(0)
     ends = list(itertools.accumulate(counts))
     at = torch.tensor([e - 1 for e in ends], dtype=torch.long, device=data.device)
@@ -127,9 +125,8 @@ def fingerprints(data: Tensor, counts: Sequence[int], norms: Sequence[int], n_no
 
 
 def replicated(prints: Tensor, rank: int) -> Tensor:
-    """Which norms of process ``rank`` an earlier process holds alike: ``prints`` is every
-    process's fingerprints, ``(processes, n_norms)`` float64 (:func:`fingerprints`), compared
-    bit for bit; a fingerprint of 0 is none (not computed, or no rows).  ``(n_norms,)`` bool."""
+    """Which norms of process ``rank`` an earlier process holds alike (``prints``: every process's
+    :func:`fingerprints`, compared bit for bit; 0 is none)."""
     bits = prints.contiguous().view(torch.int64)
     mine = bits[rank]
     return (bits[:rank] == mine).any(0) & mine.ne(0)
@@ -145,17 +142,10 @@ def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.fl
 
 def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
               fingerprint: bool = False) -> Tensor:
-    """The flat float32 vector of one process's rows, on ``device`` (the rows' own
-    device when there are rows), no host sync.  ``fingerprint``: fill in each norm's
-    fingerprint (:func:`fingerprints`; zeros otherwise), which
-    :func:`merge_processes` needs to count rows held alike by
-    several processes once.
-
-    Few, cheap operators (this runs every measured step): the three histograms take one
-    ``index_add_`` whose weight is 1 for a row with a value and 0 for one without (whose index
-    still falls inside its norm's histograms), and the five maxima one ``scatter_reduce_``,
-    a row without a value giving ``-inf`` there; masks are 0/1 floats, not ``where``.
-    """
+    """The step vector of one process's rows, on the rows' device, without a host sync (one
+    ``index_add_`` for the histograms and sums, one ``scatter_reduce_`` for the maxima; a row
+    without a value has weight 0 and maximum ``-inf``).  ``fingerprint``: fill in
+    :func:`fingerprints` (for :func:`merge_processes`; zeros otherwise)."""
     n = layout.n_norms
     if rows.data is None or rows.data.shape[1] == 0:
         flat = torch.zeros(layout.size, dtype=torch.float32, device=device)
@@ -225,12 +215,9 @@ def histogram_rows(rows: StepRows, layout: Layout, device: torch.device | str,
 
 
 def occupied(maxima: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """The positions in a step vector of every bin that may hold a row, given the maxima
-    (``(N_MAX, n_norms)``, the vector's max part merged over every process), norm after norm,
-    then every sum; and where each norm's bins start among them (``n_norms + 1`` offsets).  Per
-    norm: the share bins up to its maximum's and the ``var`` and ``ms`` bins between the lowest
-    and highest occupied.  Every other histogram bin is zero in every process's vector, so
-    adding these positions alone adds the vectors."""
+    """The positions of every bin that may hold a row given the merged maxima, norm after norm,
+    then the sums, and where each norm's start (every other bin is zero in every process's
+    vector, so adding these alone adds the vectors)."""
     maxima = np.asarray(maxima, dtype=np.float64).reshape(N_MAX, layout.n_norms)
     parts, starts = [], [0]
     for norm in range(layout.n_norms):
@@ -274,8 +261,7 @@ def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
 
 
 def _batched_searchsorted(cum: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Per row ``i``: the first index ``j`` with ``cum[i, j] >= values[i, :]`` (rows of
-    ``cum`` non-decreasing and non-negative), by one flat search over shifted rows."""
+    """Per row ``i``: the first ``j`` with ``cum[i, j] >= values[i, :]``, in one flat search."""
     n, width = cum.shape
     total = cum[:, -1:]
     offset = np.concatenate(([0.0], np.cumsum(total[:, 0] + 1.0)[:-1]))[:, None]
@@ -337,10 +323,8 @@ def hist_quantiles(
 
 
 def stack_histograms(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Histograms of different spans as the rows of one ``(counts, edges)`` pair for
-    :func:`hist_quantiles`: each part is ``(counts (n_i, bins_i), edges (bins_i + 1,))``; the
-    narrower ones are padded on the right with empty bins (their last edge repeated), which no
-    quantile reads."""
+    """Histograms of different spans, ``[(counts, edges), ...]``, as one ``(counts, edges)`` pair
+    for :func:`hist_quantiles` (the narrower padded with empty bins)."""
     width = max(c.shape[1] for c, _ in parts)
     counts = np.zeros((sum(c.shape[0] for c, _ in parts), width), dtype=np.float64)
     edges = np.empty((counts.shape[0], width + 1), dtype=np.float64)
@@ -356,13 +340,9 @@ def stack_histograms(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np
 
 @dataclass
 class RowStats:
-    """The merged statistics of one norm for one step (all ranks, all micro-batches).
-
-    Quantiles: ``share_median``, ``share_p90`` (resolution ``SHARE_RESOLUTION``),
-    ``var_median`` and ``ms_median`` (relative resolution ``VAR_RESOLUTION``).  The
-    histograms themselves (``*_counts``) are present only when read with ``counts=True``;
-    then ``share_quantile`` gives any other quantile of the share.
-    """
+    """One norm's statistics in one step, merged over micro-batches and processes: quantiles of
+    the share (to ``SHARE_RESOLUTION``) and of ``var`` and ``ms`` (to ``VAR_RESOLUTION`` relative),
+    the rows counted, and with ``counts=True`` the histograms."""
 
     rows: int
     share_rows: int
@@ -381,25 +361,20 @@ class RowStats:
 
     @property
     def skipped_rows(self) -> int:
-        """Rows without a share that are faults or cannot be read: a non-finite gradient or
-        input, a constant row.  Padding (:attr:`pad_rows`) and rows without gradient
-        (:attr:`no_grad_rows`: a causal LM's last token, a frozen norm, a collapse) apart."""
+        """Rows without a share that are faults: a non-finite gradient or input, a constant row."""
         return self.rows - self.pad_rows - self.no_grad_rows - self.share_rows
 
     @property
     def vanished_grad_rows(self) -> float:
-        """Rows without gradient beyond the rows without a target (:attr:`without_target`: where
-        the final norm has no gradient either): rows whose position had a target and whose
-        gradient vanished, a fault (collapse); nan where no final norm lines up with these rows."""
+        """Rows without gradient at positions that had a target (a collapse); nan where no final
+        norm lines up with these rows."""
         if not math.isfinite(self.without_target):
             return math.nan
         return float(max(0.0, self.no_grad_rows - round(self.without_target)))
 
     @property
     def zero_grad_rows(self) -> int:
-        """Rows without gradient because their position has no target
-        (``lnmonitor/zero_grad_rows/<norm>``): :attr:`no_grad_rows` less
-        :attr:`vanished_grad_rows` (all of them where no final norm lines up)."""
+        """Rows without gradient because their position has no target."""
         vanished = self.vanished_grad_rows
         return self.no_grad_rows - (int(vanished) if math.isfinite(vanished) else 0)
 
@@ -414,8 +389,7 @@ class RowStats:
 
 
 def _span(bottom: np.ndarray, top: np.ndarray) -> tuple[int, int]:
-    """The bins ``[lo, hi)`` occupied in some norm (``bottom``/``top``: each norm's lowest and
-    highest occupied bin, -inf/inf when it has none); ``(0, 0)`` when none is."""
+    """The bins ``[lo, hi)`` occupied in some norm; ``(0, 0)`` when none is."""
     full = np.isfinite(top)
     if not full.any():
         return 0, 0
@@ -423,8 +397,7 @@ def _span(bottom: np.ndarray, top: np.ndarray) -> tuple[int, int]:
 
 
 def _bounds(bottom: np.ndarray, top: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lower edge of each norm's lowest occupied bin and upper edge of its highest (linear
-    units); nan for a norm without one."""
+    """Each norm's lowest and highest occupied value (nan without one)."""
     full = np.isfinite(top)
     lo = np.where(full, edges[np.where(full, bottom, 0).astype(np.int64)], np.nan)
     hi = np.where(full, edges[np.where(full, top, 0).astype(np.int64) + 1], np.nan)
@@ -432,13 +405,8 @@ def _bounds(bottom: np.ndarray, top: np.ndarray, edges: np.ndarray) -> tuple[np.
 
 
 def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> list[RowStats]:
-    """One :class:`RowStats` per norm from a merged vector (see :func:`merge`).
-
-    The vector comes to the host in one transfer (the step's only synchronisation) and
-    the quantiles of all norms are read from it at once, vectorised, over the occupied
-    span of the value histograms only.  ``counts`` keeps the histograms in the statistics
-    (for TensorBoard histograms or other quantiles), as float32 views of the vector.
-    """
+    """One :class:`RowStats` per norm from a merged vector, brought to the host in one transfer
+    and read at once over the occupied spans; ``counts`` keeps the histograms."""
     if isinstance(merged, Tensor):
         merged = merged.detach().cpu().numpy()
     merged = np.asarray(merged)
@@ -485,13 +453,10 @@ def read(merged: Tensor | np.ndarray, layout: Layout, counts: bool = True) -> li
 
 def count_targets(stats: Sequence[RowStats], final_of: Sequence[int | None],
                   frozen: Collection[int] = ()) -> list[RowStats]:
-    """``stats`` with each norm's :attr:`RowStats.without_target`, the rows at positions without a
-    target.  A final norm's row gets its gradient from its own position's loss alone, so its rows
-    without gradient are those positions (a label of -100: a masked prompt, a packing separator,
-    padding; a causal LM's last token); norm ``i`` has that many times the rows it has per row of
-    its final norm (``final_of[i]``, its stack's; per-head rows: one per head).  A ``frozen``
-    norm has no gradient by construction: every row.  nan where no final norm lines up (none, or
-    rows that are not a whole multiple of the final norm's)."""
+    """``stats`` with :attr:`RowStats.without_target`: a final norm's rows without gradient are the
+    positions without a target (its row's gradient comes from its own position alone); norm ``i``
+    has as many per row of its final norm ``final_of[i]``; a ``frozen`` norm's are all its rows;
+    nan where no final norm lines up."""
     out = []
     for i, (s, final) in enumerate(zip(stats, final_of, strict=True)):
         without = math.nan
