@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnmonitor import LayerNormMonitor, StructureProbe
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.norms.find import find_norms
 from lnmonitor.tiny import CharDataModule, TinyGPTModule, load_corpus

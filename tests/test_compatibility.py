@@ -48,8 +48,8 @@ from torch.utils.data import DataLoader
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.invariance.results import CASES
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
 from lnmonitor.core.maths.reductions import ROUNDING_ROW
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION
 
 transformers = pytest.importorskip("transformers")
 

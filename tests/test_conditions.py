@@ -16,8 +16,8 @@ from conftest import gpt
 from torch import nn
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
-from lnmonitor.core.maths.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.meter.row_stats import SIGMA_RESOLUTION
 from lnmonitor.core.norms.find import find_norms
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,7 @@ from test_distributed import run as run_script
 
 from lnmonitor import LayerNormMonitor
 from lnmonitor.core.invariance.runs import FSDP1_REFUSED
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]

@@ -19,7 +19,7 @@ from conftest import (
     free_port,
 )
 
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 
 SCRIPT = Path(__file__).with_name("distributed_monitor_script.py")
 LOOP_SCRIPT = Path(__file__).with_name("tp_loop_script.py")

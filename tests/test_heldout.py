@@ -11,9 +11,9 @@ import torch
 from conftest import PROBE_WIDTH
 from torch import nn
 
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION
 from lnmonitor.core.meter.heldout import held_out_result
 from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION
 from lnmonitor.core.norms.roles import FINAL, POST
 from lnmonitor.experiments.analysis import analyze
 from lnmonitor.integrations.loop import LoopMonitor

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lnmonitor
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.maths import random_baseline
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION
 from lnmonitor.tiny import TinyGPTModule
 
 

@@ -16,10 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port, whole_and_parts
 
-from lnmonitor.core.maths import histograms as H
-from lnmonitor.core.maths.replicas import replicated
+from lnmonitor.core.meter import row_stats as H
 from lnmonitor.core.meter import row_stats as R
-from lnmonitor.core.meter.processes import merge_processes
+from lnmonitor.core.meter.row_stats import merge_processes, replicated
 from lnmonitor.core.meter.taps import StepRows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

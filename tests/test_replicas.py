@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import whole_and_parts
 
-from lnmonitor.core.maths.replicas import fingerprints, replicated
+from lnmonitor.core.meter.row_stats import fingerprints, replicated
 
 
 def test_a_process_drops_the_norms_an_earlier_process_holds_alike():

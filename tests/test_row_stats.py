@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lnmonitor.core.maths import histograms as H
+from lnmonitor.core.meter import row_stats as H
 from lnmonitor.core.meter import row_stats as R
 from lnmonitor.core.meter.taps import StepRows
 

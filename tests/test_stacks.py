@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lnmonitor.core.maths.histograms import SIGMA_RESOLUTION
 from lnmonitor.core.meter.meter import LadderMeter
+from lnmonitor.core.meter.row_stats import SIGMA_RESOLUTION
 from lnmonitor.core.norms.find import find_norms
 from lnmonitor.core.norms.roles import assign_roles, expected_final, stack_of
 from lnmonitor.views.summary import summary_text

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lnmonitor.core import torch_internals
-from lnmonitor.core.maths import histograms as H
 from lnmonitor.core.maths.reductions import row_values
+from lnmonitor.core.meter import row_stats as H
 from lnmonitor.core.meter import row_stats as R
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.norms.find import find_norms

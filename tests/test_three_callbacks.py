@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor  # noqa: E402
-from lnmonitor.core.maths.histograms import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
+from lnmonitor.core.meter.row_stats import SHARE_RESOLUTION, SIGMA_RESOLUTION, VAR_RESOLUTION  # noqa: E402
 from lnmonitor.integrations.loop import LoopMonitor  # noqa: E402
 from lnmonitor.integrations.transformers import LNMonitorCallback  # noqa: E402
 

@@ -160,7 +160,7 @@ def test_the_pictures_name_rungs_as_the_summary_does(monkeypatch):
     and the step picture labels them without it, as the summary's table does (both dropped
     only ``model.`` before: the picture read ``transformer.h.0.ln_1`` where the text read
     ``h.0.ln_1``)."""
-    from lnmonitor.core.meter.ladder import ladder_figures, norm_figures
+    from lnmonitor.core.meter.meter import ladder_figures, norm_figures
     from lnmonitor.core.meter.row_stats import RowStats
     from lnmonitor.core.output.metric_names import per_norm
     from lnmonitor.views import pictures

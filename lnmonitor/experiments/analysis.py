@@ -23,8 +23,7 @@ import torch
 
 from lnmonitor.core.hooks import Hooks, eval_mode
 from lnmonitor.core.invariance.results import InvarianceResult
-from lnmonitor.core.meter.ladder import NormFigures
-from lnmonitor.core.meter.meter import LadderResult
+from lnmonitor.core.meter.meter import LadderResult, NormFigures
 from lnmonitor.core.meter.row_stats import RowStats
 from lnmonitor.core.probes.blocks import SequenceCapture, find_blocks
 from lnmonitor.core.probes.structure import (
@@ -78,7 +77,7 @@ class StudyRung:
     """One rung of the ladder as the study computed it, on the first :data:`STUDY_SEQUENCES`
     held-out sequences: ``rms`` the global rms over all their rows and features, ``std`` the
     median over rows of the per-row unbiased std (``h.std(-1).median()``, no eps).  Ours
-    (the meter's, :class:`~lnmonitor.core.meter.ladder.NormFigures`) are medians over every measured
+    (the meter's, :class:`~lnmonitor.core.meter.meter.NormFigures`) are medians over every measured
     row, with ``sigma = sqrt(v + eps)``: different statistics of the same stream, shown beside
     ours as the study's, never under a monitor's name."""
 

@@ -151,7 +151,7 @@ def heatmap_picture(
 
 
 def step_picture(figures, step: int) -> np.ndarray:
-    """The ladder of one measured step (its :class:`~lnmonitor.core.meter.ladder.LadderFigures`) as
+    """The ladder of one measured step (its :class:`~lnmonitor.core.meter.meter.LadderFigures`) as
     :func:`ladder_picture` draws it, titled with the step and the attenuation."""
     rungs, by_name = figures.rungs, figures.by_name()
     title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from lnmonitor.core.findings.signals import step_signals
 
 if TYPE_CHECKING:
-    from lnmonitor.core.meter.ladder import LadderFigures
+    from lnmonitor.core.meter.meter import LadderFigures
     from research.stability.scales import Scales
 
 __all__ = ["CANDIDATES", "CANDIDATE_SIGNALS", "JUMP_WINDOW", "STEP_SIGNALS", "candidate_signals",

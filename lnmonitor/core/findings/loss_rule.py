@@ -63,7 +63,7 @@ class LadderSnapshot:
 
     @classmethod
     def of(cls, step: int, figures) -> LadderSnapshot:
-        """From a measured step's :class:`~lnmonitor.core.meter.ladder.LadderFigures`."""
+        """From a measured step's :class:`~lnmonitor.core.meter.meter.LadderFigures`."""
         by_name = figures.by_name()
         rms = {name: by_name[name].rms for name in figures.rungs if name in by_name}
         final = by_name.get(figures.final) if figures.final else None

@@ -5,7 +5,7 @@ first rung's ``first_eps_over_var``; :func:`crosses` says whether a value is pas
 The testbed that validated them (research/stability/candidate_signals.py) reads these same
 figures beside its other candidates, so a threshold measured there means the same figure in a
 user's run.  Nothing here is recomputed from rows: every value is a field of the step's
-:class:`~lnmonitor.core.meter.ladder.LadderFigures`.  Imports no Lightning and no torch.
+:class:`~lnmonitor.core.meter.meter.LadderFigures`.  Imports no Lightning and no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lnmonitor.core.meter.ladder import LadderFigures
+    from lnmonitor.core.meter.meter import LadderFigures
 
 __all__ = ["crosses", "growth_over_start", "step_signals"]
 

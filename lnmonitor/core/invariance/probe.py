@@ -25,8 +25,8 @@ from lnmonitor.core.invariance.final_norm import (
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss
 from lnmonitor.core.invariance.measure import final_norm_invariance
 from lnmonitor.core.invariance.results import CASES, SWEEP_SCALES, InvarianceResult
+from lnmonitor.core.meter.meter import finite_metrics
 from lnmonitor.core.norms.find import NormInfo, find_norms
-from lnmonitor.core.output.metric_names import finite_metrics
 
 if TYPE_CHECKING:
     from lnmonitor.core.meter.meter import LadderMeter

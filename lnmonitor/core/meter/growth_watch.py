@@ -1,21 +1,10 @@
-"""Every step's stream growth, for the price of two reductions.
-
-The ladder's growth -- the median row rms of the last rung's input over the first rung's --
-is the figure that moves before a run goes wrong (docs/findings.md).  The meter measures it on
-measured steps; :class:`GrowthWatch` takes it on every training forward in between, from two
-forward pre-hooks (the first rung and the last), one on-device reduction each: no backward
-hook, nothing kept past the step, and no host sync.  A step's largest value (several forwards:
-gradient accumulation) stays on the device until :meth:`GrowthWatch.take` reads it -- at once
-on the CPU; on an accelerator through a non-blocking copy into pinned memory, read once its
-event has completed (the next step at the latest), so the device never waits for the host.
-
-Forwards without gradient (validation, probes) and forwards inside
-:func:`~lnmonitor.core.hooks.unmeasured` are not training steps and are not watched.  The
-value differs from the meter's ``growth`` of the same step by the histograms' resolution (the
-meter reads its median from a histogram, this one is exact) and by padding rows (the meter
-leaves them out; the watch has no mask).  Of several processes, each watches its own rows (a
-tensor-parallel ``DTensor``'s local rows) and the meter takes the step's largest over them
-(:class:`~lnmonitor.core.meter.processes.StepMaximum`).
+"""Every step's stream growth (last rung's median row rms over the first's, docs/findings.md) for
+two reductions: :class:`GrowthWatch` hooks the first and last rung's forward (no backward hook, no
+host sync), keeps a step's largest value on the device, and :meth:`GrowthWatch.take` reads it (on
+an accelerator through pinned memory, once its event passed).  Forwards without gradient or inside
+:func:`~lnmonitor.core.hooks.unmeasured` are not watched.  It is exact and unmasked where the
+meter's ``growth`` is read from histograms without padding; of several processes each watches its
+own rows and the meter takes the largest (:class:`~lnmonitor.core.meter.processes.StepMaximum`).
 """
 
 from __future__ import annotations

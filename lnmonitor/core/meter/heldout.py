@@ -1,16 +1,8 @@
-"""Held-out batches through the meter: what the held-out tools (``analyze``, ``eps-compare``,
-the reports) measure of a model is what the monitors log of a training step.
-
-:func:`held_out_result` runs the forward and backward of the held-out loss of every batch
-inside one :meth:`LadderMeter.step <lnmonitor.core.meter.meter.LadderMeter.step>` (the batches
-are one measured step, as micro-batches are), and returns the meter's
-:class:`~lnmonitor.core.meter.meter.LadderResult`: the same per-norm statistics, role assignment
-(rungs, final norm), :func:`~lnmonitor.core.meter.ladder.ladder_figures` and baselines, and the
-same logged names (:meth:`LadderResult.metrics`).  So one checkpoint measured by a monitor
-and by a held-out tool on the same rows gives the same numbers, to the bit.
-
-The model is left as it was: eval mode during the passes (every submodule's train flag
-back after), the torch RNG state forked, the parameters' ``.grad`` put back as they were.
+"""Held-out batches through the meter: :func:`held_out_result` runs every batch's forward and
+backward inside one :meth:`LadderMeter.step <lnmonitor.core.meter.meter.LadderMeter.step>` and
+returns its :class:`~lnmonitor.core.meter.meter.LadderResult`, so ``analyze``, ``eps-compare`` and
+the reports log, to the bit, what a monitor would on the same rows.  The model is left as it was
+(eval mode during the passes, the RNG forked, ``.grad`` put back).
 """
 
 from __future__ import annotations

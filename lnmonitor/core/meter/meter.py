@@ -1,120 +1,89 @@
-"""The meter -- one measured step, from the hooks to the finished numbers.
+"""The meter: one measured step, from the hooks to the figures.
 
-:class:`LadderMeter` owns everything between a model and the figures of a step, and knows
-nothing of who drives it (a Lightning callback, a ``transformers.Trainer`` callback or a
-plain loop all do)::
+:class:`LadderMeter` owns everything between a model and a step's figures, and knows nothing of who
+drives it (a Lightning callback, a ``transformers.Trainer`` callback or a plain loop)::
 
     meter = LadderMeter(model)            # discovery, self-check: once
     with meter.step():                    # hooks on for this step only
         loss = model(**batch).loss
         loss.backward()
-    result = meter.result()               # per-norm row statistics, roles, ladder, baselines, metrics
+    result = meter.result()               # LadderResult: statistics, roles, figures, metrics()
 
-Between :meth:`~LadderMeter.start` and :meth:`~LadderMeter.stop` (what ``step()`` does)
-every forward and backward with gradient is measured, so the micro-batches of a step
-with gradient accumulation are one measured step.  Padding rows are left out of every
-statistic (:class:`lnmonitor.core.meter.padding.RowMasks`).  A norm without gradient (frozen
-inputs and gain: frozen embeddings, LoRA) is measured from its forward alone: no share.
-``stop()`` leaves the step's histograms on the device (no host sync);
-:meth:`~LadderMeter.result` merges it across processes (``merge``), reads it on the host
-once, assigns the norms' roles on the first step, and computes every figure with
-:func:`lnmonitor.core.meter.ladder.ladder_figures`.
+Every forward and backward with gradient between :meth:`~LadderMeter.start` and
+:meth:`~LadderMeter.stop` is one measured step (a step's micro-batches too); padding rows are in no
+statistic.  ``stop()`` leaves the step vector on the device; :meth:`~LadderMeter.result` merges it
+over processes, reads it on the host once, assigns the roles on the first step and computes every
+figure (:func:`norm_figures`, :func:`ladder_figures`: the one definition of each).  The meter
+never raises into training: a hook that cannot measure the model turns it off
+(:attr:`LadderMeter.off_reason`, said once); its words are :mod:`lnmonitor.core.meter.messages`.
 
-The path of one number, the dead-plane share median of one norm, from the hook to the logger
-(docs/layout.md lists it name by name, and a test resolves every name)::
+The path of one number, a norm's dead-plane share median, from the hook to the logger
+(docs/layout.md lists it name by name; a test resolves every name)::
 
-    taps.NormTap              the hooks of the measured step: each call's rows (taps.RawCall,
-                              maths.reductions), on the device
-      -> taps.StepRows        the step's rows, finished together
-    row_stats.histogram_rows  every row's share (maths.reductions.row_values), binned into one
-                              flat vector of histograms over every norm
-      -> processes.merge_processes   all-reduced over processes (a fixed number of bytes a rank)
-      -> row_stats.read -> RowStats  a norm's statistics, the median read from its histogram
-                                     (maths.histograms.hist_quantiles): the step's one host sync
-    ladder.norm_figures -> NormFigures -> LadderFigures   the figures (sigma, 1/sigma, shares, ...)
-      -> LadderResult.metrics -> dict[str, float]          the finite metrics (output.metric_names)
-    monitor.Monitor.end_step -> Monitor.log -> the callback's logger
-
-The meter never raises into training: a hook that cannot measure the model turns it off
-(:attr:`LadderMeter.off_reason`, said once); it speaks through ``info`` and ``warn`` (once per
-key), by default a :class:`~lnmonitor.core.monitor.shared.Messages`; its words are
-:mod:`lnmonitor.core.meter.messages`.
+    taps.NormTap -> reductions.row_raw       each call's raw rows, on the device (taps.RawCall)
+      -> reductions.finish_rows -> StepRows  the step's rows, finished together
+    row_stats.histogram_rows                 each row's share (reductions.row_values), binned into
+                                             the step vector of every norm's histograms
+      -> merge_processes -> read             merged over processes; brought to the host once
+      -> hist_quantiles -> RowStats          the median read from its histogram
+    meter.norm_figures -> NormFigures -> LadderFigures -> LadderResult
+      -> finite_metrics -> dict[str, float]  the finite metrics, by their logged names
+    monitor.Monitor.log -> lightning.loggers.Loggers.log   (the plain loop's and the Trainer's
+                                             monitors end at their own writers instead)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
 
 from lnmonitor.core.hooks import Hooks, eager, measuring
-from lnmonitor.core.maths.histograms import Layout
+from lnmonitor.core.kinds import NormKind
+from lnmonitor.core.maths import geometry, random_baseline
 from lnmonitor.core.meter import messages
 from lnmonitor.core.meter.growth_watch import GrowthWatch
-from lnmonitor.core.meter.ladder import LadderFigures, ladder_figures, norm_figures
 from lnmonitor.core.meter.messages import Roles
 from lnmonitor.core.meter.padding import RowMasks
-from lnmonitor.core.meter.processes import StepMaximum, merge_processes, several_processes
-from lnmonitor.core.meter.row_stats import RowStats, count_targets, histogram_rows, read
+from lnmonitor.core.meter.processes import StepMaximum, several_processes
+from lnmonitor.core.meter.row_stats import (
+    Layout,
+    RowStats,
+    count_targets,
+    histogram_rows,
+    merge_processes,
+    read,
+)
 from lnmonitor.core.meter.taps import NormTap
 from lnmonitor.core.monitor.shared import Messages, off_message
 from lnmonitor.core.norms.discovery import NormSelectionError, choose_norms, measured_eps_message
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import FINAL, POST, RUNG_BYPASS_TOLERANCE, RUNGS, assign_roles, stack_of
-from lnmonitor.core.output.metric_names import finite_metrics
+from lnmonitor.core.output.metric_names import baseline_metric, ladder_metric, per_norm
 from lnmonitor.core.wrappers import compiled, unknown_wrapper, unwrap
 
-__all__ = ["LadderMeter", "LadderResult"]
-
-
-@dataclass
-class LadderResult:
-    """One measured step: per-norm row statistics (merged over micro-batches and processes), the
-    norms with their roles, their figures and ladder (:class:`~lnmonitor.core.meter.ladder.LadderFigures`)."""
-
-    norms: list[NormInfo]
-    row_stats: list[RowStats]
-    figures: LadderFigures
-
-    def metrics(self, positions: bool = False) -> dict[str, float]:
-        """The finite figures under their logged names; ``positions`` adds each norm's
-        ``ladder_position`` (logged once per run, at its first measured step)."""
-        m = self.figures.metrics()
-        if positions:
-            m.update(self.figures.positions())
-        return finite_metrics(m)
+__all__ = [
+    "Ladder", "LadderFigures", "LadderMeter", "LadderResult", "NormFigures", "baseline_max",
+    "baseline_median", "finite_metrics", "ladder_figures", "norm_figures",
+]
 
 
 class LadderMeter:
-    """Measure the norms of ``model`` on the steps you choose (see the module docstring).
-
-    Args:
-        model: the module whose norms are measured, or the wrapper the user calls (Fabric's,
-            DDP, ``torch.compile``, FSDP1): names are qualified from the user's model inside.
-        include, exclude: ``fnmatch`` glob(s) over qualified names selecting the norms.
-        final_norm: qualified name of the final norm; ``None`` finds it on the first step.
-        ladder: glob(s) naming the rungs; ``None`` finds them on the first step (a norm whose
-            input flows on past it reads the residual stream).
-        row_mask: ``row_mask(batch)`` -> a bool tensor, True on the rows (tokens) to measure,
-            or None; ``batch`` is what :meth:`use_batch` was given, or the model's keyword
-            inputs.  None (default): :func:`~lnmonitor.core.meter.padding.padding_mask` (an
-            encoder-decoder's decoder norms: ``decoder_attention_mask``); False: every row
-            counts.
-        name: the name messages start with (the callback's class name).
-        info: where information goes (default: :class:`~lnmonitor.core.monitor.shared.Messages`'s: the
-            ``lnmonitor`` logger when logging is configured, else standard error).
-        warn: ``warn(key, message)``, said once per key (default: ``warnings.warn``).
-        watch_growth: take the ladder's growth on every training step once the roles are known
-            (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`, :meth:`take_growth`); a monitor
-            turns it off when no finding reads it, so it costs nothing there.
+    """Measure the norms of ``model`` (or of the model inside the wrapper the user calls: Fabric's,
+    DDP, ``torch.compile``, FSDP1) on the steps you choose.  ``include``, ``exclude``,
+    ``final_norm``, ``ladder`` and ``row_mask`` are :class:`~lnmonitor.Settings`' fields (``row_mask``
+    reads what :meth:`use_batch` was given, or the model's keyword inputs); ``name`` starts the
+    messages; ``info(message)`` and ``warn(key, message)`` (once per key) say them;
+    ``watch_growth``: take the ladder's growth on every training step (:meth:`take_growth`).
 
     Raises:
-        NormSelectionError: the model has no normalisation layer, the patterns select none,
-            ``final_norm`` is not a selected norm, or a norm is too narrow for its dead
-            subspace.
+        NormSelectionError: no normalisation layer, the patterns select none, ``final_norm`` is
+            not a selected norm, or a norm is too narrow for its dead subspace.
     """
 
     def __init__(
@@ -208,9 +177,7 @@ class LadderMeter:
             self._tap.row_mask = self._rows(batch)
 
     def _on_inputs(self, module, args, kwargs) -> None:
-        """The model's keyword inputs (``model(**batch)``): a padding mask there is used; a
-        probe's forward inside the step (without gradient, or :func:`unmeasured`) is not the
-        step's and leaves the mask alone."""
+        """The model's keyword inputs: their padding mask is used (not a probe's forward's)."""
         if not (kwargs and measuring() and torch.is_grad_enabled()):
             return
         keep = self._rows(kwargs)
@@ -254,13 +221,9 @@ class LadderMeter:
             self._across.finish()
 
     def take_growth(self, step: int) -> tuple[int, float] | None:
-        """Close optimizer step ``step`` for the every-step growth
-        (:class:`~lnmonitor.core.meter.growth_watch.GrowthWatch`): ``(step, growth)`` of the latest
-        step whose value has reached the host, or None (no ladder watched yet, no training
-        forward since the last call, or a copy still on its way from an accelerator).  Of several
-        processes (each sees its own batches), every process must call this at every step: the
-        growth is the step's largest over them (:class:`~lnmonitor.core.meter.processes.StepMaximum`:
-        on a GPU read a step later), so that a finding (and a stop) is the same on every rank."""
+        """Close optimizer step ``step`` for the every-step growth: ``(step, growth)`` of the latest
+        step whose value reached the host, or None.  Of several processes, every one must call this
+        every step: the growth is the largest over them (on a GPU read a step later)."""
         if self._across is not None:
             return self._take_across(step)
         if self.off_reason is not None:
@@ -271,8 +234,7 @@ class LadderMeter:
         return taken
 
     def _take_across(self, step: int) -> tuple[int, float] | None:
-        """:meth:`take_growth` of one of several processes: a process that can no longer watch
-        (off, or a hook's error) says so to the others, and all stop together."""
+        """:meth:`take_growth` of one of several processes: when one can no longer watch, all stop."""
         stop = self.off_reason is not None or self._watch.error is not None
         value = None if stop else self._watch.close()
         taken = self._across.close(step, value, stop, _device(self.model))
@@ -310,17 +272,10 @@ class LadderMeter:
 
     def result(self, merge: bool = False, *, counts: bool = False,
                label: str = "the measured step") -> LadderResult | None:
-        """The last measured step's numbers, or None when there is none (off, or not measured).
-        The first call of a run also decides the norms' roles from the step's merged rows (which
-        norms are rungs, which is the final norm) and, with ``watch_growth``, hooks the first and
-        last rung for the every-step growth: both need a measured step's gradient.
-
-        ``merge``: merge over every process of ``torch.distributed``'s default group
-        (:func:`~lnmonitor.core.meter.processes.merge_processes`: every process must call this
-        together; with one process it does nothing);
-        ``counts``: keep the histograms in the row statistics; ``label`` names the step in
-        messages (e.g. ``"step 120"``).
-        """
+        """The last measured step's numbers, or None (off, or not measured).  The first call
+        decides the roles from the merged rows and hooks the every-step growth.  ``merge``: over
+        every process of the default group (all must call together); ``counts``: keep the
+        histograms; ``label`` names the step in messages."""
         flat, self._pending = self._pending, None
         if flat is None:
             return None
@@ -391,8 +346,7 @@ class LadderMeter:
 
     @property
     def final(self) -> str | None:
-        """The final norm of the model's ladder, as the roles found it (None before the first
-        measured step, or where the model has none): the one the invariance probe checks."""
+        """The final norm of the model's ladder (None before the roles are known, or none)."""
         if not self.roles_known:
             return None
         main = [n.name for n in self.norms if self.stack_of.get(n.name, self.main_stack) == self.main_stack]
@@ -406,8 +360,7 @@ class LadderMeter:
                 and name not in self.refused]
 
     def forward_order(self) -> list[str]:
-        """The norms' names in the order they ran (:attr:`order`, a monitor may restore it), the
-        rest after."""
+        """The norms' names in the order they ran, the rest after."""
         return [n for n in self.order if n in self._names] + [n for n in self._names if n not in self.order]
 
     def _assign_roles(self, row_stats: list[RowStats]) -> None:
@@ -435,8 +388,7 @@ class LadderMeter:
             self._warn("one-rung", short)
 
     def _watch_ladder(self) -> None:
-        """Hook the first and last rung of the model's ladder for the every-step growth (of
-        several processes, every one at the same step: the roles come from the merged rows)."""
+        """Hook the first and last rung of the model's ladder for the every-step growth."""
         rungs = [n for n in self.rungs() if self.stack_of.get(n, self.main_stack) == self.main_stack]
         if self.watch_growth and len(rungs) >= 2:
             modules = {info.name: info.module for info in self.norms}
@@ -444,8 +396,7 @@ class LadderMeter:
             self._across = StepMaximum() if several_processes() else None
 
     def _roles(self, ordered: list[NormInfo], roles: dict[str, str]) -> Roles:
-        """The role decision by stack, stacks in forward order (the model's ladder is the one
-        of the norm before the logits)."""
+        """The role decision by stack, stacks in forward order."""
         order = dict.fromkeys(self.stack_of[n.name] for n in ordered)
         ladders: dict[str, list[str]] = {stack: [] for stack in order}
         post: dict[str, list[str]] = {stack: [] for stack in order}
@@ -467,3 +418,202 @@ class LadderMeter:
 def _device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+# -- the figures: every figure reported about a step's norms ---------------------------
+
+
+@dataclass(frozen=True)
+class NormFigures:
+    """One norm's figures in one step: ``sigma = sqrt(var + eps)`` (input units), ``inv_sigma``,
+    ``rms = sqrt(ms)``, ``eps_over_var`` and ``transmission = eps / (var + eps)``, with ``var`` and
+    ``ms`` the medians over rows of the input's variance (RMSNorm: mean square) and mean square;
+    ``stats``: the rest (the shares' quantiles, the rows counted)."""
+
+    name: str
+    kind: NormKind
+    width: int | None
+    eps: float
+    stats: RowStats
+    sigma: float
+    inv_sigma: float
+    rms: float
+    eps_over_var: float
+    transmission: float
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """The ladder of another stack (an encoder-decoder's encoder), as in :class:`LadderFigures`."""
+
+    stack: str
+    rungs: list[str]
+    final: str | None
+    attenuation: float
+    growth: float
+
+
+@dataclass(frozen=True)
+class LadderFigures:
+    """Every norm's figures, the model's ladder (rungs in forward order, the final norm last),
+    ``attenuation = inv_sigma(first rung) / inv_sigma(last rung)``, ``growth = rms(last rung) /
+    rms(first rung)`` (nan below two rungs), the shares' random baselines, and the other stacks'
+    ladders."""
+
+    norms: list[NormFigures]
+    rungs: list[str]
+    final: str | None
+    attenuation: float
+    growth: float
+    baselines: dict[str, float]
+    other_ladders: tuple[Ladder, ...] = ()
+
+    def by_name(self) -> dict[str, NormFigures]:
+        return {f.name: f for f in self.norms}
+
+    def baseline(self, name: str) -> tuple[float, float]:
+        """``(median, max)`` random baselines of norm ``name``'s shares (nan where none)."""
+        pair = []
+        for which in ("median", "max"):
+            shared = self.baselines.get(baseline_metric(which), math.nan)
+            pair.append(self.baselines.get(baseline_metric(which, name), shared))
+        return pair[0], pair[1]
+
+    @property
+    def main(self) -> Ladder:
+        """The model's ladder as a :class:`Ladder` (its ``stack`` is ``""``)."""
+        return Ladder("", self.rungs, self.final, self.attenuation, self.growth)
+
+    def metrics(self) -> dict[str, float]:
+        """The figures under their logged names, nan included."""
+        m: dict[str, float] = {}
+        for f in self.norms:
+            s, n = f.stats, f.name
+            positive = s.var_median > 0 and f.eps > 0
+            m[per_norm("sigma", n)] = f.sigma
+            m[per_norm("inv_sigma", n)] = f.inv_sigma
+            m[per_norm("rms", n)] = f.rms
+            m[per_norm("eps_over_var", n)] = f.eps_over_var
+            m[per_norm("transmission", n)] = f.transmission
+            # the same on a log scale, readable where the values span decades
+            m[per_norm("log10_eps_over_var", n)] = math.log10(f.eps_over_var) if positive else math.nan
+            m[per_norm("log10_transmission", n)] = math.log10(f.transmission) if positive else math.nan
+            m[per_norm("share_median", n)] = s.share_median
+            m[per_norm("share_p90", n)] = s.share_p90
+            m[per_norm("share_max", n)] = s.share_max
+            m[per_norm("skipped_rows", n)] = float(s.skipped_rows)
+            m[per_norm("zero_grad_rows", n)] = float(s.zero_grad_rows)
+            m[per_norm("vanished_grad_rows", n)] = s.vanished_grad_rows
+        m.update(self.baselines)
+        for ladder in (self.main, *self.other_ladders):
+            if len(ladder.rungs) >= 2:
+                m[ladder_metric("attenuation", ladder.stack)] = ladder.attenuation
+                m[ladder_metric("growth", ladder.stack)] = ladder.growth
+        return m
+
+    def positions(self) -> dict[str, float]:
+        """``lnmonitor/ladder_position/<norm>``: each rung's place (0 first; other stacks' rungs
+        first), -1 for the other norms."""
+        rungs = [name for ladder in (*self.other_ladders, self) for name in ladder.rungs]
+        place = {name: float(i) for i, name in enumerate(rungs)}
+        return {per_norm("ladder_position", f.name): place.get(f.name, -1.0) for f in self.norms}
+
+
+@dataclass
+class LadderResult:
+    """One measured step: each norm (with its role), its row statistics and the figures."""
+
+    norms: list[NormInfo]
+    row_stats: list[RowStats]
+    figures: LadderFigures
+
+    def metrics(self, positions: bool = False) -> dict[str, float]:
+        """The finite figures under their logged names; ``positions`` adds each norm's
+        ``ladder_position`` (logged once per run, at its first measured step)."""
+        m = self.figures.metrics()
+        if positions:
+            m.update(self.figures.positions())
+        return finite_metrics(m)
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The entries of ``metrics`` that are finite numbers (a monitor logs nothing it cannot
+    stand behind; the missing ones are explained where they are computed)."""
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+
+def norm_figures(name: str, kind: NormKind, width: int | None, eps: float, stats: RowStats) -> NormFigures:
+    """The figures of norm ``name`` from its statistics."""
+    var, ms = stats.var_median, stats.ms_median
+    sigma = math.sqrt(var + eps) if var + eps >= 0 else math.nan
+    return NormFigures(
+        name=name, kind=kind, width=width, eps=eps, stats=stats,
+        sigma=sigma,
+        inv_sigma=1.0 / sigma if sigma > 0 else math.nan,
+        rms=math.sqrt(ms) if ms >= 0 else math.nan,
+        eps_over_var=eps / var if var > 0 else math.nan,
+        transmission=geometry.transmission(var, eps) if var + eps > 0 else math.nan,
+    )
+
+
+def ladder_figures(
+    figures: Sequence[NormFigures], rungs: Sequence[str], final: str | None = None,
+    other_ladders: Mapping[str, tuple[Sequence[str], str | None]] | None = None,
+) -> LadderFigures:
+    """The ladder of ``figures`` over ``rungs`` (forward order; ``final`` ends it), and the other
+    stacks' ``{stack: (rungs, final)}``.  A rung not measured this step makes the attenuation and
+    growth nan: they are taken between the ladder's ends alone."""
+    figures = list(figures)
+    by_name = {f.name: f for f in figures}
+    main = _ladder(by_name, "", rungs, final)
+    others = tuple(_ladder(by_name, stack, r, f) for stack, (r, f) in (other_ladders or {}).items())
+    return LadderFigures(figures, main.rungs, main.final, main.attenuation, main.growth,
+                         _baselines(figures), others)
+
+
+def _ladder(by_name: Mapping[str, NormFigures], stack: str, rungs: Sequence[str],
+            final: str | None) -> Ladder:
+    ladder = [n for n in rungs if n in by_name]
+    if final in ladder:
+        ladder = [n for n in ladder if n != final] + [final]
+    attenuation = growth = math.nan
+    if len(ladder) >= 2:
+        first, last = by_name[ladder[0]], by_name[ladder[-1]]
+        attenuation = first.inv_sigma / last.inv_sigma
+        growth = last.rms / first.rms if first.rms > 0 else math.nan
+    return Ladder(stack, ladder, final if final in ladder else None, attenuation, growth)
+
+
+def _baselines(figures: Sequence[NormFigures]) -> dict[str, float]:
+    """One pair of baselines, or one per norm when their widths or kinds differ."""
+    shapes = {(f.width, geometry.dead_dim(f.kind)) for f in figures}
+    out: dict[str, float] = {}
+    if len(shapes) == 1:
+        d, k = next(iter(shapes))
+        if d is None or d <= k:
+            return out
+        out[baseline_metric("median")] = baseline_median(d, k)
+        n = max(f.stats.share_rows for f in figures)
+        if n >= 1:
+            out[baseline_metric("max")] = baseline_max(d, k, n)
+        return out
+    for f in figures:
+        k = geometry.dead_dim(f.kind)
+        if f.width is None or f.width <= k:
+            continue
+        out[baseline_metric("median", f.name)] = baseline_median(f.width, k)
+        if f.stats.share_rows >= 1:
+            out[baseline_metric("max", f.name)] = baseline_max(f.width, k, f.stats.share_rows)
+    return out
+
+
+@lru_cache(maxsize=256)
+def baseline_median(d: int, k: int) -> float:
+    """Median dead-plane share of a random direction in ``d`` dimensions, ``k``-dim dead subspace."""
+    return float(random_baseline.share_median(d, k))
+
+
+@lru_cache(maxsize=4096)
+def baseline_max(d: int, k: int, n: int) -> float:
+    """Median of the maximum share of ``n`` random directions (compare with a measured max)."""
+    return float(random_baseline.max_share_median(d, k, n))

@@ -1,28 +1,5 @@
-"""A measured step merged over every process, at a cost per rank that does not grow with their number.
-
-Each process holds its step vector (:class:`~lnmonitor.core.maths.histograms.Layout`); every
-process calls :func:`merge_processes` together, and three collectives of the default process
-group leave each of them the vector one process would have built from every process's rows:
-
-1. the rows' fingerprints, ``n_norms`` float64 a process, all-gathered: a norm whose rows an
-   earlier process holds alike (tensor parallelism's replicated activations) is left out of
-   what this process sends (:func:`~lnmonitor.core.maths.replicas.replicated`).  The only part
-   that grows with the number of processes P: 8 bytes a norm and a process;
-2. the maxima (``N_MAX`` a norm), all-reduced by maximum: the exact extremes, and which bins
-   of each histogram any process occupies;
-3. those bins and the sums (:func:`~lnmonitor.core.maths.histograms.occupied`), packed and
-   all-reduced by sum, then put back in place.
-
-No process holds another's vector, so a rank allocates, sends and receives what its own
-vector's occupied bins take, at 2 processes or 16,384 (docs/performance.md, "Past one
-machine", has the measured bytes and the cost model).  The counts are integers below 2^24, so
-the merged histograms are exact whatever order the reduction adds them in.  The maxima come to
-the host once, to pack the bins: with :func:`~lnmonitor.core.meter.row_stats.read`'s copy, a
-merged step syncs twice.
-
-:class:`StepMaximum` gives every process the maximum of one number a step (the every-step
-growth's), so that a finding and a stop are the same on every rank.
-"""
+"""One number a step, its maximum over every process (:class:`StepMaximum`), so that a finding
+and a stop are the same on every rank; and whether this process is one of several."""
 
 from __future__ import annotations
 
@@ -33,38 +10,12 @@ import torch
 from torch import Tensor
 from torch import distributed as dist
 
-from lnmonitor.core.maths.histograms import N_SUMS, Layout, occupied
-from lnmonitor.core.maths.replicas import replicated
-
-__all__ = ["StepMaximum", "merge_processes", "several_processes"]
+__all__ = ["StepMaximum", "several_processes"]
 
 
 def several_processes() -> bool:
     """Whether this process is one of several (``torch.distributed`` initialised, world > 1)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def merge_processes(flat: Tensor, layout: Layout) -> Tensor:
-    """``flat[: layout.max_end]`` merged over every process of the default group, in place
-    (every process must call this together; one process: returned as it is)."""
-    if not several_processes():
-        return flat[: layout.max_end]
-    prints = flat[layout.max_end :].clone().view(torch.float64)  # a copy: float64-aligned
-    every = prints.new_empty((dist.get_world_size(), layout.n_norms))
-    dist.all_gather(list(every.unbind(0)), prints)
-    replicas = replicated(every, dist.get_rank())
-    maxima = flat[layout.sum_end : layout.max_end]  # a replica's are its original's: no need to drop
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    at, starts = occupied(maxima.cpu().numpy(), layout)
-    index = torch.from_numpy(at).to(flat.device)
-    packed = flat[index]
-    sums = starts[-1]  # the sums follow the bins, N_SUMS a norm
-    for norm in torch.nonzero(replicas).flatten().tolist():  # sent as zeros: counted once
-        packed[starts[norm] : starts[norm + 1]] = 0.0
-        packed[sums + norm * N_SUMS : sums + (norm + 1) * N_SUMS] = 0.0
-    dist.all_reduce(packed)
-    flat.index_copy_(0, index, packed)
-    return flat[: layout.max_end]
 
 
 class StepMaximum:

@@ -1,50 +1,25 @@
-"""Tap the selected norms for the duration of one measured step.
+"""Tap the selected norms for one measured step: :class:`NormTap` hooks them only while a step is
+measured (no hook otherwise), and :meth:`NormTap.collect` hands over the step's :class:`StepRows`.
 
-:class:`NormTap` registers a forward hook on each selected norm only while a step is
-being measured (:meth:`NormTap.attach` / :meth:`NormTap.detach`); otherwise no hook
-exists and the cost is nil.  The forward hook keeps a *reference* to the norm's input
-(autograd saves that tensor for the backward anyway, so nothing is copied) and hooks
-the backward; when it fires, a few passes over the call's rows leave five raw float32
-numbers per row on the device and the reference is dropped.
+A norm's forward hook keeps a reference to its input (autograd saves it anyway) and hooks the
+backward, which reduces the call's rows to five raw float32 numbers a row on the device, a chunk
+at a time in scratch buffers shared by the step.  An ``nn.LayerNorm`` with a float32/float64
+gradient is read at its backward node from what that backward has anyway (saved mean and rstd,
+``dL/dy``, ``dL/dx``: :func:`~lnmonitor.core.maths.reductions.layernorm_backward_raw`); other norms,
+and bf16/fp16 gradients (whose rounding that identity cannot stand), reduce the input
+(:func:`~lnmonitor.core.maths.reductions.row_raw`).  ``collect`` finishes every call's raw rows
+together (:func:`finish_calls`: padding rows nan and counted, rows lost to rounding marked).  No
+host sync; nothing survives the step; forwards without gradient and inside
+:func:`~lnmonitor.core.hooks.unmeasured` are not measured, but the forward order is recorded.
 
-For ``nn.LayerNorm`` (with a float32 or float64 gradient) the hook sits on its backward
-node and reads what that backward has anyway -- the mean and ``1/sqrt(var + eps)`` saved
-in the forward, ``dL/dy`` and the gradient it passes to its input -- so the input
-activation is not read again (:func:`~lnmonitor.core.maths.reductions.layernorm_backward_raw`);
-other norms, and a LayerNorm with a bf16/fp16 gradient (whose rounding that identity
-cannot stand), reduce the input (:func:`~lnmonitor.core.maths.reductions.row_raw`).  The rows
-are reduced a chunk at a time, the float32 temporaries in scratch buffers shared by every
-norm of the step and freed by :meth:`NormTap.collect`, which also finishes every call's
-raw rows together into :data:`lnmonitor.core.maths.reductions.FIELDS`
-(:func:`finish_calls`: one chain of small operators per step, none per norm in the backward,
-which also makes the padding rows nan and counts them, and marks the rows lost to rounding, each
-call against its own mean); :class:`StepRows` is what the tap hands over.  No
-``.item()``/``.cpu()`` is called.
-Forward passes without gradient (validation, probes) are ignored.  Nothing survives the
-step.
-
-Activation checkpointing (``torch.utils.checkpoint``) re-runs the forward of a
-checkpointed region during the backward; each norm call is still measured once.  With
-``use_reentrant=True`` the original forward runs without gradient and is skipped, the
-recomputation is measured; with ``use_reentrant=False`` the original forward is measured
-and the recomputation (a forward inside a backward, under saved-tensor hooks) is skipped.
-Under saved-tensor hooks (checkpointing, ``save_on_cpu``) the forward hook never reads a
-LayerNorm's saved mean/rstd -- that would unpack them and, for checkpointing, run the
-region again inside the forward -- but takes the input path.  The forward order of the
-norms is recorded whatever the grad mode, so a reentrant recomputation (which runs the
-blocks backwards) does not reorder the ladder.  Forward passes run inside
-:func:`lnmonitor.core.hooks.unmeasured` (the probes' own passes) are ignored.  The private
-torch APIs these decisions use are looked up once, with a plain fallback
-(:mod:`lnmonitor.core.torch_internals`).
-
-The gain (``weight``, ``1 + weight``, ...) is read in the forward hook, while the model
-itself has it at hand (a sharded model gathers it for its forward).  With
-``attach(bypass=True)`` a third hook, on the norm's *input*, compares the whole gradient
-there with the part that came through the norm (``J^T dL/dy``, :mod:`lnmonitor.core.meter.bypass`):
-what goes around it (``|dL/dx - J^T dL/dy|^2`` against ``|dL/dx|^2``, summed per norm) says
-whether the norm reads the residual stream, whose input flows on past it, or a branch.  A hook never
-raises into the user's backward: an error stops the tap for the step and is kept in
-:attr:`NormTap.error`.
+Activation checkpointing measures each call once: the reentrant recomputation (the original ran
+without gradient), or the non-reentrant original (its recomputation, a forward inside a backward
+under saved-tensor hooks, is skipped); under saved-tensor hooks a LayerNorm's saved statistics are
+never unpacked.  The gain is read in the forward hook (a sharded model has it gathered then).
+``attach(bypass=True)`` also hooks the norm's input to compare the whole gradient there with the
+part through the norm (:mod:`lnmonitor.core.meter.bypass`): what goes around it says whether it
+reads the residual stream.  A hook never raises into the user's backward: an error stops the tap
+for the step and is kept in :attr:`NormTap.error`.
 """
 
 from __future__ import annotations
@@ -101,21 +76,14 @@ _FINISH = {"rows": finish_rows, "layernorm": finish_layernorm_backward}
 
 @dataclass
 class StepRows:
-    """Per-row reductions gathered during one measured step (all on one device).
-
-    ``data`` is ``(5, rows)`` float32 (:data:`~lnmonitor.core.maths.reductions.FIELDS`), ``records``
-    lists a :class:`CallRecord` per hooked call, in the order the gradients arrived.
-    ``order`` holds the norm indices in the order their forward first ran.  ``bypass`` maps
-    a norm index to the float32 pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)`` summed over its
-    rows, when it was measured, and ``resolution`` to the relative resolution of the
-    gradient's dtype there.  ``pads`` maps a norm index to the number of its padding rows
-    (a device tensor), ``forward_only`` holds the norms whose output got no gradient
-    (their rows carry the forward statistics alone), ``calls`` counts each norm's
-    measured calls (a module the forward calls more than once is reused), and ``unmasked``
-    holds the norms with a row mask that none of their calls' rows lined up with (every row
-    measured), and ``refused`` maps a norm to why its ``DTensor`` rows could not be read
-    (:func:`lnmonitor.core.dtensors.unsupported`: it has no rows).
-    """
+    """The rows of one measured step, on one device, keyed by norm index: ``data`` ``(5, rows)``
+    float32 (:data:`~lnmonitor.core.maths.reductions.FIELDS`), one :class:`CallRecord` per call in
+    the order the gradients arrived; ``order``: the norms in forward order; ``bypass``: the float32
+    pair ``(|dL/dx|^2, |dL/dx - J^T dL/dy|^2)`` at the input when measured, ``resolution`` its
+    dtype's; ``pads``: padding rows (a device tensor); ``forward_only``: norms without gradient
+    (forward statistics alone); ``calls``: measured calls (more than the fewest: reused);
+    ``unmasked``: norms no row mask lined up with; ``refused``: why a ``DTensor``'s rows could not
+    be read."""
 
     data: Tensor | None
     records: list[CallRecord]
@@ -133,10 +101,9 @@ class StepRows:
 def finish_calls(
     calls: list[RawCall], records: list[CallRecord]
 ) -> tuple[Tensor | None, list[CallRecord], dict[int, Tensor]]:
-    """The step's :data:`~lnmonitor.core.maths.reductions.FIELDS` of every call: the calls that
-    finish alike finished together, then padding rows made nan (and counted per norm) and
-    rounding rows marked, each call against its own mean.  Returns the rows, the records in
-    their order and each norm's count of padding rows (a device tensor)."""
+    """Every call's rows finished (those that finish alike together), padding rows made nan and
+    counted, rounding rows marked against each call's own mean: ``(rows, records in their order,
+    padding rows per norm)``."""
     pads: dict[int, Tensor] = {}
     if not calls:
         return None, records, pads
@@ -169,10 +136,7 @@ def finish_calls(
 
 @dataclass(eq=False)
 class _Pending:
-    """What the hooks of one norm call hold between its forward and its backward: the input,
-    a LayerNorm's saved mean and rstd, the gain, and on the role-finding step the gradient
-    that came through the norm while the input's gradient is awaited.  ``x is None`` once
-    the call is measured (or dropped)."""
+    """What one call's hooks hold from its forward to its backward (``x is None`` once measured)."""
 
     x: Tensor | None
     saved: tuple | None
@@ -187,12 +151,8 @@ class _Pending:
 
 
 class NormTap:
-    """Hooks on ``norms`` for the duration of one measured step.
-
-    ``attach()`` registers one forward hook per norm; ``detach()`` removes them (and
-    drops whatever a forward without backward left behind); ``collect()`` hands over
-    the rows measured since ``attach()`` and forgets them.
-    """
+    """Hooks on ``norms`` for one measured step: ``attach()``, ``detach()`` (dropping what a
+    forward without backward left), ``collect()`` (the rows since ``attach()``, then forgotten)."""
 
     def __init__(self, norms: Sequence[NormInfo]) -> None:
         self.norms = list(norms)
@@ -230,8 +190,7 @@ class NormTap:
         self._pending = []
 
     def _guarded(self, fn):
-        """``fn`` that never raises into the user's forward or backward: the first error is
-        kept in :attr:`error` and the tap stops for the rest of the step."""
+        """``fn`` that never raises: the first error is kept in :attr:`error`, the tap stops."""
 
         def hook(*args):
             if self.error is not None:
@@ -290,10 +249,9 @@ class NormTap:
         return self._guarded(hook)
 
     def _keep(self, x: Tensor, index: int, info: NormInfo) -> Tensor | None:
-        """The current row mask of norm ``index`` as one entry per row of this call: the mask
-        itself, or a ``(batch, tokens)`` mask spread over the heads of per-head rows
-        (``(batch, tokens, heads, d)``, as a QK-norm reads them, or ``(batch, heads, tokens,
-        d)``).  None without a mask, or when it lines up with no layout (noted in ``unmasked``)."""
+        """Norm ``index``'s row mask, one entry per row of this call (a ``(batch, tokens)`` mask
+        spread over per-head rows ``(batch, tokens|heads, heads|tokens, d)``); None without one
+        or when it lines up with nothing (noted in ``unmasked``)."""
         mask = self.row_mask.get(index) if isinstance(self.row_mask, dict) else self.row_mask
         if mask is None:
             return None
@@ -383,8 +341,7 @@ class NormTap:
         return hook
 
     def _input_hook(self, index: int, pending: _Pending, dtype: torch.dtype):
-        """The whole gradient at the norm's input (the stream it was cast from) against the
-        part through the norm; the resolution is the coarser of the two dtypes'."""
+        """The whole gradient at the norm's input against the part through the norm."""
 
         def hook(total: Tensor) -> None:
             total = dtensors.local(total, pending.like)
@@ -419,9 +376,7 @@ class NormTap:
         self._records.append(CallRecord(index, raw[0].shape[0], d, eps, info.dead_dim))
 
     def _scratch(self, count: int, rows: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
-        """``count`` flat float32 buffers for one chunk of rows (at most
-        :data:`~lnmonitor.core.maths.reductions.CHUNK_ELEMENTS` elements), reused by every norm of the
-        step and freed by collect."""
+        """``count`` float32 buffers for one chunk of rows, shared by the step's norms."""
         numel = min(rows, chunk_rows(d)) * d
         ws = [b for b in self._workspace if b.device == device and b.numel() >= numel]
         while len(ws) < count:
@@ -430,8 +385,7 @@ class NormTap:
         return tuple(ws[:count])
 
     def collect(self) -> StepRows:
-        """The rows measured since :meth:`attach`, finished, and forgotten here.  An error while
-        finishing them is kept in :attr:`error` (no rows), as a hook's would be."""
+        """The rows since :meth:`attach`, finished and forgotten (an error: kept in :attr:`error`)."""
         data, records, pads = None, [], {}
         if self.error is None:
             try:

@@ -16,14 +16,13 @@ name a fit logs belongs to one family.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import NamedTuple
 
 __all__ = [
     "CATEGORY_ORDER", "FAMILIES", "FINAL", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES",
     "INVARIANCE_LAYOUT", "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "TRAIN_LOSS", "VAL_LOSS",
-    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric", "finite_metrics",
+    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric",
     "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
     "run_metric", "unsplit",
 ]
@@ -158,12 +157,6 @@ def parse(tag: str) -> Metric | None:
     if head in _GROUPS:
         return Metric(_GROUPS[head], rest[0], "/".join(rest[1:]))
     return Metric("norm", head, "/".join(rest))
-
-
-def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The entries of ``metrics`` that are finite numbers (a monitor logs nothing it cannot
-    stand behind; the missing ones are explained where they are computed)."""
-    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
 
 
 # The custom-scalars layouts (TensorBoard's Custom Scalars tab): charts by regex over the names.
