@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lnmonitor.core.meter.meter import LadderMeter, LadderResult
+from lnmonitor.core.meter.meter import LadderMeter
 from lnmonitor.core.meter.row_stats import RowStats
 from lnmonitor.core.monitor import arguments
 from lnmonitor.core.monitor.monitor import Monitor
@@ -19,9 +19,8 @@ from lnmonitor.core.monitor.settings import Settings
 from lnmonitor.core.monitor.shared import guarded
 from lnmonitor.core.norms.find import NormInfo
 from lnmonitor.core.norms.roles import expected_final
-from lnmonitor.core.output.metric_names import LADDER_LAYOUT, hist_metric
+from lnmonitor.core.output.metric_names import LADDER_LAYOUT
 from lnmonitor.lightning.base import MonitorCallback, misconfiguration
-from lnmonitor.lightning.loggers import write_histogram
 from lnmonitor.views.hparams_session import columns_message, monitor_columns
 from lnmonitor.views.run_views import RunViews
 
@@ -37,7 +36,7 @@ class LayerNormMonitor(MonitorCallback):
     on other steps no hook is registered.  Per row it measures, in float32, the norm's input variance ``v``
     (mean square for RMSNorm), the stream's mean square and the share of ``w = gain * dL/dy`` in the norm's
     dead subspace (span{1, xhat}, or span{xhat} for RMSNorm; docs/design.md), counted in fixed-bin
-    histograms (:mod:`lnmonitor.core.maths.histograms`: share resolved to 2.4e-4, sigma and rms to 0.39%
+    histograms (:mod:`lnmonitor.core.meter.row_stats`: share resolved to 2.4e-4, sigma and rms to 0.39%
     relative, eps/var to 0.78%), merged across ranks and read on the host once.  Autocast, gradient
     accumulation, ``torch.compile`` (measured steps run eagerly) and activation checkpointing:
     docs/conditions.md.  A selected norm that gets no row in a measured step is named in a warning, once.
@@ -109,6 +108,7 @@ class LayerNormMonitor(MonitorCallback):
             self.settings = Settings.build(settings, fields, "LayerNormMonitor")
             self.histograms = arguments.flag(histograms, "histograms")
         super().__init__(self.settings.keep_history)
+        self._loggers.histograms = self.histograms
         self.monitor = Monitor(self.settings, self.name, self.messages, RunViews)
         self.findings = self.monitor.findings
         self.meter: LadderMeter | None = None
@@ -151,9 +151,9 @@ class LayerNormMonitor(MonitorCallback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_model and the strategy's setup: the model is complete and sharded.
         last = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        log = lambda step, metrics, result: self._log(trainer, step, metrics, result)  # noqa: E731
         with misconfiguration():
-            self.meter = self.monitor.begin(pl_module, log, speaks=lambda: trainer.is_global_zero,
+            self.meter = self.monitor.begin(pl_module, functools.partial(self._loggers.log, trainer),
+                                            speaks=lambda: trainer.is_global_zero,
                                             every_n_steps=max(int(trainer.log_every_n_steps), 1),
                                             last_step=int(last) - 1 if math.isfinite(last) else None)
         # TensorBoard keeps the session written now, before a step found the roles: its columns name the
@@ -222,22 +222,6 @@ class LayerNormMonitor(MonitorCallback):
 
     def _image_writer(self, trainer: Trainer):
         return lambda tag, image, step: self._loggers.log_image(trainer, tag, step, image)
-
-    def _log(self, trainer: Trainer, step: int, metrics: dict[str, float], result: LadderResult | None,
-             ) -> bool:
-        """Log ``metrics`` at ``step``, with the histograms of a measured step's ``result`` when asked."""
-        extra = None
-        if self.histograms and result is not None:
-            extra = lambda writer, s: self._histograms(writer, s, result)  # noqa: E731
-        return self._loggers.log(trainer, step, metrics, extra)
-
-    def _histograms(self, writer, step: int, result: LadderResult) -> None:
-        for i, (info, s) in enumerate(zip(result.norms, result.row_stats, strict=True)):
-            write_histogram(writer, hist_metric("share", info.name), step,
-                            s.share_counts, s.layout.share_edges(), group=64)
-            sigma_edges = np.sqrt(s.layout.value_edges() + self.meter.eps(i))
-            write_histogram(writer, hist_metric("sigma", info.name), step,  # 1/8 octave buckets
-                            s.var_counts, sigma_edges, group=16)
 
     @override
     def state_dict(self) -> dict[str, Any]:

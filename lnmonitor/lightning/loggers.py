@@ -10,7 +10,6 @@ What belongs to one logger is keyed by the logger object itself (weakly), never 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,9 @@ from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 
+from lnmonitor.core.meter.meter import LadderResult
 from lnmonitor.core.monitor.shared import History, Messages, warn_at_user
-from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS
+from lnmonitor.core.output.metric_names import CATEGORY_ORDER, HEADLINE_METRICS, hist_metric
 from lnmonitor.core.output.writers import write_scalars
 
 __all__ = ["Loggers", "write_histogram"]
@@ -54,6 +54,7 @@ class Loggers:
         self.name = name
         self.messages = messages or Messages(info=rank_zero_info, warn=rank_zero_only(warn_at_user))
         self.kept = History(keep_history)
+        self.histograms = False  # TensorBoard histograms of a measured step's rows (LayerNormMonitor's)
         self.last_step = -1
         self._layout: dict[str, dict] = {}
         self._ready: weakref.WeakSet = weakref.WeakSet()
@@ -98,11 +99,12 @@ class Loggers:
         """Custom-scalars categories, written to each TensorBoard run with the first log there."""
         self._layout.update(categories)
 
-    def log(self, trainer, step: int, metrics: dict[str, float],
-            tensorboard_extra: Callable[[Any, int], None] | None = None, *, extend: bool = False) -> bool:
+    def log(self, trainer, step: int, metrics: dict[str, float], result: LadderResult | None = None, *,
+            extend: bool = False) -> bool:
         """Log ``metrics`` at ``step`` unless that step was logged already (False then); only global rank
-        zero writes.  ``tensorboard_extra(writer, step)`` adds TensorBoard-only output (histograms; a
-        failure is said once).  ``extend``: add metrics measured later to the step logged last."""
+        zero writes.  With :attr:`histograms`, a measured step's ``result`` adds TensorBoard histograms of
+        each norm's shares and sigmas (a failure is said once).  ``extend``: add metrics measured later
+        to the step logged last."""
         again = extend and step == self.last_step
         if step <= self.last_step and not again:
             return False
@@ -118,9 +120,9 @@ class Loggers:
                 self._ready.add(logger)
                 if self._layout:
                     _write_layout(logger, self._layout)
-            if tensorboard_extra is not None:
+            if self.histograms and result is not None:
                 try:
-                    tensorboard_extra(logger.experiment, step)
+                    _write_histograms(logger.experiment, step, result)
                 except Exception as err:  # noqa: BLE001 - extras must never stop training
                     self.warn_once("extras", f"{self.name}: TensorBoard extras skipped: {err!r}")
             if not _write_scalars(logger, metrics, step):
@@ -218,6 +220,15 @@ def _write_scalars(logger: TensorBoardLogger, metrics: dict[str, float], step: i
     prefix = getattr(logger, "_prefix", "")
     join = getattr(logger, "LOGGER_JOIN_CHAR", "-")
     return write_scalars(logger.experiment, metrics, step, f"{prefix}{join}" if prefix else "")
+
+
+def _write_histograms(writer, step: int, result: LadderResult) -> None:
+    for info, stats, figures in zip(result.norms, result.row_stats, result.figures.norms, strict=True):
+        write_histogram(writer, hist_metric("share", info.name), step,
+                        stats.share_counts, stats.layout.share_edges(), group=64)
+        sigma_edges = np.sqrt(stats.layout.value_edges() + figures.eps)
+        write_histogram(writer, hist_metric("sigma", info.name), step,  # 1/8 octave buckets
+                        stats.var_counts, sigma_edges, group=16)
 
 
 def write_histogram(writer, tag: str, step: int, counts, edges, group: int) -> None:
