@@ -11,6 +11,7 @@ Tensor functions work in float32 or float64 on any device and never synchronise 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -67,9 +68,7 @@ def _check_weight(weight: Tensor | None, d: int) -> None:
 
 def _work_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """Promoted dtype, raised to float32 when it is half or bfloat16."""
-    dt = dtypes[0]
-    for other in dtypes[1:]:
-        dt = torch.promote_types(dt, other)
+    dt = functools.reduce(torch.promote_types, dtypes)
     return torch.float32 if dt in _LOW_PRECISION else dt
 
 

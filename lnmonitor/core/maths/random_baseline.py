@@ -58,7 +58,6 @@ def _log_cdf(s: np.ndarray, d: int, k: int) -> np.ndarray:
     """log P(share <= s), accurate both in the lower tail and near 1."""
     a, b = k / 2.0, (d - k) / 2.0
     from scipy import stats
-
     s2 = np.clip(s, 0.0, 1.0) ** 2
     sf = stats.beta.sf(s2, a, b)
     with np.errstate(divide="ignore"):
@@ -71,7 +70,6 @@ def share_cdf(s, d: int, k: int = 2):
     """P(share <= s) for a uniformly random direction in R^d and a fixed k-dim subspace."""
     d, k = _check_dk(d, k)
     from scipy import stats
-
     sa = np.asarray(s, dtype=float)
     res = stats.beta.cdf(np.clip(sa, 0.0, 1.0) ** 2, k / 2.0, (d - k) / 2.0)
     res = np.where(sa < 0.0, 0.0, res)
@@ -82,7 +80,6 @@ def share_pdf(s, d: int, k: int = 2):
     """Density of the share itself (not share^2): ``2 s * beta.pdf(s^2, k/2, (d-k)/2)``, 0 outside [0, 1]
     (evaluated in log space so k = 1 is finite at s = 0)."""
     from scipy import special
-
     d, k = _check_dk(d, k)
     a, b = k / 2.0, (d - k) / 2.0
     sa = np.asarray(s, dtype=float)
@@ -98,7 +95,6 @@ def share_pdf(s, d: int, k: int = 2):
 def share_quantile(q, d: int, k: int = 2):
     """Quantile of the random share: ``sqrt(beta.ppf(q, k/2, (d-k)/2))``, 0 < q < 1."""
     from scipy import special
-
     d, k = _check_dk(d, k)
     qa = _check_q(q)
     return _out(np.sqrt(special.betaincinv(k / 2.0, (d - k) / 2.0, qa)), q)
@@ -132,7 +128,6 @@ def max_share_quantile(q, d: int, k: int, n: int):
     n = _check_n(n)
     qa = _check_q(q)
     from scipy import special
-
     tail = -np.expm1(np.log(qa) / n)
     return _out(np.sqrt(special.betainccinv(k / 2.0, (d - k) / 2.0, tail)), q)
 
