@@ -20,9 +20,7 @@ __all__ = ["RowMasks", "padding_mask"]
 def padding_mask(batch, key: str = "attention_mask") -> tuple[Tensor, str] | None:
     """``(keep, source)``: a bool tensor, True on the real tokens, and where it came from; None when the
     batch is not a mapping or has no 2-D integer ``batch[key]``."""
-    if not isinstance(batch, Mapping):
-        return None
-    mask = batch.get(key)
+    mask = batch.get(key) if isinstance(batch, Mapping) else None
     if isinstance(mask, Tensor) and mask.ndim == 2 and not mask.is_floating_point():
         return mask != 0, f"the batch's {key}"
     return None
