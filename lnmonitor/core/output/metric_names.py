@@ -16,9 +16,9 @@ from typing import NamedTuple
 __all__ = [
     "CATEGORY_ORDER", "FAMILIES", "FINAL", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES",
     "INVARIANCE_LAYOUT", "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "TRAIN_LOSS", "VAL_LOSS",
-    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric",
-    "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
-    "run_metric", "unsplit",
+    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric", "health_metric",
+    "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric", "run_metric",
+    "unsplit",
 ]
 
 PREFIX = "lnmonitor"
