@@ -1,26 +1,17 @@
-"""Pure tensor maths on rows of a normalisation layer's input.
-
-Everything here is a closed-form statement about one row ``x`` in R^d (rows are
-batched over all leading dimensions) and follows docs/design.md:
+"""Closed-form maths on rows ``x`` in R^d of a norm's input (batched over leading dims; docs/design.md).
 
 * LayerNorm: ``mu = mean(x)``, ``v = mean((x - mu)^2)``, ``sigma = sqrt(v + eps)``,
   ``xhat = (x - mu) / sigma``, ``dy/dx = diag(g) (1/sigma) (I - 11^T/d - xhat xhat^T/d)``.
-* RMSNorm: ``r = sqrt(mean(x^2) + eps)``, ``xhat = x / r``,
-  ``dy/dx = diag(g) (1/r) (I - xhat xhat^T/d)``.
-* Dead-plane share of ``w = g * dL/dy``: ``|P w| / |w|`` with ``P`` the orthogonal
-  projector onto the dead subspace (span{1, xhat} for LayerNorm, span{xhat} for RMSNorm).
+* RMSNorm: ``r = sqrt(mean(x^2) + eps)``, ``xhat = x / r``, ``dy/dx = diag(g) (1/r) (I - xhat xhat^T/d)``.
+* Dead-plane share of ``w = g * dL/dy``: ``|P w| / |w|``, ``P`` the orthogonal projector onto the dead
+  subspace (span{1, xhat} for LayerNorm, span{xhat} for RMSNorm).
 
-The share of a random direction, which a measured share is compared with, is
-:mod:`lnmonitor.core.maths.random_baseline`.
-
-Tensor functions work in float32 or float64 on any device and never synchronise
-with the host (no ``.item()``/``.cpu()``).
-
-This module imports only torch, math and numpy: no hooks, no Lightning.
+Tensor functions work in float32 or float64 on any device and never synchronise with the host.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -31,25 +22,10 @@ from torch import Tensor
 
 from lnmonitor.core.kinds import NormKind
 
-__all__ = [
-    "Normalised",
-    "dead_basis",
-    "dead_dim",
-    "dead_plane_share",
-    "deletion_cost",
-    "jacobian",
-    "normalise",
-    "singular_values",
-    "transmission",
-]
-
+__all__ = ["Normalised", "dead_basis", "dead_dim", "dead_plane_share", "deletion_cost", "jacobian",
+           "normalise", "singular_values", "transmission"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# ---------------------------------------------------------------------------
-# validation helpers
-# ---------------------------------------------------------------------------
 
 
 def dead_dim(kind: NormKind) -> int:
@@ -86,28 +62,19 @@ def _check_weight(weight: Tensor | None, d: int) -> None:
     if not isinstance(weight, Tensor):
         raise ValueError(f"weight must be a torch.Tensor of shape (d,) or None, got {weight!r}")
     if weight.ndim == 0 or weight.shape[-1] != d:
-        raise ValueError(
-            f"weight must have last dimension d={d} (the norm's gain), got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"weight must have last dimension d={d} (the norm's gain), "
+                         f"got {tuple(weight.shape)}")
 
 
 def _work_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """Promoted dtype, raised to float32 when it is half or bfloat16."""
-    dt = dtypes[0]
-    for other in dtypes[1:]:
-        dt = torch.promote_types(dt, other)
+    dt = functools.reduce(torch.promote_types, dtypes)
     return torch.float32 if dt in _LOW_PRECISION else dt
 
 
-# ---------------------------------------------------------------------------
-# per-row statistics, transmission, deletion cost
-# ---------------------------------------------------------------------------
-
-
 class Normalised(NamedTuple):
-    """Rows as a norm normalises them, with the statistics that do it.  ``mean``, ``var``,
-    ``sigma`` have shape ``x.shape[:-1]``; ``xhat`` has shape ``x.shape``.  For RMSNorm
-    ``mean`` is zero and ``var`` is the second moment ``mean(x^2)`` (so ``sigma`` is ``r``)."""
+    """Rows as a norm normalises them: ``mean``, ``var``, ``sigma`` of shape ``x.shape[:-1]``, ``xhat`` of
+    ``x.shape``.  For RMSNorm ``mean`` is zero and ``var`` is the second moment ``mean(x^2)``."""
 
     mean: Tensor
     var: Tensor
@@ -116,14 +83,8 @@ class Normalised(NamedTuple):
 
 
 def normalise(x: Tensor, eps: float, kind: NormKind = "layer") -> Normalised:
-    """Each row of ``x`` (..., d) normalised as the norm of ``kind`` does it (no gain or bias),
-    with its statistics, in ``x``'s dtype and units.
-
-    layer: ``mean``, biased ``var = mean((x - mean)^2)``, ``sigma = sqrt(var + eps)``,
-    ``xhat = (x - mean) / sigma``.  rms: ``mean = 0``, ``var = mean(x^2)``,
-    ``sigma = sqrt(var + eps)``, ``xhat = x / sigma``.  A zero-variance row at
-    ``eps = 0`` gives ``sigma = 0`` and a non-finite ``xhat``, as the norm itself does.
-    """
+    """Each row of ``x`` (..., d) normalised as the norm of ``kind`` does it (no gain or bias), in ``x``'s
+    dtype (``var`` biased).  A zero-variance row at ``eps = 0`` gives a non-finite ``xhat``, as the norm."""
     _check_x(x)
     eps = _check_eps(eps)
     k = dead_dim(kind)
@@ -140,12 +101,8 @@ def normalise(x: Tensor, eps: float, kind: NormKind = "layer") -> Normalised:
 
 
 def transmission(var, eps: float):
-    """Fraction ``eps / (var + eps)`` that the norm passes along the scale direction.
-
-    Dimensionless; ``var`` is the row variance (second moment for RMSNorm).  Accepts a
-    tensor, numpy array or python float and returns the same kind.  ``var + eps == 0``
-    gives nan (undefined: the norm divides by zero there).
-    """
+    """Fraction ``eps / (var + eps)`` the norm passes along the scale direction (``var``: the second moment
+    for RMSNorm), as a tensor, numpy array or float like ``var``; a python ``var + eps == 0`` gives nan."""
     eps = _check_eps(eps)
     if isinstance(var, Tensor | np.ndarray):
         return eps / (var + eps)
@@ -154,12 +111,8 @@ def transmission(var, eps: float):
 
 
 def deletion_cost(share):
-    """Relative length lost when the dead-plane part of a vector is deleted:
-    ``1 - sqrt(1 - share^2)`` (evaluated as ``s^2 / (1 + sqrt(1 - s^2))`` for accuracy).
-
-    Accepts a tensor, numpy array or python float in [0, 1]; tensors outside [0, 1] give nan,
-    a python float outside [0, 1] raises ValueError.
-    """
+    """Relative length lost when the dead-plane part is deleted: ``1 - sqrt(1 - share^2)``, computed as
+    ``s^2 / (1 + sqrt(1 - s^2))``.  Arrays outside [0, 1] give nan, a python float there raises ValueError."""
     if isinstance(share, Tensor):
         s2 = share * share
         return s2 / (1.0 + torch.sqrt(1.0 - s2))
@@ -174,20 +127,9 @@ def deletion_cost(share):
     return s2 / (1.0 + math.sqrt(1.0 - s2))
 
 
-# ---------------------------------------------------------------------------
-# Jacobian and its spectrum
-# ---------------------------------------------------------------------------
-
-
-def jacobian(
-    x: Tensor, eps: float, kind: NormKind = "layer", weight: Tensor | None = None
-) -> Tensor:
-    """Closed-form Jacobian ``dy/dx`` of each row, shape (..., d, d), in ``x``'s dtype.
-
-    ``J[..., i, j] = dy_i / dx_j``.  layer: ``diag(g) (1/sigma) (I - 11^T/d - xhat xhat^T/d)``;
-    rms: ``diag(g) (1/r) (I - xhat xhat^T/d)``; ``g`` is ``weight`` (shape (d,)) or 1.
-    The bias does not enter.
-    """
+def jacobian(x: Tensor, eps: float, kind: NormKind = "layer", weight: Tensor | None = None) -> Tensor:
+    """Closed-form ``J[..., i, j] = dy_i / dx_j`` of each row, shape (..., d, d), in ``x``'s dtype; ``g`` is
+    ``weight`` (shape (d,)) or 1."""
     d = _check_x(x)
     _check_weight(weight, d)
     st = normalise(x, eps, kind)
@@ -202,16 +144,10 @@ def jacobian(
     return a
 
 
-def singular_values(
-    x: Tensor, eps: float, kind: NormKind = "layer", weight: Tensor | None = None
-) -> Tensor:
-    """Singular values of ``jacobian(x, eps, kind, weight)`` per row, shape (..., d), descending.
-
-    Units are 1/(units of x) times units of the gain.  Without ``weight`` this is the closed
-    form (no SVD): layer: ``d-2`` copies of ``1/sigma``, then ``eps/((v+eps) sigma)``, then 0;
-    rms: ``d-1`` copies of ``1/r``, then ``eps/((ms+eps) r)``.  With ``weight`` it is
-    ``torch.linalg.svdvals`` of the Jacobian.  Half/bfloat16 inputs are computed in float32.
-    """
+def singular_values(x: Tensor, eps: float, kind: NormKind = "layer", weight: Tensor | None = None) -> Tensor:
+    """Singular values of ``jacobian(x, eps, kind, weight)`` per row, shape (..., d), descending (half and
+    bfloat16 in float32).  Without ``weight`` the closed form: layer ``d-2`` copies of ``1/sigma``, then
+    ``eps/((v+eps) sigma)``, then 0; rms ``d-1`` copies of ``1/r``, then ``eps/((ms+eps) r)``."""
     d = _check_x(x)
     _check_weight(weight, d)
     eps = _check_eps(eps)
@@ -225,18 +161,10 @@ def singular_values(
     if k == 2 and d < 2:  # d = 1 LayerNorm: the output is constant, J = 0
         return torch.zeros_like(xw)
     lead = inv.shape
-    parts = [
-        inv.unsqueeze(-1).expand(*lead, d - k),
-        (eps / (st.var + eps) * inv).unsqueeze(-1),
-    ]
+    parts = [inv.unsqueeze(-1).expand(*lead, d - k), (eps / (st.var + eps) * inv).unsqueeze(-1)]
     if k == 2:
         parts.append(torch.zeros(*lead, 1, dtype=dt, device=x.device))
     return torch.cat(parts, dim=-1)
-
-
-# ---------------------------------------------------------------------------
-# dead subspace and the share of a gradient in it
-# ---------------------------------------------------------------------------
 
 
 def _unit(v: Tensor) -> Tensor:
@@ -247,12 +175,9 @@ def _unit(v: Tensor) -> Tensor:
 
 
 def dead_basis(x: Tensor, eps: float, kind: NormKind = "layer") -> Tensor:
-    """Orthonormal basis of each row's dead subspace, shape (..., d, k), in ``x``'s dtype.
-
-    layer (k = 2): columns ``u1 = 1/sqrt(d)`` and ``u2 = xhat/|xhat|`` (= centred x over its
-    length; the direction does not depend on ``eps``, which is only validated).
-    rms (k = 1): ``u = x/|x|``.  Constant (layer) or zero (rms) rows give a non-finite column.
-    """
+    """Orthonormal basis of each row's dead subspace, shape (..., d, k), in ``x``'s dtype: layer
+    ``[1/sqrt(d), xhat/|xhat|]``, rms ``[x/|x|]`` (``eps`` is only validated).  Constant (layer) or zero
+    (rms) rows give a non-finite column."""
     d = _check_x(x)
     _check_eps(eps)
     k = dead_dim(kind)
@@ -263,59 +188,40 @@ def dead_basis(x: Tensor, eps: float, kind: NormKind = "layer") -> Tensor:
     return torch.stack([u1, _unit(xc)], dim=-1)
 
 
-def dead_plane_share(
-    x: Tensor,
-    grad_output: Tensor,
-    kind: NormKind = "layer",
-    weight: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Share of ``w = weight * grad_output`` lying in the dead subspace of each row.
+def dead_plane_share(x: Tensor, grad_output: Tensor, kind: NormKind = "layer",
+                     weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(share, valid)`` of shape ``x.shape[:-1]``: ``share = |P w| / |w|`` in [0, 1] of
+    ``w = weight * grad_output``, from per-row reductions, in the promoted dtype (float32 for half/bfloat16).
 
-    ``share = |P w| / |w|`` in [0, 1] (dimensionless), ``P`` the orthogonal projector onto
-    span{1, xhat} (layer) or span{x} (rms).  Computed from per-row reductions only (no (d, d)
-    matrices), in float32 for half/bfloat16 inputs and otherwise in the promoted dtype of
-    ``x``, ``grad_output`` and ``weight``.  Inputs are detached.
-
-    Returns ``(share, valid)`` with shape ``x.shape[:-1]``.  ``valid`` is False on rows with a
-    non-finite ``x`` or ``w``, ``w == 0``, or a dead direction that is undefined (constant
-    row for layer, zero row for rms); ``share`` is 0 there.  Never raises on data; raises
-    ValueError on shapes, including ``d <= k`` where the dead subspace is the whole space.
-    """
+    ``valid`` is False (and ``share`` 0) on rows with a non-finite ``x`` or ``w``, ``w == 0``, or an undefined
+    dead direction (a constant row for layer, a zero row for rms).  Raises ValueError on shapes only,
+    including ``d <= k`` (the dead subspace is the whole space)."""
     d = _check_x(x)
     _check_x(grad_output, "grad_output")
     if grad_output.shape != x.shape:
-        raise ValueError(
-            f"grad_output must have the shape of x, got {tuple(grad_output.shape)} "
-            f"and {tuple(x.shape)}"
-        )
+        raise ValueError(f"grad_output must have the shape of x, got {tuple(grad_output.shape)} "
+                         f"and {tuple(x.shape)}")
     _check_weight(weight, d)
     k = dead_dim(kind)
     if d <= k:
-        raise ValueError(
-            f"dead_plane_share needs width d > {k} for kind={kind!r} (otherwise the dead "
-            f"subspace is the whole space and the share is trivially 1), got d={d}"
-        )
-    dtypes = [x.dtype, grad_output.dtype] + ([] if weight is None else [weight.dtype])
-    dt = _work_dtype(*dtypes)
+        raise ValueError(f"dead_plane_share needs width d > {k} for kind={kind!r} (otherwise the dead "
+                         f"subspace is the whole space and the share is trivially 1), got d={d}")
+    dt = _work_dtype(x.dtype, grad_output.dtype, *([] if weight is None else [weight.dtype]))
     xw = x.detach().to(dt)
     w = grad_output.detach().to(dt)
     if weight is not None:
         w = weight.detach().to(dt) * w
-
     finite = torch.isfinite(xw).all(dim=-1) & torch.isfinite(w).all(dim=-1)
 
     if k == 2:
-        # Centre in the input's own units (x - mean loses nothing to a prior rescale), then a
-        # second pass removes the rounding of the first mean: xc is orthogonal to 1 to rounding.
+        # a second pass removes the rounding of the first mean: xc is orthogonal to 1 to rounding
         xc = xw - xw.mean(dim=-1, keepdim=True)
         xc = xc - xc.mean(dim=-1, keepdim=True)
         defined = xw.amax(dim=-1) > xw.amin(dim=-1)  # non-constant row
     else:
         xc = xw
         defined = torch.ones(xw.shape[:-1], dtype=torch.bool, device=xw.device)
-
-    # Scale each row to max-abs 1: the share is invariant to the scale of xc and of w, and
-    # this keeps squares of tiny float32 gradients (or huge activations) representable.
+    # rows scaled to max-abs 1 (the share does not change) keep squares of tiny gradients representable
     ax = xc.abs().amax(dim=-1, keepdim=True)
     aw = w.abs().amax(dim=-1, keepdim=True)
     xc = xc / torch.where(ax > 0, ax, torch.ones_like(ax))
@@ -323,14 +229,12 @@ def dead_plane_share(
     ww = (ws * ws).sum(dim=-1)
     xx = (xc * xc).sum(dim=-1)
     wx = (ws * xc).sum(dim=-1)
-
     one = torch.ones_like(ww)
     share2 = wx * wx / torch.where(xx > 0, xx, one)
     if k == 2:
         sw = ws.sum(dim=-1)
         share2 = share2 + sw * sw / d
     share2 = share2 / torch.where(ww > 0, ww, one)
-
     valid = finite & defined & (aw.squeeze(-1) > 0) & (xx > 0) & torch.isfinite(share2)
     share = torch.sqrt(share2.clamp(0.0, 1.0))
     share = torch.where(valid, share, torch.zeros_like(share))

@@ -1,16 +1,11 @@
 """The exact random baseline of the dead-plane share (docs/design.md).
 
-For a direction uniform on the sphere in R^d and a fixed k-dimensional subspace (the dead
-subspace of a norm: k = 2 for LayerNorm, 1 for RMSNorm), ``share^2 ~ Beta(k/2, (d-k)/2)``;
-the largest of n independent shares has ``P(max <= s) = F(s)^n``.  A measured share is
-compared with these: a median with :func:`share_median`, a maximum over n rows with
-:func:`max_share_median` of the *same* n.
-
-Functions take python numbers (or numpy arrays for ``s``/``q``) and return python floats (or
-numpy arrays).  This module imports only math, numpy and scipy: no torch.  scipy loads on
-first use, and the meter's two figures (:func:`share_median`, :func:`max_share_median`) need
-only ``scipy.special`` (whose ``betaincinv``/``betainccinv`` are what ``scipy.stats.beta``'s
-``ppf``/``isf`` call, bit for bit), not ``scipy.stats``, which alone takes a second to import.
+For a direction uniform on the sphere in R^d and a fixed k-dimensional subspace (k = 2 for LayerNorm, 1 for
+RMSNorm), ``share^2 ~ Beta(k/2, (d-k)/2)``, and the largest of n independent shares has
+``P(max <= s) = F(s)^n``.  A measured median is compared with :func:`share_median`, a maximum over n rows with
+:func:`max_share_median` of the same n.  Functions take numbers (or numpy arrays for ``s``/``q``) and return
+floats (or arrays).  scipy loads on first use; the meter's two figures need only ``scipy.special`` (what
+``scipy.stats.beta``'s ``ppf``/``isf`` call, bit for bit), not the slow-to-import ``scipy.stats``.
 """
 
 from __future__ import annotations
@@ -20,24 +15,13 @@ import numbers
 
 import numpy as np
 
-__all__ = [
-    "max_share_cdf",
-    "max_share_median",
-    "max_share_quantile",
-    "share_cdf",
-    "share_median",
-    "share_pdf",
-    "share_quantile",
-    "share_rms",
-]
+__all__ = ["max_share_cdf", "max_share_median", "max_share_quantile", "share_cdf", "share_median",
+           "share_pdf", "share_quantile", "share_rms"]
 
 
 def _as_int(value, name: str, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer ({what}), got {value!r}")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real) and float(value).is_integer():
+    if not isinstance(value, bool) and (isinstance(value, numbers.Integral) or (
+            isinstance(value, numbers.Real) and float(value).is_integer())):
         return int(value)
     raise ValueError(f"{name} must be an integer ({what}), got {value!r}")
 
@@ -48,9 +32,7 @@ def _check_dk(d, k) -> tuple[int, int]:
     if k < 1:
         raise ValueError(f"k must be >= 1 (2 for LayerNorm, 1 for RMSNorm), got k={k}")
     if d <= k:
-        raise ValueError(
-            f"d must be > k (row width larger than the dead subspace), got d={d}, k={k}"
-        )
+        raise ValueError(f"d must be > k (row width larger than the dead subspace), got d={d}, k={k}")
     return d, k
 
 
@@ -76,7 +58,6 @@ def _log_cdf(s: np.ndarray, d: int, k: int) -> np.ndarray:
     """log P(share <= s), accurate both in the lower tail and near 1."""
     a, b = k / 2.0, (d - k) / 2.0
     from scipy import stats
-
     s2 = np.clip(s, 0.0, 1.0) ** 2
     sf = stats.beta.sf(s2, a, b)
     with np.errstate(divide="ignore"):
@@ -86,13 +67,9 @@ def _log_cdf(s: np.ndarray, d: int, k: int) -> np.ndarray:
 
 
 def share_cdf(s, d: int, k: int = 2):
-    """P(share <= s) for a uniformly random direction in R^d and a fixed k-dim subspace.
-
-    ``share^2 ~ Beta(k/2, (d-k)/2)``.  ``s`` is a float or array (0 below 0, 1 above 1).
-    """
+    """P(share <= s) for a uniformly random direction in R^d and a fixed k-dim subspace."""
     d, k = _check_dk(d, k)
     from scipy import stats
-
     sa = np.asarray(s, dtype=float)
     res = stats.beta.cdf(np.clip(sa, 0.0, 1.0) ** 2, k / 2.0, (d - k) / 2.0)
     res = np.where(sa < 0.0, 0.0, res)
@@ -100,33 +77,24 @@ def share_cdf(s, d: int, k: int = 2):
 
 
 def share_pdf(s, d: int, k: int = 2):
-    """Density of the share itself (not share^2): ``2 s * beta.pdf(s^2, k/2, (d-k)/2)``.
-
-    Evaluated in log space so k = 1 is finite at s = 0; 0 outside [0, 1].
-    """
+    """Density of the share itself (not share^2): ``2 s * beta.pdf(s^2, k/2, (d-k)/2)``, 0 outside [0, 1]
+    (evaluated in log space so k = 1 is finite at s = 0)."""
     from scipy import special
-
     d, k = _check_dk(d, k)
     a, b = k / 2.0, (d - k) / 2.0
     sa = np.asarray(s, dtype=float)
     inside = (sa >= 0.0) & (sa <= 1.0)
     sc = np.where(inside, sa, 0.5)
     with np.errstate(divide="ignore", invalid="ignore"):
-        logp = (
-            math.log(2.0)
-            + special.xlogy(2.0 * a - 1.0, sc)
-            + special.xlog1py(b - 1.0, -sc * sc)
-            - special.betaln(a, b)
-        )
+        logp = (math.log(2.0) + special.xlogy(2.0 * a - 1.0, sc) + special.xlog1py(b - 1.0, -sc * sc)
+                - special.betaln(a, b))
         res = np.where(inside, np.exp(logp), 0.0)
     return _out(res, s)
 
 
 def share_quantile(q, d: int, k: int = 2):
-    """Quantile of the random share: ``sqrt(beta.ppf(q, k/2, (d-k)/2))``, 0 < q < 1 (as
-    ``special.betaincinv``, which ``beta.ppf`` calls)."""
+    """Quantile of the random share: ``sqrt(beta.ppf(q, k/2, (d-k)/2))``, 0 < q < 1."""
     from scipy import special
-
     d, k = _check_dk(d, k)
     qa = _check_q(q)
     return _out(np.sqrt(special.betaincinv(k / 2.0, (d - k) / 2.0, qa)), q)
@@ -154,15 +122,12 @@ def max_share_cdf(s, d: int, k: int, n: int):
 
 
 def max_share_quantile(q, d: int, k: int, n: int):
-    """Quantile of the max of n random shares: ``sqrt(beta.isf(-expm1(log(q)/n)))``.
-
-    Uses the upper tail (isf) so large n (e.g. 2e5) keeps full precision.
-    """
+    """Quantile of the max of n random shares: ``sqrt(beta.isf(-expm1(log(q)/n)))`` (the upper tail keeps
+    full precision at large n)."""
     d, k = _check_dk(d, k)
     n = _check_n(n)
     qa = _check_q(q)
     from scipy import special
-
     tail = -np.expm1(np.log(qa) / n)
     return _out(np.sqrt(special.betainccinv(k / 2.0, (d - k) / 2.0, tail)), q)
 

@@ -1,12 +1,6 @@
-"""What goes around a norm: the gradient at the stream it reads against the part through it.
-
-On the role-finding step (``NormTap.attach(bypass=True)``) the taps compare, for each norm,
-the whole gradient at its input with the part that came through the norm, ``J^T dL/dy``
-(:func:`gradient_through`): what goes around it, ``|dL/dx - J^T dL/dy|^2`` against
-``|dL/dx|^2``, says whether the norm reads the residual stream, whose input flows on past it,
-or a branch (:mod:`lnmonitor.core.norms.roles` decides from it).  :func:`on_stream_gradient` finds
-the tensor whose gradient is the whole one when the norm reads a cast or a ``DTensor`` of
-the stream.
+"""What goes around a norm: on the role-finding step the taps compare the whole gradient at a norm's input
+with the part through it, ``J^T dL/dy``; what goes around says whether the norm reads the residual stream or
+a branch (:mod:`lnmonitor.core.norms.roles`).
 """
 
 from __future__ import annotations
@@ -20,17 +14,12 @@ __all__ = ["gradient_through", "on_stream_gradient"]
 
 
 def on_stream_gradient(x: Tensor, fn) -> None:
-    """``fn(total)`` with the whole gradient at the stream a norm reads: ``x`` itself, or, when
-    ``x`` is a dtype cast of it (``h.to(weight.dtype)``: Mamba's ``residual_in_fp32`` keeps the
-    float32 stream for the residual and casts a copy for the norm, which nothing else reads)
-    or a ``DTensor`` made of it (``SequenceParallel``'s input hook: ``DTensor.from_local`` of
-    the local rows), the tensor it was made from, whose gradient sums the norm's and the
-    residual's."""
-    node = x.grad_fn
-    if node is None or type(node).__name__ not in dtensors.STREAM_NODES or not node.next_functions:
-        x.register_hook(fn)
-        return
-    source, output = node.next_functions[0]
+    """``fn(total)`` with the whole gradient at the stream a norm reads: ``x``'s, or, when ``x`` is a dtype
+    cast of the stream (Mamba's ``residual_in_fp32``) or a ``DTensor`` made of it (``SequenceParallel``),
+    the gradient of the tensor it was made from, which sums the norm's and the residual's."""
+    node, source = x.grad_fn, None
+    if node is not None and type(node).__name__ in dtensors.STREAM_NODES and node.next_functions:
+        source, output = node.next_functions[0]
     if source is None:
         x.register_hook(fn)
     elif hasattr(source, "variable"):  # a leaf: its AccumulateGrad node

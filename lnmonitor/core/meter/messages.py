@@ -1,10 +1,5 @@
-"""What the meter says, in words: a view of its results, kept apart from the measuring.
-
-:class:`~lnmonitor.core.meter.meter.LadderMeter` decides (roles, stacks, which norms had no row)
-and these functions say it: each takes what was decided and returns the sentence, so the
-meter reads as start, stop, result.  Every message starts with ``name``, the name of the
-monitor the user made (``LayerNormMonitor``, ``LNMonitorCallback``, ...).
-"""
+"""What the meter says, in words: each function takes what the meter decided and returns the sentence,
+starting with ``name``, the monitor the user made (``LayerNormMonitor``, ``LNMonitorCallback``, ...)."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ from lnmonitor.core.output.metric_names import ladder_metric
 
 __all__ = [
     "Roles", "compiled_message", "decoder_padding_message", "forward_only_message", "layout_message",
-    "narrow_message",
-    "no_backward_message", "off_reason", "padding_message", "reused_message",
+    "narrow_message", "no_backward_message", "off_reason", "padding_message", "reused_message",
     "roles_message", "row_mask_message", "short_ladder_message", "some", "span", "unmasked_message",
     "unmeasured_message", "vanished_grad_message", "zero_grad_message",
 ]
@@ -24,12 +18,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Roles:
-    """The meter's role decision for one model, in forward order.
-
-    ``ladders``: each stack's rungs (``{stack: [name, ...]}``, stacks in forward order);
-    ``finals``: each stack's final norm; ``main``: the stack of the model's ladder (the one
-    before the logits); ``others``: ``[(name, role), ...]`` of the norms that are not rungs;
-    ``post``: each stack's post-sublayer norms."""
+    """The meter's role decision for one model, in forward order: ``ladders`` each stack's rungs
+    (``{stack: [name, ...]}``), ``finals`` each stack's final norm, ``main`` the stack of the model's ladder
+    (before the logits), ``others`` ``[(name, role), ...]`` of the norms that are not rungs, ``post`` each
+    stack's post-sublayer norms."""
 
     ladders: Mapping[str, list[str]]
     finals: Mapping[str, str]
@@ -44,8 +36,8 @@ def some(names: Sequence[str], limit: int = 4) -> str:
 
 
 def span(rungs: Sequence[str], final: str | None) -> str:
-    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``;
-    a final norm alone (post-LN: BERT's MLM head) reads no stream that flows on past it."""
+    """``"<n> rungs, the norms that read the residual stream (<first> ... <last>), final norm <name>"``, or
+    a final norm alone (post-LN: BERT's MLM head)."""
     if len(rungs) == 1 and rungs[0] == final:
         return f"1 rung, its final norm {final!r} alone (no other norm's input flows on past it)"
     ends = f"{rungs[0]} ... {rungs[-1]}" if rungs else "- ... -"
@@ -67,8 +59,7 @@ def roles_message(name: str, roles: Roles, ladder_named: bool) -> str:
     if roles.others:
         groups = sorted({role for _, role in roles.others})
         said += (f"; {len(roles.others)} norms of other roles ({', '.join(groups)}: "
-                 f"{some([norm for norm, _ in roles.others], 3)}) "
-                 "are measured but are not rungs")
+                 f"{some([norm for norm, _ in roles.others], 3)}) are measured but are not rungs")
     return said + (" (as ladder=... says)." if ladder_named else "; ladder=[...] names the rungs instead.")
 
 
@@ -84,29 +75,26 @@ def short_ladder_message(name: str, roles: Roles) -> str | None:
            "only these norms read the residual stream")
     which = (f"the ladder has {count} rung(s)" if len(roles.ladders) == 1 else ", ".join(
         f"the ladder of {stack!r} has {len(names)} rung(s)" for stack, names in short.items()))
-    return (f"{name}: {which}, so no attenuation or growth is "
-            f"logged: {why}. Name the rungs with ladder=[...] if they are others.")
+    return (f"{name}: {which}, so no attenuation or growth is logged: {why}. Name the rungs with "
+            "ladder=[...] if they are others.")
 
 
 def reused_message(name: str, names: Sequence[str]) -> str:
-    return (f"{name}: the forward calls {some(names)} "
-            "more often than the other norms (a block looped or shared, as in ALBERT): each one's "
-            "statistics pool its calls, and it is kept out of the ladder, whose rungs are one "
-            "depth each. Said once.")
+    return (f"{name}: the forward calls {some(names)} more often than the other norms (a block looped or "
+            "shared, as in ALBERT): each one's statistics pool its calls, and it is kept out of the ladder, "
+            "whose rungs are one depth each. Said once.")
 
 
 def unmeasured_message(name: str, label: str, missing: Sequence[str], selected: int) -> str:
-    """Selected norms had no row in a measured step (never zero data without a word): a norm
-    the forward does not call, or a model run by code the hooks cannot see."""
+    """Selected norms had no row in a measured step: the forward does not call them or hooks cannot see it."""
     if len(missing) == selected:
         what = f"none of the {len(missing)} selected norms ran with gradient"
     else:
         what = f"{len(missing)} of the {selected} selected norms did not run with gradient"
-    return (f"{name}: {what} during {label} ({some(missing, 8)}), so nothing is logged for them. "
-            "Either the "
-            "forward does not call these modules (leave them out with exclude=[...]) or it runs "
-            "code the module hooks cannot see (torch.compile without torch.compiler.set_stance, "
-            "TorchScript). Said once.")
+    return (f"{name}: {what} during {label} ({some(missing, 8)}), so nothing is logged for them. Either "
+            "the forward does not call these modules (leave them out with exclude=[...]) or it runs code the "
+            "module hooks cannot see (torch.compile without torch.compiler.set_stance, TorchScript). "
+            "Said once.")
 
 
 def no_backward_message(name: str, label: str) -> str:
@@ -115,21 +103,17 @@ def no_backward_message(name: str, label: str) -> str:
 
 
 def padding_message(name: str, source: str | None) -> str:
-    return (f"{name}: {source} marks padding; its rows are left out of every "
-            "statistic (sigma, rms, eps/var, the shares), and skipped_rows does not count them. "
-            "Said once.")
+    return (f"{name}: {source} marks padding; its rows are left out of every statistic (sigma, rms, eps/var, "
+            "the shares), and skipped_rows does not count them. Said once.")
 
 
 def unmasked_message(name: str, source: str | None, names: Sequence[str]) -> str:
-    return (f"{name}: {source} does not line up with the rows of "
-            f"{some(names)}: their statistics count "
-            "every row, padding included. Pass row_mask= for them, or leave them out with exclude=. "
-            "Said once.")
+    return (f"{name}: {source} does not line up with the rows of {some(names)}: their statistics count every "
+            "row, padding included. Pass row_mask= for them, or leave them out with exclude=. Said once.")
 
 
 def zero_grad_message(name: str, zero: Sequence[tuple[str, int]]) -> str:
-    """Rows without gradient because their position has no target: ``[(norm, rows), ...]``, the
-    first named."""
+    """Rows without gradient because their position has no target: ``[(norm, rows), ...]``, first named."""
     (norm, count), more = zero[0], " (and of other norms)" if len(zero) > 1 else ""
     return (f"{name}: {count} rows of {norm}{more} carry no gradient because their position has no "
             "target (the final norm has none there either: a label of -100, e.g. a masked prompt or "
@@ -139,8 +123,8 @@ def zero_grad_message(name: str, zero: Sequence[tuple[str, int]]) -> str:
 
 
 def vanished_grad_message(name: str, vanished: Sequence[tuple[str, int, int]]) -> str:
-    """Rows whose position had a target and whose gradient vanished: ``[(norm, rows, of rows),
-    ...]``, the largest share named."""
+    """Rows whose position had a target and whose gradient vanished: ``[(norm, rows, of rows), ...]``, the
+    largest share named."""
     norm, count, rows = max(vanished, key=lambda v: v[1] / max(v[2], 1))
     more = f" (and rows of {len(vanished) - 1} other norms)" if len(vanished) > 1 else ""
     return (f"{name}: {count} of {rows} rows of {norm}{more} carry no gradient where the final norm's "
@@ -150,24 +134,22 @@ def vanished_grad_message(name: str, vanished: Sequence[tuple[str, int, int]]) -
 
 
 def forward_only_message(name: str, names: Sequence[str]) -> str:
-    return (f"{name}: no gradient reaches {some(names)} "
-            "(frozen inputs and gain, e.g. frozen embeddings or LoRA): their sigma, rms, eps/var and "
-            "transmission come from the forward, and they have no share. Said once.")
+    return (f"{name}: no gradient reaches {some(names)} (frozen inputs and gain, e.g. frozen embeddings or "
+            "LoRA): their sigma, rms, eps/var and transmission come from the forward, and they have no "
+            "share. Said once.")
 
 
 def off_reason(err: BaseException) -> str:
     """Why the meter turned itself off: a norm's hook raised ``err``."""
-    return (f"measuring a step failed inside a norm's hook ({type(err).__name__}: "
-            f"{err}); training goes on. If a norm computes something lnmonitor "
-            "misreads, leave it out with exclude=[...].")
+    return (f"measuring a step failed inside a norm's hook ({type(err).__name__}: {err}); training goes on. "
+            "If a norm computes something lnmonitor misreads, leave it out with exclude=[...].")
 
 
 def narrow_message(name: str, norm: str, width: int, dead_dim: int, kind: str) -> str:
     """The refusal of a norm no wider than its dead subspace."""
-    return (f"{name}: norm {norm!r} has width {width}, not more than its "
-            f"dead-subspace dimension {dead_dim} ({kind} norm): the dead subspace "
-            f"is the whole space and the share is trivially 1. Leave it out with "
-            f"exclude=[{norm!r}].")
+    return (f"{name}: norm {norm!r} has width {width}, not more than its dead-subspace dimension {dead_dim} "
+            f"({kind} norm): the dead subspace is the whole space and the share is trivially 1. Leave it out "
+            f"with exclude=[{norm!r}].")
 
 
 def layout_message(name: str, refused: Mapping[str, str]) -> str:
@@ -180,17 +162,17 @@ def layout_message(name: str, refused: Mapping[str, str]) -> str:
 
 def compiled_message(name: str) -> str:
     return (f"{name}: the model is compiled (torch.compile); its measured steps run eagerly "
-            "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, "
-            "and the other steps run the compiled code, which runs no hook added after it compiled: "
-            "there the findings read the ladder's growth on the measured steps only, not every step.")
+            "(torch.compiler.set_stance('force_eager')) so that the norm hooks see every call, and the "
+            "other steps run the compiled code, which runs no hook added after it compiled: there the "
+            "findings read the ladder's growth on the measured steps only, not every step.")
 
 
 def decoder_padding_message(name: str) -> str:
-    return (f"{name}: the batch marks the encoder's padding (attention_mask) but not the "
-            "decoder's (no decoder_attention_mask): the decoder's norms count every row, padding "
-            "included. Pass decoder_attention_mask, or row_mask=. Said once.")
+    return (f"{name}: the batch marks the encoder's padding (attention_mask) but not the decoder's (no "
+            "decoder_attention_mask): the decoder's norms count every row, padding included. Pass "
+            "decoder_attention_mask, or row_mask=. Said once.")
 
 
 def row_mask_message(name: str, err: BaseException) -> str:
-    return (f"{name}: the row mask failed ({type(err).__name__}: {err}); every "
-            "row is measured from now on (training goes on).")
+    return (f"{name}: the row mask failed ({type(err).__name__}: {err}); every row is measured from now on "
+            "(training goes on).")

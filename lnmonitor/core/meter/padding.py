@@ -1,16 +1,8 @@
-"""Which rows of a batch are padding, so that no statistic counts them.
+"""Which rows of a batch are padding, so that no forward statistic (sigma, rms, eps/var) counts them.
 
-A padded batch's pad positions carry no gradient (the shares skip them anyway) but they do
-run through every norm, and their forward statistics (sigma, rms, eps/var) would bias the
-real tokens' -- by half at 50% padding when the pad embedding is zero.  :func:`padding_mask`
-finds the mask where the ecosystem puts it: a mapping batch's ``attention_mask`` (1 for a
-real token, 0 for padding; a 2-D integer or bool tensor).  An encoder-decoder's decoder
-reads other tokens: its mask is ``decoder_attention_mask``, and ``attention_mask`` (the
-encoder's) says nothing of them.
-
-``labels == -100`` is not taken for padding: ``-100`` marks a position without a target
-(the prompt of an instruction-tuning example, a sequence's first token), which is a real
-token the model reads; a batch whose padding only its labels mark needs ``row_mask``.
+The mask is a mapping batch's ``attention_mask`` (an encoder-decoder's decoder: ``decoder_attention_mask``).
+``labels == -100`` is not padding (a real token without a target); padding only the labels mark needs
+``row_mask``.
 """
 
 from __future__ import annotations
@@ -26,26 +18,21 @@ __all__ = ["RowMasks", "padding_mask"]
 
 
 def padding_mask(batch, key: str = "attention_mask") -> tuple[Tensor, str] | None:
-    """``(keep, source)``: a bool tensor, True on the real tokens, and where it came from;
-    None when the batch says nothing about padding (not a mapping, or no 2-D integer
-    ``batch[key]``; ``key="decoder_attention_mask"`` for a decoder's tokens)."""
-    if not isinstance(batch, Mapping):
-        return None
-    mask = batch.get(key)
+    """``(keep, source)``: a bool tensor, True on the real tokens, and where it came from; None when the
+    batch is not a mapping or has no 2-D integer ``batch[key]``."""
+    mask = batch.get(key) if isinstance(batch, Mapping) else None
     if isinstance(mask, Tensor) and mask.ndim == 2 and not mask.is_floating_point():
         return mask != 0, f"the batch's {key}"
     return None
 
 
 class RowMasks:
-    """The rows a meter measures in a (micro-)batch: ``mask(batch)`` is one bool mask for every
-    norm, or (an encoder-decoder, its padding taken from the batch) ``{norm index: mask}``, the
-    decoder's norms reading the decoder's tokens; or None (every row counts).
+    """The rows a meter measures in a (micro-)batch: ``mask(batch)`` is one bool mask for every norm, or (an
+    encoder-decoder, its padding taken from the batch) ``{norm index: mask}``, or None (every row counts).
 
-    ``row_mask``: the user's ``row_mask(batch)``, False (every row counts) or None
-    (:func:`padding_mask`); ``decoder``: the indices of the decoder's norms; ``device()``: where
-    the masks go.  A ``row_mask`` that raises is said once through ``warn`` and turned off
-    (training goes on); :attr:`source` says where the last mask came from."""
+    ``row_mask``: the user's ``row_mask(batch)``, False (every row counts) or None (:func:`padding_mask`);
+    ``decoder``: the indices of the decoder's norms; ``device()``: where the masks go.  A ``row_mask`` that
+    raises is said once through ``warn`` and turned off; :attr:`source` says where the last mask came from."""
 
     def __init__(self, row_mask: Callable | bool | None, decoder: set[int], n_norms: int,
                  device: Callable[[], torch.device], name: str, warn: Callable[[str, str], None]) -> None:

@@ -1,12 +1,6 @@
-"""Files the experiments write: atomically, and as strict JSON.
-
-Every file is written to a temporary name in the same folder and moved into place with
-``os.replace``, so a reader (or a process killed mid-write) sees the old file or the new
-one, never half of one.  The file gets the mode the umask gives (0644 under umask 022),
-as one written with ``open`` would, so colleagues on a shared machine can read a run's
-report.  JSON is strict: non-finite floats become ``null``.
-
-This module imports only the standard library, like everything ``lnmonitor report`` needs.
+"""Files the experiments write: atomically (a temporary file moved into place with ``os.replace``, so a
+reader sees the old file or the new one, never half), with the mode the umask gives, and as strict JSON
+(non-finite floats become ``null``).  Standard library only, like everything ``lnmonitor report`` needs.
 """
 
 from __future__ import annotations
@@ -36,10 +30,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -53,8 +44,8 @@ def to_json(obj) -> str:
 
 
 def finite(obj):
-    """``obj`` ready for strict JSON: non-finite floats become None, numpy scalars python
-    numbers, tuples lists, keys strings."""
+    """``obj`` ready for strict JSON: non-finite floats become None, numpy scalars python numbers, tuples
+    lists, keys strings."""
     if hasattr(obj, "dtype") and hasattr(obj, "item"):  # a numpy scalar
         obj = obj.item()
     if isinstance(obj, float):
@@ -76,10 +67,8 @@ def read_json(path: Path, what: str) -> dict:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(
-            f"{what} {str(path)!r} is unreadable or corrupt ({type(err).__name__}: {err}); "
-            "move it away or choose another --out"
-        ) from None
+        raise UsageError(f"{what} {str(path)!r} is unreadable or corrupt ({type(err).__name__}: {err}); "
+                         "move it away or choose another --out") from None
     if not isinstance(obj, dict):
         raise UsageError(f"{what} {str(path)!r} is corrupt (not a JSON object); move it away")
     return obj

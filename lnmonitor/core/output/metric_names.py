@@ -1,17 +1,11 @@
-"""The names lnmonitor logs under (part of the public interface, see docs/design.md).
+"""The names lnmonitor logs under (public interface, docs/design.md), built and read back (:func:`parse`).
 
-Per norm: ``lnmonitor/<statistic>/<norm>`` with ``<norm>`` the module's qualified name in
-the model the monitor was given; the ladder's ``lnmonitor/ladder/<statistic>``, and another
-stack's ladder (an encoder-decoder's encoder) ``lnmonitor/ladder/<stack>/<statistic>``;
-the invariance monitor under ``lnmonitor/invariance/``,
-the structure probe under ``lnmonitor/probe/``, the findings under ``lnmonitor/health/``.
-This module builds every one of them and reads them back (:func:`parse`, also under an
-integration's prefix such as the ``train/`` TensorBoard puts before a transformers
-Trainer's tags: :func:`unsplit`); it also holds the invariance cases and the
-TensorBoard custom-scalars layouts, which are regexes over these names, so every run's
-layout is the same.  :data:`FAMILIES` says what each name means, with its units: docs/metrics.md
-is generated from it (``python -m lnmonitor.views.metric_table``) and a test checks that every
-name a fit logs belongs to one family.
+Per norm ``lnmonitor/<statistic>/<norm>`` (``<norm>`` the module's qualified name in the model); the ladder's
+``lnmonitor/ladder/<statistic>`` (another stack's, an encoder-decoder's encoder:
+``lnmonitor/ladder/<stack>/<statistic>``); the invariance monitor's ``lnmonitor/invariance/...``, the
+structure probe's ``lnmonitor/probe/...``, the findings' ``lnmonitor/health/...``.  Also the invariance
+cases and the TensorBoard custom-scalars layouts (regexes over the names).  :data:`FAMILIES` says what each
+name means, in which units: docs/metrics.md is generated from it (``python -m lnmonitor.views.metric_table``).
 """
 
 from __future__ import annotations
@@ -22,9 +16,9 @@ from typing import NamedTuple
 __all__ = [
     "CATEGORY_ORDER", "FAMILIES", "FINAL", "HEADLINE_METRICS", "INVARIANCE", "INVARIANCE_CASES",
     "INVARIANCE_LAYOUT", "LADDER_LAYOUT", "PREFIX", "PROBE", "TRAINER_SPLIT", "TRAIN_LOSS", "VAL_LOSS",
-    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric",
-    "health_metric", "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric",
-    "run_metric", "unsplit",
+    "Family", "Metric", "baseline_metric", "custom_scalars", "family_of", "final_metric", "health_metric",
+    "hist_metric", "invariance_metric", "ladder_metric", "parse", "per_norm", "probe_metric", "run_metric",
+    "unsplit",
 ]
 
 PREFIX = "lnmonitor"
@@ -40,13 +34,10 @@ FINAL = "final"
 
 # the final-norm invariance cases, logged as lnmonitor/invariance/<case>/...
 INVARIANCE_CASES = ("shift_5", "shift_1000", "scale_3", "scale_3_shift_5", "axis_5")
-# the case no norm is invariant to (a shift of one coordinate): its residuals are the scale the others' zeros
-# are read against
+# the case no norm is invariant to (a shift of one coordinate): the scale the others' zeros are read against
 INVARIANCE_CONTROLS = ("axis_5",)
 
-
-# TensorBoard's HPARAMS table shows the first five metric columns of the session: these
-# first (a name ending in "/" stands for every norm's)
+# TensorBoard's HPARAMS table shows the first five metric columns: these (a name ending in "/": every norm's)
 HEADLINE_METRICS = (
     f"{PREFIX}/ladder/attenuation", f"{INVARIANCE}/scale_3/log10_abs_dloss", f"{PREFIX}/log10_eps_over_var/",
     f"{INVARIANCE}/scale_slope", f"{PREFIX}/share_median/",
@@ -54,8 +45,7 @@ HEADLINE_METRICS = (
 
 
 def run_metric(name: str) -> str:
-    """``lnmonitor/<name>``: a run's setting (``eps``, ``norm_kind``, ``final_norm``, ...) or
-    picture (``ladder``, ``ladder_over_training``)."""
+    """``lnmonitor/<name>``: a run's setting (``eps``, ``norm_kind``, ...) or picture (``ladder``, ...)."""
     return f"{PREFIX}/{name}"
 
 
@@ -65,9 +55,8 @@ def per_norm(statistic: str, norm: str) -> str:
 
 
 def ladder_metric(statistic: str, stack: str = "") -> str:
-    """``lnmonitor/ladder/<statistic>`` for the model's ladder (the stack of the norm before the
-    logits), ``lnmonitor/ladder/<stack>/<statistic>`` for another stack's, ``<stack>`` the
-    qualified name of the module holding it: ``lnmonitor/ladder/model.encoder/attenuation``."""
+    """``lnmonitor/ladder/<statistic>`` for the model's ladder (the stack of the norm before the logits),
+    ``lnmonitor/ladder/<stack>/<statistic>`` for another's: ``lnmonitor/ladder/model.encoder/attenuation``."""
     return f"{PREFIX}/ladder/{stack}/{statistic}" if stack else f"{PREFIX}/ladder/{statistic}"
 
 
@@ -78,8 +67,8 @@ def baseline_metric(statistic: str, norm: str = "") -> str:
 
 
 def invariance_metric(statistic: str, case: str = "") -> str:
-    """``lnmonitor/invariance/<case>/<statistic>`` (``dloss``, ``max_dlogit``, ...) of one case,
-    ``lnmonitor/invariance/<statistic>`` of the sweep (``scale_slope``, ``scale_constant``, ...)."""
+    """``lnmonitor/invariance/<case>/<statistic>`` of one case, ``lnmonitor/invariance/<statistic>`` of the
+    scale sweep."""
     return f"{INVARIANCE}/{case}/{statistic}" if case else f"{INVARIANCE}/{statistic}"
 
 
@@ -89,14 +78,12 @@ def probe_metric(statistic: str, name: str) -> str:
 
 
 def health_metric(kind: str) -> str:
-    """``lnmonitor/health/<kind>``: 1 while the finding ``kind`` holds, 0 after it ended
-    (docs/findings.md), e.g. ``lnmonitor/health/stream_growth``."""
+    """``lnmonitor/health/<kind>``: 1 while the finding ``kind`` holds, 0 after it ended."""
     return f"{PREFIX}/health/{kind}"
 
 
 def final_metric(key: str) -> str:
-    """``final/<key>``: an eps-comparison run's headline figure, logged once at its last step
-    (``final/attenuation``, ``final/val_loss``, ...)."""
+    """``final/<key>``: an eps-comparison run's headline figure, logged once at its last step."""
     return f"{FINAL}/{key}"
 
 
@@ -106,10 +93,10 @@ def hist_metric(statistic: str, norm: str) -> str:
 
 
 class Metric(NamedTuple):
-    """A logged name read back: ``group`` says which builder made it (``norm``, ``ladder``,
-    ``baseline``, ``invariance``, ``probe``, ``health``, ``hist``, ``run``, ``final``), ``statistic`` what
-    it measures, and ``name`` of what: the norm, the stack (``""``: the model's ladder), the
-    invariance case (``""``: the sweep), the probe's block or norm (``""``: none)."""
+    """A logged name read back: ``group`` the builder that made it (``norm``, ``ladder``, ``baseline``,
+    ``invariance``, ``probe``, ``health``, ``hist``, ``run``, ``final``), ``statistic`` what it measures,
+    ``name`` of what: the norm, the stack or invariance case (``""``: the model's ladder, the sweep), the
+    probe's block or norm."""
 
     group: str
     statistic: str
@@ -126,21 +113,19 @@ _BUILD = {
     "probe": probe_metric, "health": lambda kind, _: health_metric(kind), "hist": hist_metric,
     "run": lambda name, _: run_metric(name), "final": lambda key, _: final_metric(key),
 }
-_GROUPS = {"share_baseline": "baseline", "invariance": "invariance", "probe": "probe", "health": "health",
-           "hist": "hist"}
+_GROUPS = {"share_baseline": "baseline", "probe": "probe", "health": "health", "hist": "hist"}
 
 
 def unsplit(tag: str) -> str:
-    """``tag`` without the split a transformers.Trainer integration puts before lnmonitor's
-    names (``train/lnmonitor/sigma/x`` -> ``lnmonitor/sigma/x``); any other tag as it is."""
+    """``tag`` without the split a transformers.Trainer integration puts before lnmonitor's names
+    (``train/lnmonitor/sigma/x`` -> ``lnmonitor/sigma/x``); any other tag as it is."""
     split, _, name = tag.partition("/")
     return name if split == TRAINER_SPLIT and name.startswith(f"{PREFIX}/") else tag
 
 
 def parse(tag: str) -> Metric | None:
-    """The :class:`Metric` a logged name stands for (also under a transformers.Trainer's
-    split, see :func:`unsplit`; an experiment's ``final/<key>`` too), or None when it is not
-    lnmonitor's."""
+    """The :class:`Metric` a logged name stands for (also under a Trainer's split; ``final/<key>`` too), or
+    None when it is not lnmonitor's."""
     name = unsplit(tag)
     if name.startswith(f"{FINAL}/"):
         return Metric("final", name[len(FINAL) + 1:])
@@ -150,10 +135,8 @@ def parse(tag: str) -> Metric | None:
     head, rest = parts[0], parts[1:]
     if not rest:
         return Metric("run", head)
-    if head == "ladder":
-        return Metric("ladder", rest[-1], "/".join(rest[:-1]))
-    if head == "invariance":
-        return Metric("invariance", rest[-1], "/".join(rest[:-1]))
+    if head in ("ladder", "invariance"):
+        return Metric(head, rest[-1], "/".join(rest[:-1]))
     if head in _GROUPS:
         return Metric(_GROUPS[head], rest[0], "/".join(rest[1:]))
     return Metric("norm", head, "/".join(rest))
@@ -195,8 +178,8 @@ CATEGORY_ORDER = (*LADDER_LAYOUT, *INVARIANCE_LAYOUT)
 
 
 def custom_scalars(probed: bool, prefix: str = "") -> dict[str, dict]:
-    """The Custom Scalars layout of a run (the invariance charts too when ``probed``), each tag's
-    regex after ``prefix`` (the ``train/`` a Trainer's TensorBoard puts before every tag)."""
+    """The Custom Scalars layout of a run (the invariance charts too when ``probed``), each regex after
+    ``prefix`` (the ``train/`` a Trainer's TensorBoard puts before every tag)."""
     categories = {**LADDER_LAYOUT, **(INVARIANCE_LAYOUT if probed else {})}
     return {name: {chart: [kind, [prefix + regex for regex in regexes]]
                    for chart, (kind, regexes) in categories[name].items()}
@@ -204,9 +187,9 @@ def custom_scalars(probed: bool, prefix: str = "") -> dict[str, dict]:
 
 
 class Family(NamedTuple):
-    """Logged names of one meaning: ``names`` with placeholders (``<norm>``: a norm's qualified
-    name, ``<case>``: an invariance case, ``<stack>``: the module holding another stack, ``<kind>``:
-    a finding, ``<block>``: a residual block), what they mean, in which units."""
+    """Logged names of one meaning: ``names`` with placeholders (``<norm>``: a norm's qualified name,
+    ``<case>``: an invariance case, ``<stack>``: the module holding another stack, ``<kind>``: a finding,
+    ``<block>``: a residual block), what they mean, in which units."""
 
     names: tuple[str, ...]
     meaning: str

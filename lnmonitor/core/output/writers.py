@@ -1,10 +1,4 @@
-"""Where a monitor's numbers go when no framework logs them (a plain loop).
-
-:func:`metric_writer` turns what the user passes -- a ``torch.utils.tensorboard``
-``SummaryWriter``, a callable ``write(metrics, step)``, or None -- into one function
-``write(metrics, step)``.  A ``SummaryWriter`` gets a step's scalars as one event and,
-before the first, the custom-scalars layouts of :mod:`lnmonitor.core.output.metric_names`.
-"""
+"""Where a monitor's numbers go when no framework logs them (a plain loop): :func:`metric_writer`."""
 
 from __future__ import annotations
 
@@ -16,9 +10,8 @@ MetricWriter = Callable[[dict[str, float], int], None]
 
 
 def write_scalars(writer, metrics: dict[str, float], step: int, prefix: str = "") -> bool:
-    """Write all ``metrics`` to a TensorBoard ``SummaryWriter`` as one event (``add_scalar``
-    writes one event per scalar, ~30 us each); False when ``writer`` is not torch's or
-    tensorboardX's, whose file writer this uses."""
+    """Write all ``metrics`` to a TensorBoard ``SummaryWriter`` as one event (``add_scalar`` writes one per
+    scalar, ~30 us each); False when ``writer`` is not torch's or tensorboardX's."""
     try:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -31,8 +24,8 @@ def write_scalars(writer, metrics: dict[str, float], step: int, prefix: str = ""
 
 
 def metric_writer(target, layout: dict[str, dict] | None = None) -> MetricWriter | None:
-    """``write(metrics, step)`` for ``target``: a ``SummaryWriter`` (anything with
-    ``add_scalar``; ``layout`` is written to it before the first step), a callable taking
+    """``write(metrics, step)`` for ``target``: a ``SummaryWriter`` (anything with ``add_scalar``; ``layout``,
+    the custom-scalars layout, is written to it before the first step), a callable taking
     ``(metrics, step)``, or None (nothing written).  Raises TypeError for anything else."""
     if target is None:
         return None
@@ -50,7 +43,5 @@ def metric_writer(target, layout: dict[str, dict] | None = None) -> MetricWriter
         return to_tensorboard
     if callable(target):
         return target
-    raise TypeError(
-        f"writer must be a SummaryWriter, a callable write(metrics: dict, step: int) or None, "
-        f"got {type(target).__name__}"
-    )
+    raise TypeError(f"writer must be a SummaryWriter, a callable write(metrics: dict, step: int) or None, "
+                    f"got {type(target).__name__}")
