@@ -1,9 +1,6 @@
-"""The loss contract of the invariance probe: what a forward returns and how a batch is passed.
-
-``loss_fn(module, batch)`` returns the loss or ``(logits, loss)`` (:data:`LossFn`);
-:func:`default_loss` calls the module with the batch, and :func:`split_output` reads the
-loss and the logits from what a forward returned.
-"""
+"""The loss contract of the invariance probe: ``loss_fn(module, batch)`` (:data:`LossFn`) returns the loss or
+``(logits, loss)``; :func:`default_loss` calls the module with the batch; :func:`split_output` reads a
+forward's output."""
 
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ LossFn = Callable[[nn.Module, object], object]
 
 
 def split_output(out) -> tuple[Tensor, Tensor | None]:
-    """``(loss, logits)`` from a forward output: a scalar loss, ``(logits, loss)``, or a
-    mapping with ``"loss"`` (and optionally ``"logits"``)."""
+    """``(loss, logits)`` from a forward output: a scalar loss, ``(logits, loss)``, or a mapping with
+    ``"loss"`` (and optionally ``"logits"``)."""
     if isinstance(out, Tensor):
         if out.numel() != 1:
             raise ValueError(
@@ -39,13 +36,10 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
 
 
 def default_loss(module: nn.Module, batch):
-    """``module(*batch)`` for a tuple/list batch (``module(**batch)`` for any mapping, a
-    ``BatchEncoding`` included, else ``module(batch)``): a loss or ``(logits, loss)`` as
-    :func:`split_output` reads it."""
+    """``module(*batch)`` for a tuple/list batch, ``module(**batch)`` for any mapping (a ``BatchEncoding``
+    included), else ``module(batch)``."""
     if isinstance(batch, Mapping):
-        out = module(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = module(*batch)
-    else:
-        out = module(batch)
-    return out
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
