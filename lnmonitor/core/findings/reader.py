@@ -70,43 +70,41 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
         "first's, went from {start:,.1f}x at the fit's first step to {growth:,.0f}x at step {step})",
         "lower the learning rate or add a warm-up",
-        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's "
-        "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
-        "behind the same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps "
-        "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
-        "{clean} runs that trained well: it leads where a run goes wrong from its first step or a tall "
-        "checkpoint's fine-tune does; in a blow-up that begins mid-run it came after a plain loss rule "
-        "(loss_blowup's); the final norm divides its gradient by this scale, so the layers before it "
-        "learn at a rate you did not choose",
+        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's start "
+        "above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 behind the "
+        "same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps ({lead_min} to "
+        "{lead_max}) before the loss fell behind where it did, and on {false} of the {clean} runs that "
+        "trained well: it leads where a run goes wrong from its first step or a tall checkpoint's fine-tune "
+        "does; in a blow-up that begins mid-run it came after a plain loss rule (loss_blowup's); the final "
+        "norm divides its gradient by this scale, so the layers before it learn at a rate you did not choose",
     ),
     FindingKind(
         "loss_blowup", "loss_over_minimum", ">", 1.5,
-        "the loss rose to {loss:.4g} at step {step}, {value:.2f}x its lowest so far ({minimum:.4g}; "
-        "the plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
-        "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the "
-        "last checkpoint before the step",
-        "a mid-run blow-up (a learning-rate bug, a burst of bad data, a collapsed Adam second moment) "
-        "shows in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
-        "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time "
-        "(by the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} "
-        "of {healthy} healthy and {harmless} harmless runs; on runs from scratch it fired in "
-        "{from_start_hits} of {from_start} that went wrong from their first step (stream_growth warns "
-        "there) and on {from_start_false} of {from_start_clean} that trained well; so it claims no "
-        "lead: it says when the loss went wrong and what the norms did then",
+        "the loss rose to {loss:.4g} at step {step}, {value:.2f}x its lowest so far ({minimum:.4g}; the "
+        "plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
+        "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the last "
+        "checkpoint before the step",
+        "a mid-run blow-up (a learning-rate bug, a burst of bad data, a collapsed Adam second moment) shows "
+        "in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
+        "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time (by "
+        "the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} of "
+        "{healthy} healthy and {harmless} harmless runs; on runs from scratch it fired in {from_start_hits} "
+        "of {from_start} that went wrong from their first step (stream_growth warns there) and on "
+        "{from_start_false} of {from_start_clean} that trained well; so it claims no lead: it says when the "
+        "loss went wrong and what the norms did then",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
         "the first norm's eps is {value:,.0f}x the variance it reads (step {step}; the knee is "
         "{threshold:g}): it passes eps/(var+eps) of its gradient along its input instead of normalising",
-        "lower eps, or start the stream the first norm reads at a variance well above eps "
-        "(e.g. N(0, 1) embeddings instead of N(0, 0.02))",
-        "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 "
-        "steps in every configuration measured (docs/eps.md): {eps_costs}; the size is the "
-        "corpus's, so read it as a direction, not a figure for this run; in steps of training lost (the "
-        "eps 1e-5 run reached the eps 0.1 run's final loss that much earlier): {eps_delays}, so neither "
-        "figure carries to another corpus or budget; in the stability testbed it "
-        "fired in {hits} of the {bad} runs that went wrong, {lead:g} steps before the loss fell behind, "
-        "and on {false} of the {clean} runs that trained well",
+        "lower eps, or start the stream the first norm reads at a variance well above eps (e.g. N(0, 1) "
+        "embeddings instead of N(0, 0.02))",
+        "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 steps in "
+        "every configuration measured (docs/eps.md): {eps_costs}; the size is the corpus's, so read it as a "
+        "direction, not a figure for this run; in steps of training lost (the eps 1e-5 run reached the eps "
+        "0.1 run's final loss that much earlier): {eps_delays}, so neither figure carries to another corpus "
+        "or budget; in the stability testbed it fired in {hits} of the {bad} runs that went wrong, {lead:g} "
+        "steps before the loss fell behind, and on {false} of the {clean} runs that trained well",
     ),
 )}
 

@@ -10,7 +10,7 @@ and the probe refuses (:class:`NotAFinalNorm`) above :data:`FINAL_BYPASS_TOLERAN
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import Hooks, restored
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
+from lnmonitor.core.invariance.probe_rows import map_tensors
 from lnmonitor.core.norms.find import NormInfo, find_norms
 
 __all__ = [
@@ -61,20 +62,6 @@ def find_final_norm(
     return order[-1]
 
 
-def _grad_ready(batch):
-    """The batch with every inference-mode tensor (autograd cannot save one) replaced by a normal copy."""
-    if isinstance(batch, Tensor):
-        return batch.clone() if batch.is_inference() else batch
-    if isinstance(batch, Mapping):
-        return {k: _grad_ready(v) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_grad_ready(v) for v in batch]
-    if isinstance(batch, tuple):
-        items = [_grad_ready(v) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
-    return batch
-
-
 def final_norm_bypass(module: nn.Module, batch, final_norm: nn.Module | str, *, loss_fn: LossFn | None = None,
                       autocast: Callable[[], object] | None = None) -> float:
     """How much of the loss's dependence on the final norm's input ``h`` goes around the norm, in eval mode:
@@ -96,13 +83,12 @@ def final_norm_bypass(module: nn.Module, batch, final_norm: nn.Module | str, *, 
 
     def hook(mod, args, output):
         if "h" not in seen and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
-            seen["h"], seen["y"] = seen.get("passed", args[0]), output
-            seen["input"] = args[0]
+            seen["h"], seen["y"], seen["input"] = seen.get("passed", args[0]), output, args[0]
 
     with Hooks() as hooks, torch.inference_mode(False), torch.enable_grad():
         hooks.forward_pre(norm, passed, prepend=True)
         hooks.forward(norm, hook)
-        batch = _grad_ready(batch)
+        batch = map_tensors(batch, lambda t: t.clone() if t.is_inference() else t)  # not an inference tensor
         with restored(module, batch):
             with ctx():
                 loss, _ = split_output(loss_fn(module, batch))

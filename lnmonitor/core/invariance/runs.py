@@ -58,19 +58,16 @@ class InvarianceRuns:
         self.name = name
         self.messages = messages
         self.advice = advice
-        self._noted: set[str] = set()
         self._on_off = on_off  # a monitor whose probe is the monitor itself turns itself off (and says so)
-        self.prober: InvarianceProbe | None = None
-        self.batch = None
-        self.off_reason: str | None = None
-        self.last_step = -1
-        self.last: InvarianceResult | None = None
+        self.begin(None, None)
 
     def begin(self, prober: InvarianceProbe | None, batch) -> None:
         """A new run: probe ``batch`` with ``prober`` (None: the probe does not run)."""
         self.prober, self.batch = prober, batch
-        self.off_reason, self.last_step, self.last = None, -1, None
-        self._noted = set()
+        self.off_reason: str | None = None
+        self.last_step = -1
+        self.last: InvarianceResult | None = None
+        self._no_fit_noted = False
 
     def off(self, reason: str) -> None:
         """Turn the probe off for the rest of the run, saying why once (or ``on_off(reason)``)."""
@@ -104,8 +101,8 @@ class InvarianceRuns:
             self.off(f"{type(err).__name__}: {err} (raised at {where(err)}).{advice}")
             return None
         self.last = result
-        if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
-            self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
+        if sweep and result.sweep and not math.isfinite(result.slope) and not self._no_fit_noted:
+            self._no_fit_noted = True  # a note, not a warning: the reason stays in last_result.fit_note
             _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.name, step,
                       result.fit_note)
         return metrics, extend
