@@ -18,10 +18,8 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
     ``"loss"`` (and optionally ``"logits"``)."""
     if isinstance(out, Tensor):
         if out.numel() != 1:
-            raise ValueError(
-                f"the forward returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
-                "pass loss_fn(module, batch) returning the loss or (logits, loss)"
-            )
+            raise ValueError(f"the forward returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
+                             "pass loss_fn(module, batch) returning the loss or (logits, loss)")
         return out, None
     if isinstance(out, Mapping) and "loss" in out:
         return out["loss"], out.get("logits")
@@ -29,10 +27,8 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
         logits, loss = out
         if isinstance(loss, Tensor) and loss.numel() == 1:
             return loss, logits if isinstance(logits, Tensor) else None
-    raise ValueError(
-        f"cannot find a loss in a forward output of type {type(out).__name__}: the default "
-        "expects module(x, y) to return a loss or (logits, loss); pass loss_fn(module, batch)"
-    )
+    raise ValueError(f"cannot find a loss in a forward output of type {type(out).__name__}: the default "
+                     "expects module(x, y) to return a loss or (logits, loss); pass loss_fn(module, batch)")
 
 
 def default_loss(module: nn.Module, batch):

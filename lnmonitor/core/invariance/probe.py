@@ -98,12 +98,11 @@ class InvarianceProbe:
                 name = self.final_norm
                 who = f"final_norm={name!r}" if self.named else f"the last norm to run, {name!r},"
                 raise NotAFinalNorm(
-                    f"{who} is not a final norm: part of the loss gradient at its "
-                    f"input goes around it (relative size {bypass:.3g}; a residual path carries that "
-                    "input on), so the loss is not invariant to shifting or scaling it and there is "
-                    "no final-norm invariance to check. The model seems to have no final norm before "
-                    "its head; if it has one, name it with final_norm=..."
-                )
+                    f"{who} is not a final norm: part of the loss gradient at its input goes around it "
+                    f"(relative size {bypass:.3g}; a residual path carries that input on), so the loss is "
+                    "not invariant to shifting or scaling it and there is no final-norm invariance to check. "
+                    "The model seems to have no final norm before its head; if it has one, name it with "
+                    "final_norm=...")
             self.checked = True
         result = final_norm_invariance(
             self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases if cases else (),

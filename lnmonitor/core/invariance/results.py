@@ -30,6 +30,7 @@ CASE_TRANSFORMS = {
     "axis_5": (1.0, 5.0, True),
 }
 
+
 @dataclass
 class CaseResult:
     """One transformation of the final norm's input."""

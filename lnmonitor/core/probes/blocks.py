@@ -65,18 +65,15 @@ def resolve_branch(block: nn.Module, norms: Sequence[NormInfo],
         norm_ids = {id(info.module) for info in norms}
         first = next((i for i, n in enumerate(names) if id(children[n]) in norm_ids), None)
         if first is None or first + 1 >= len(names):
-            raise ValueError(
-                f"cannot find the branch through the first norm of {type(block).__name__}: it needs a "
-                "norm child followed by the sublayer it feeds; pass branch=('ln1', 'attn') or a callable"
-            )
+            raise ValueError(f"cannot find the branch through the first norm of {type(block).__name__}: it "
+                             "needs a norm child followed by the sublayer it feeds; pass branch=('ln1', "
+                             "'attn') or a callable")
         branch = (names[first], names[first + 1])
     path = tuple(branch)
     missing = [n for n in path if n not in children]
     if missing or not path:
-        raise ValueError(
-            f"{type(block).__name__} has no child {missing[0] if missing else '(empty path)'!r}; its "
-            f"children are {list(children)}"
-        )
+        child = missing[0] if missing else "(empty path)"
+        raise ValueError(f"{type(block).__name__} has no child {child!r}; its children are {list(children)}")
 
     def run(blk: nn.Module, h: Tensor) -> Tensor:
         sub = dict(blk.named_children())

@@ -92,10 +92,9 @@ def _norm_info(norm, kind: NormKind | None, eps: float | None):
         info = describe_norm(norm)
         if info is None:
             if kind is None or eps is None:
-                raise ValueError(
-                    f"{type(norm).__name__} is not a normalisation layer lnmonitor recognises: pass "
-                    "kind='layer' or 'rms' and eps=..., or register it with lnmonitor.register_norm"
-                )
+                raise ValueError(f"{type(norm).__name__} is not a normalisation layer lnmonitor recognises: "
+                                 "pass kind='layer' or 'rms' and eps=..., or register it with "
+                                 "lnmonitor.register_norm")
             weight = getattr(norm, "weight", None)
             return norm, kind, float(eps), float(eps), weight if isinstance(weight, Tensor) else None
         norm = info
@@ -121,10 +120,8 @@ def probe_norm_jacobian(
     k = geometry.dead_dim(kind)  # validates kind
     shape = getattr(module, "normalized_shape", None)
     if shape is not None and not isinstance(shape, int) and len(tuple(shape)) > 1:
-        raise ValueError(
-            f"norm {name!r} normalises over {tuple(shape)}: the probes handle norms over the last "
-            "dimension only"
-        )
+        raise ValueError(f"norm {name!r} normalises over {tuple(shape)}: the probes handle norms over the "
+                         "last dimension only")
     with torch.inference_mode(False), torch.enable_grad():
         row = x.detach().reshape(-1).to("cpu", _F64).clone()
         d = row.shape[0]
