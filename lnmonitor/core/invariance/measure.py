@@ -1,21 +1,13 @@
 """Final-norm invariance (docs/design.md), in plain torch.
 
-The final norm has no residual after it, so with ``h`` its input the loss is invariant to ``h + c 1`` exactly
-and to ``a h`` (a > 0) up to ``eps/v``.  :func:`final_norm_invariance` checks this on one batch by
-transforming the final norm's input inside the forward: the cases of :data:`CASES` (``axis_5``, h + 5 e_0, is
-the control that must move the loss) and the scale sweep over :data:`SWEEP_SCALES` (per scale the signed
-delta-loss and the median ``eps / (a^2 v)``, fitted by :func:`~lnmonitor.core.invariance.sweep.fit_sweep`; a
-point whose loss moved at ``eps/v <= 1e-5``, here and at scale 1, is flagged as float32 rounding, not eps).
-
-A forward hook replaces the final norm's output by its checked float64 form
-(:meth:`~lnmonitor.core.norms.find.NormInfo.affine` of ``xhat``) at the transformed input, cast back to the
-output's dtype; the baseline takes the same path, so a delta-loss is the transformation's effect through the
-rest of the model alone (the shift cases are exactly zero for a LayerNorm).  Only the final norm sees the
-transformed input; no copy of the module is made (a sharded model is probed the same way).  The passes after
-the first replay what ran before the final norm (:class:`~lnmonitor.core.invariance.replay.PrefixReplay`) once
-a replayed pass gives the first pass's loss and logits to the bit; a sharded model's run whole.  The
-norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is per row in float64 (median, and max).  The
-module's train/eval flags and the RNG state are restored; everything runs eagerly under ``no_grad``.
+With ``h`` the final norm's input, the loss is invariant to ``h + c 1`` exactly and to ``a h`` up to
+``eps/v``.  :func:`final_norm_invariance` checks this on one batch: the cases of :data:`CASES` (``axis_5`` is
+the control that must move the loss) and the scale sweep over :data:`SWEEP_SCALES`.  A forward hook replaces
+the final norm's output by its checked float64 form (:meth:`~lnmonitor.core.norms.find.NormInfo.affine` of
+``xhat``) at the transformed input; the baseline takes the same path, so a delta-loss is the transformation's
+effect alone.  The passes after the first replay what ran before the final norm
+(:class:`~lnmonitor.core.invariance.replay.PrefixReplay`) once a replayed pass gives the first one's loss and
+logits to the bit; a sharded model's run whole.  The module's train/eval flags and the RNG state are restored.
 """
 
 from __future__ import annotations

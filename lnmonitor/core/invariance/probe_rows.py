@@ -124,12 +124,6 @@ def _join(parts: list, key: str, pad: Padding, left: list[bool], masked: bool):
                       "rows to join")
 
 
-def _joined(batches: list, pad: Padding):
-    """``batches`` joined into one (see the module docstring); raises :class:`_Unjoinable`."""
-    masked = all(padding_mask(b) is not None for b in batches)
-    return _join(batches, "", pad, [_left_padded(b) for b in batches], masked)
-
-
 def _read(loader, size: int | None, warn: Callable[[str], None]) -> list:
     """The first batches of ``loader``, enough for ``size`` samples (one when it cannot count)."""
     batches, seen = [], 0
@@ -165,25 +159,22 @@ def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
         return batches[0] if batches else None
     joined, used = batches[0], 1
     for batch in batches[1:]:
+        pair = [joined, batch]
         try:
-            joined = _joined([joined, batch], pad)
+            masked = all(padding_mask(b) is not None for b in pair)
+            joined = _join(pair, "", pad, [_left_padded(b) for b in pair], masked)
         except _Unjoinable as err:
             warn(f"batch {used + 1} cannot be joined to the probe rows before it: {err}; the probe takes the "
                  f"rows of the first {used} batch(es)")
             break
         used += 1
-    widths = {t.shape[1] for b in batches[:used] for t in _id_tensors(b)}
+    widths = {t.shape[1] for b in batches[:used] if isinstance(b, Mapping) for k, t in b.items()
+              if k in _ID_KEYS and isinstance(t, Tensor) and t.ndim == 2}
     if info is not None and len(widths) > 1:
         info(f"the probe rows join {used} batches padded to different lengths ({min(widths)} to "
              f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
              f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
     return joined
-
-
-def _id_tensors(batch) -> list[Tensor]:
-    if not isinstance(batch, Mapping):
-        return []
-    return [v for k, v in batch.items() if k in _ID_KEYS and isinstance(v, Tensor) and v.ndim == 2]
 
 
 def probe_batch(batch, size: int | None):
