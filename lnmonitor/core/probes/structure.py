@@ -179,14 +179,6 @@ class BlockRankProbe:
     branch_singular_values: tuple[float, ...]
 
 
-def _first_tensor(out):
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    raise TypeError(f"block returned {type(out).__name__}; expected a tensor (or a tuple starting with one)")
-
-
 def _position_jacobian(fn: Callable[[Tensor], Tensor], h: Tensor, pos: int) -> Tensor:
     """``d fn(h)[0, pos] / d h[pos]`` (d x d), other positions fixed: the sequence copied d times along the
     batch, copy ``i`` giving output coordinate ``i``, so one backward yields every row."""
@@ -194,7 +186,12 @@ def _position_jacobian(fn: Callable[[Tensor], Tensor], h: Tensor, pos: int) -> T
     leaf = h[pos].expand(d, d).clone().requires_grad_(True)
     before, after = h[:pos].expand(d, pos, d), h[pos + 1:].expand(d, steps - pos - 1, d)
     batch = torch.cat([before, leaf[:, None], after], dim=1)
-    out = _first_tensor(fn(batch))
+    out = fn(batch)
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        out = out[0]
+    if not isinstance(out, Tensor):
+        raise TypeError(f"block returned {type(out).__name__}; expected a tensor (or a tuple starting with "
+                        "one)")
     if out.shape != (d, steps, d):
         raise ValueError(f"the block maps (B, T, d) to {tuple(out.shape)}; expected (B, T, d) back")
     (grad,) = torch.autograd.grad(out[:, pos].diagonal().sum(), leaf)
