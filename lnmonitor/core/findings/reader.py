@@ -154,20 +154,11 @@ def _thresholds(value, name: str) -> dict[str, float]:
 
 
 class FindingsReader:
-    """Reads measured steps into findings (see the module docstring).
-
-    Args:
-        thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a kind off).
-        on_finding: called with each :class:`Finding`; returning True asks the monitor to stop the run; an
-            exception from it is said once and it is not called again.
-        name: the name messages start with.
-        warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
-        info: ``info(message)`` for what is said as information.
-
-    Raises:
-        ArgumentError: a threshold that is not a finite number > 0 or None, an unknown kind, or an
-            ``on_finding`` that is not callable.
-    """
+    """Reads measured steps into findings (see the module docstring): ``thresholds`` override :data:`KINDS`'
+    defaults (None turns a kind off); ``on_finding`` is called with each :class:`Finding` (an exception from
+    it is said once and it is not called again); messages start with ``name`` and are said by
+    ``warn(message)`` (default ``warnings.warn(message, HealthWarning)``) and ``info(message)``.  Raises
+    :class:`ArgumentError` for a bad threshold or kind, or an ``on_finding`` that is not callable."""
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
                  on_finding: Callable[[Finding], object] | None = None, name: str = "lnmonitor",
