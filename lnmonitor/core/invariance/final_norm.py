@@ -65,13 +65,11 @@ def find_final_norm(
 def final_norm_bypass(module: nn.Module, batch, final_norm: nn.Module | str, *, loss_fn: LossFn | None = None,
                       autocast: Callable[[], object] | None = None) -> float:
     """How much of the loss's dependence on the final norm's input ``h`` goes around the norm, in eval mode:
-    ``|dL/dh - J^T dL/dy| / |dL/dh|`` on ``batch`` (``J`` the norm's Jacobian, ``y`` its output).
-
-    0 for a true final norm; of order 1 when a residual path carries ``h`` on; 1.0 when the loss does not
-    depend on the norm's output; nan when it cannot tell.  Parameters' ``.grad`` are not touched.  ``h`` is
-    the tensor the norm's caller passed (before a tensor-parallel input hook makes a ``DTensor`` of it), and
-    the norms are summed over the ranks of a ``DTensor`` input's mesh.
-    """
+    ``|dL/dh - J^T dL/dy| / |dL/dh|`` on ``batch`` (``J`` the norm's Jacobian, ``y`` its output). 0 for a true
+    final norm; of order 1 when a residual path carries ``h`` on; 1.0 when the loss does not depend on the
+    norm's output; nan when it cannot tell. Parameters' ``.grad`` are not touched. ``h`` is the tensor the
+    norm's caller passed (before a tensor-parallel input hook makes a ``DTensor`` of it), and the norms are
+    summed over the ranks of a ``DTensor`` input's mesh."""
     loss_fn = loss_fn or default_loss
     norm = module.get_submodule(final_norm) if isinstance(final_norm, str) else final_norm
     ctx = autocast or nullcontext

@@ -55,14 +55,12 @@ def final_norm_invariance(
     cases: Sequence[str] = CASES, scales: Sequence[float] = SWEEP_SCALES,
     autocast: Callable[[], object] | None = None, norms: Sequence[NormInfo] | None = None,
 ) -> InvarianceResult:
-    """Run the invariance cases and the scale sweep of the final norm on ``batch``.
-
-    ``final_norm``: the module or its qualified name; None finds the last norm to run
-    (:func:`~lnmonitor.core.invariance.final_norm.find_final_norm`).  ``loss_fn(module, batch)`` returns the
+    """Run the invariance cases and the scale sweep of the final norm on ``batch``. ``final_norm``: the module
+    or its qualified name; None finds the last norm to run
+    (:func:`~lnmonitor.core.invariance.final_norm.find_final_norm`). ``loss_fn(module, batch)`` returns the
     loss or ``(logits, loss)`` (default :func:`~lnmonitor.core.invariance.loss_contract.default_loss`).
-    ``autocast``: a context-manager factory entered around every forward.  ``norms``: the model's norms, when
-    already found.
-    """
+    ``autocast``: a context-manager factory entered around every forward. ``norms``: the model's norms, when
+    already found."""
     unknown = [c for c in cases if c not in CASE_TRANSFORMS]
     if unknown:
         raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")

@@ -33,16 +33,14 @@ class NonFiniteLoss(ValueError):
 
 
 class InvarianceProbe:
-    """The final-norm invariance probe of one model, run whenever its driver decides.
-
-    The first :meth:`run` takes the final norm: ``final_norm`` when named; else the ``meter``'s
+    """The final-norm invariance probe of one model, run whenever its driver decides. The first :meth:`run`
+    takes the final norm: ``final_norm`` when named; else the ``meter``'s
     (:attr:`~lnmonitor.core.meter.meter.LadderMeter.final`, once a measured step found it); else the last of
-    ``norms`` to run on the batch.  It checks once with
+    ``norms`` to run on the batch. It checks once with
     :func:`~lnmonitor.core.invariance.final_norm.final_norm_bypass` that the loss reaches its input only
     through it (else raises :class:`~lnmonitor.core.invariance.final_norm.NotAFinalNorm`), then runs
     :func:`~lnmonitor.core.invariance.measure.final_norm_invariance` with ``loss_fn``, ``cases``, ``scales``,
-    ``autocast`` and ``norms`` (default: the ``meter``'s, else every norm of the model).
-    """
+    ``autocast`` and ``norms`` (default: the ``meter``'s, else every norm of the model)."""
 
     def __init__(
         self, model: nn.Module, loss_fn: LossFn | None = None, *, final_norm: str | None = None,

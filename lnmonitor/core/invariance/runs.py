@@ -46,10 +46,9 @@ class InvarianceRuns:
     """The probe runs of ``prober`` on ``batch`` during one training run (:meth:`begin`), each taken by
     :meth:`take`; ``name`` starts the messages ``messages`` says; ``on_off(reason)``, when given, is called
     instead of the message when the probe turns off; ``advice`` (:data:`LOSS_FN_ADVICE` for a monitor with a
-    ``loss_fn=`` argument) ends that message when the probe failed running the default loss.  ``off_reason``:
+    ``loss_fn=`` argument) ends that message when the probe failed running the default loss. ``off_reason``:
     why the probe is off (None while on); ``last_step``: the step probed last (-1: none; a monitor resuming
-    sets it); ``last``: the last run's :class:`~lnmonitor.core.invariance.results.InvarianceResult`.
-    """
+    sets it); ``last``: the last run's :class:`~lnmonitor.core.invariance.results.InvarianceResult`."""
 
     def __init__(self, name: str, messages: Messages, on_off=None, advice: str = "") -> None:
         self.name = name

@@ -53,10 +53,8 @@ Branch = Callable[[nn.Module, Tensor], Tensor]
 def resolve_branch(block: nn.Module, norms: Sequence[NormInfo],
                    branch: Sequence[str] | Branch | None = None) -> tuple[str, Branch]:
     """``(label, fn)`` with ``fn(block, h) -> branch output`` for the branch through the first norm.
-
     ``branch``: a callable, child names applied in order (e.g. ``("ln1", "attn")``), or None: the block's
-    first child that is one of ``norms``, then the child registered right after it.
-    """
+    first child that is one of ``norms``, then the child registered right after it."""
     if callable(branch):
         return getattr(branch, "__name__", "branch"), branch
     children = dict(block.named_children())
@@ -85,12 +83,11 @@ def resolve_branch(block: nn.Module, norms: Sequence[NormInfo],
 
 
 class SequenceCapture:
-    """Temporary forward pre-hooks that keep the first sequence each block and norm reads.
-
-    ``with SequenceCapture(blocks, norms) as cap: model(x)`` (or :meth:`attach` / :meth:`detach`) fills
+    """Temporary forward pre-hooks that keep the first sequence each block and norm reads. ``with
+    SequenceCapture(blocks, norms) as cap: model(x)`` (or :meth:`attach` / :meth:`detach`) fills
     ``cap.blocks[name]`` and ``cap.norms[name]`` with a detached copy of sequence 0 of the module's first
-    input, shape (T, d), from its first call.  ``blocks``: ``(name, module)`` pairs; ``norms``: ``NormInfo``.
-    """
+    input, shape (T, d), from its first call. ``blocks``: ``(name, module)`` pairs; ``norms``:
+    ``NormInfo``."""
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]] = (), norms: Sequence = ()) -> None:
         self._targets = [("blocks", n, m) for n, m in blocks] + [("norms", i.name, i.module) for i in norms]

@@ -58,14 +58,12 @@ def _check_rtol(rtol) -> float | None:
 
 @dataclass(frozen=True)
 class NormJacobianProbe:
-    """A norm's Jacobian at one real input row, all in float64.
-
-    ``max_abs_error``: max |closed form - autograd| over the entries, next to ``max_abs_entry`` (max |J|).
-    ``rank`` at the module's ``eps`` (d-1 for LayerNorm: the scale direction passes ``transmission =
-    eps/(v+eps)``) and ``rank_eps0`` at eps = 0 (d-2).  ``gain_spread = gain_sv_max / gain_sv_min`` over the
-    d-k nonzero singular values of ``diag(g) (1/sigma) P`` (1 without a gain; inf if a gain entry is 0).
-    ``singular_values``/``singular_values_eps0``: the Jacobian's spectrum, descending, in 1/(units of x).
-    """
+    """A norm's Jacobian at one real input row, all in float64. ``max_abs_error``: max |closed form -
+    autograd| over the entries, next to ``max_abs_entry`` (max |J|). ``rank`` at the module's ``eps`` (d-1 for
+    LayerNorm: the scale direction passes ``transmission = eps/(v+eps)``) and ``rank_eps0`` at eps = 0 (d-2).
+    ``gain_spread = gain_sv_max / gain_sv_min`` over the d-k nonzero singular values of ``diag(g) (1/sigma)
+    P`` (1 without a gain; inf if a gain entry is 0). ``singular_values``/``singular_values_eps0``: the
+    Jacobian's spectrum, descending, in 1/(units of x)."""
 
     name: str
     kind: NormKind
@@ -107,12 +105,10 @@ def probe_norm_jacobian(
     norm, x: Tensor, *, name: str = "", kind: NormKind | None = None, eps: float | None = None,
     rtol: float | None = None,
 ) -> NormJacobianProbe:
-    """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd.
-
-    ``norm``: a ``NormInfo`` or a norm module (``kind``/``eps`` read from it when recognised).  The module's
-    float64 forward is differentiated; the model is not touched.  The rank and spectrum use the eps the
-    module applies to float32 input, the error the eps it applies to float64 input.
-    """
+    """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd. ``norm``: a
+    ``NormInfo`` or a norm module (``kind``/``eps`` read from it when recognised). The module's float64
+    forward is differentiated; the model is not touched. The rank and spectrum use the eps the module applies
+    to float32 input, the error the eps it applies to float64 input."""
     rtol = _check_rtol(rtol)
     if hasattr(norm, "name") and not name:
         name = norm.name
@@ -155,12 +151,10 @@ def probe_norm_jacobian(
 
 @dataclass(frozen=True)
 class BlockRankProbe:
-    """Jacobians at one position ``position`` of a block's input, other positions held fixed.
-
-    ``block_*``: ``d block(h)[position] / d h[position]`` (d x d, float64); ``branch_*``: the same for the
-    branch ``branch`` (e.g. ``ln1 -> attn``).  ``*_rank`` counts singular values above ``*_tol``;
-    ``*_sv_min``/``*_sv_max``: the smallest and largest singular values (dimensionless).
-    """
+    """Jacobians at one position ``position`` of a block's input, other positions held fixed. ``block_*``: ``d
+    block(h)[position] / d h[position]`` (d x d, float64); ``branch_*``: the same for the branch ``branch``
+    (e.g. ``ln1 -> attn``). ``*_rank`` counts singular values above ``*_tol``; ``*_sv_min``/``*_sv_max``: the
+    smallest and largest singular values (dimensionless)."""
 
     name: str
     position: int
