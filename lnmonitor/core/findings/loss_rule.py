@@ -1,12 +1,5 @@
-"""The plain loss rule, and what the norms did when it fired.
-
-A mid-run blow-up (a learning-rate bug, a burst of bad data, an optimizer state gone stale)
-shows in the loss as early as in any norm signal measured (docs/findings.md, "Mid-run"), so
-nothing here claims to lead: :class:`LossRule` says when the loss went wrong, as a user's own
-rule would, and :func:`what_the_norms_did` says what a loss curve cannot -- whether the residual
-stream grew, where, and what the final norm's ``1/sigma`` did -- between the measured step before
-the loss went wrong and one measured after it (:class:`LadderSnapshot`).  Standard library only.
-"""
+"""The plain loss rule (:class:`LossRule`: when the loss went wrong), and what the norms did when it fired
+(:func:`what_the_norms_did`: whether the stream grew, where, and the final norm's ``1/sigma``)."""
 
 from __future__ import annotations
 
@@ -19,17 +12,16 @@ __all__ = ["LOSS_RULE_AFTER", "LadderSnapshot", "LossRule", "what_the_norms_did"
 # the losses a fit's rule ignores before it judges: a fit's first losses fall fast and set the minimum
 LOSS_RULE_AFTER = 10
 
-# The final norm's 1/sigma at the visible event over its value before the blow-up began, in every run
-# of the mid-run testbed with a visible event (research/midrun, all seeds): learning-rate bugs (x10 to
-# x100, sudden and ramped) and a collapsed Adam second moment, and bursts of repeated or random tokens.
+# The final norm's 1/sigma at the visible event over its value before the blow-up, in every run of the
+# mid-run testbed (research/midrun): learning-rate bugs and a collapsed Adam second moment; data bursts.
 FELL_IN_OPTIMIZER_BLOWUPS = (0.02, 0.84)
 ROSE_IN_DATA_BURSTS = (1.0, 1.64)
 
 
 class LossRule:
-    """The loss over its running minimum: :meth:`ratio` of each step's loss to the lowest loss
-    before it (nan for the first :data:`LOSS_RULE_AFTER` losses and where the minimum is not
-    positive; inf for a non-finite loss).  The finding ``loss_blowup`` fires above 1.5."""
+    """The loss over its running minimum: :meth:`ratio` of each step's loss to the lowest before it (nan for
+    the first :data:`LOSS_RULE_AFTER` losses and where the minimum is not positive; inf for a non-finite
+    loss)."""
 
     def __init__(self) -> None:
         self.minimum = math.inf
@@ -53,8 +45,8 @@ class LossRule:
 
 @dataclass(frozen=True)
 class LadderSnapshot:
-    """What the diagnosis needs of one measured step: its ``step``, each rung's input ``rms``
-    (forward order), the ladder's ``growth`` and the final norm's ``inv_sigma``."""
+    """One measured step for the diagnosis: each rung's input ``rms`` (forward order), the ladder's
+    ``growth`` and the final norm's ``inv_sigma``."""
 
     step: int
     rms: dict[str, float]
@@ -76,9 +68,9 @@ def _x(value: float) -> str:
 
 def what_the_norms_did(start: LadderSnapshot | None, before: LadderSnapshot | None,
                        after: LadderSnapshot | None) -> str:
-    """What the norms did between the measured step ``before`` the loss went wrong and the one
-    measured ``after`` it: the ladder's growth (and over the fit's ``start``), the rung whose
-    input rms grew most (and the first rung's), the final norm's ``1/sigma``; or why it cannot say."""
+    """What the norms did between the measured step ``before`` the loss went wrong and the one ``after``: the
+    ladder's growth (and over the fit's ``start``), the rung whose input rms grew most (and the first
+    rung's), the final norm's ``1/sigma``; or why it cannot say."""
     if before is None or after is None or after.step == before.step:
         return "no step was measured around it to compare (the meter is off, or this is the first step)"
     parts = [f"between step {before.step} and step {after.step} the ladder's growth went from "

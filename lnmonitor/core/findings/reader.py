@@ -1,19 +1,11 @@
 """Findings: what the numbers mean for this run, said once, before the damage.
 
-A :class:`Finding` is a statement about the run that a measured step's figures support: what
-was seen (one sentence with its number), what to try (one sentence) and where in
-docs/findings.md the testbed's figures are (:func:`long_form` gives them to the summary).
-:class:`FindingsReader` reads each measured step's :class:`~lnmonitor.core.meter.meter.LadderResult`
-through :func:`~lnmonitor.core.findings.signals.step_signals` -- nothing is recomputed -- and every
-step's growth (:meth:`FindingsReader.read_growth`, from the meter's every-step watch), and returns a
-:class:`Reading`: the findings raised at this step, the kinds that ended, and the
-``lnmonitor/health/<kind>`` metrics (1 while a raised kind holds, 0 after).  The growth is
-judged against the fit's first measured step: a ladder that was tall when the fit began is a
-fact of the checkpoint, said as information, never a finding.  Each kind is raised
-once per fit: ``warnings.warn(message, lnmonitor.HealthWarning)`` and the optional
-``on_finding(finding)`` (a user can lower the lr there; returning True asks the monitor to stop the
-run: :attr:`Reading.stop`).  Thresholds are arguments, checked like every other.  Imports no
-Lightning.
+A :class:`Finding` states what was seen (one sentence with its number), what to try, and where in
+docs/findings.md the testbed's figures are (:func:`long_form`).  :class:`FindingsReader` reads each measured
+step's :class:`~lnmonitor.core.meter.meter.LadderResult` (nothing recomputed), every step's growth and the
+training loss into a :class:`Reading`.  The growth is judged against the fit's first measured step (a ladder
+tall there is said as information, never a finding).  Each kind is raised once per fit:
+``warnings.warn(message, HealthWarning)`` and ``on_finding(finding)`` (returning True asks to stop the run).
 """
 
 from __future__ import annotations
@@ -44,19 +36,16 @@ __all__ = [
 # the ladder's growth at a fit's start, kept in a framework's log for a resumed fit (state_from_log)
 START_GROWTH = ladder_metric("growth")
 
-# the signals read from the ladder's growth, which the every-step watch feeds
+# the signals the every-step growth watch feeds
 GROWTH_SIGNALS = frozenset({"growth", "growth_over_start"})
 
 
 @dataclass(frozen=True)
 class FindingKind:
-    """One kind of finding: the ``signal`` it reads (a key of
-    :func:`~lnmonitor.core.findings.signals.step_signals`, or ``growth_over_start``), its ``direction``
-    (``">"``, ``"<"``) and default ``threshold``, and its English: ``seen`` (one sentence,
-    formatted with ``value``, ``threshold``, ``step``, ``start`` and ``growth``), ``advice`` (one
-    sentence), ``meant`` (the testbed's figures, formatted with
-    :data:`~lnmonitor.core.findings.evidence.TESTBED`'s, ``eps_costs`` and ``eps_delays``: the long
-    form, for the summary and docs) and ``anchor`` (its section of docs/findings.md)."""
+    """One kind of finding: the ``signal`` it reads, its ``direction`` (``">"``, ``"<"``) and default
+    ``threshold``, and its English: ``seen`` (formatted with the step's figures), ``advice``, ``meant`` (the
+    long form, formatted with :data:`~lnmonitor.core.findings.evidence.TESTBED`'s figures) and ``anchor``
+    (its section of docs/findings.md)."""
 
     name: str
     signal: str
@@ -71,9 +60,8 @@ class FindingKind:
         return f"docs/findings.md#{self.name}"
 
 
-# The growth a fit's first measured step may already have without a word beyond information:
-# healthy small models start near 1x and sit at 3-5x (docs/design.md); a pretrained checkpoint's
-# ladder is tens to hundreds of times (docs/findings.md): a fact of the model, not of this fit.
+# the growth at a fit's first measured step above which it is said as information (a pretrained
+# checkpoint's ladder is tens to hundreds of times; healthy small models start near 1x)
 TALL_AT_START = 20.0
 
 KINDS: dict[str, FindingKind] = {k.name: k for k in (
@@ -82,51 +70,49 @@ KINDS: dict[str, FindingKind] = {k.name: k for k in (
         "the residual stream grew {value:,.0f}x during this fit (the ladder, last rung's rms over the "
         "first's, went from {start:,.1f}x at the fit's first step to {growth:,.0f}x at step {step})",
         "lower the learning rate or add a warm-up",
-        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's "
-        "start above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 "
-        "behind the same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps "
-        "({lead_min} to {lead_max}) before the loss fell behind where it did, and on {false} of the "
-        "{clean} runs that trained well: it leads where a run goes wrong from its first step or a tall "
-        "checkpoint's fine-tune does; in a blow-up that begins mid-run it came after a plain loss rule "
-        "(loss_blowup's); the final norm divides its gradient by this scale, so the layers before it "
-        "learn at a rate you did not choose",
+        "on models and seeds its threshold was not fitted on (docs/findings.md), growth over the fit's start "
+        "above 35x was said in time in {hits} of the {bad} runs that went wrong (the loss 0.3 behind the "
+        "same run at a safe learning rate, or ending 0.1 behind), a median of {lead:g} steps ({lead_min} to "
+        "{lead_max}) before the loss fell behind where it did, and on {false} of the {clean} runs that "
+        "trained well: it leads where a run goes wrong from its first step or a tall checkpoint's fine-tune "
+        "does; in a blow-up that begins mid-run it came after a plain loss rule (loss_blowup's); the final "
+        "norm divides its gradient by this scale, so the layers before it learn at a rate you did not choose",
     ),
     FindingKind(
         "loss_blowup", "loss_over_minimum", ">", 1.5,
-        "the loss rose to {loss:.4g} at step {step}, {value:.2f}x its lowest so far ({minimum:.4g}; "
-        "the plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
-        "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the "
-        "last checkpoint before the step",
-        "a mid-run blow-up (a learning-rate bug, a burst of bad data, a collapsed Adam second moment) "
-        "shows in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
-        "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time "
-        "(by the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} "
-        "of {healthy} healthy and {harmless} harmless runs; on runs from scratch it fired in "
-        "{from_start_hits} of {from_start} that went wrong from their first step (stream_growth warns "
-        "there) and on {from_start_false} of {from_start_clean} that trained well; so it claims no "
-        "lead: it says when the loss went wrong and what the norms did then",
+        "the loss rose to {loss:.4g} at step {step}, {value:.2f}x its lowest so far ({minimum:.4g}; the "
+        "plain loss rule: above {threshold:g}x); what the norms did: {diagnosis}",
+        "if the learning rate changed (a schedule, a restart), check it; lower it, or go back to the last "
+        "checkpoint before the step",
+        "a mid-run blow-up (a learning-rate bug, a burst of bad data, a collapsed Adam second moment) shows "
+        "in the loss as early as in any norm signal measured: on the held-out mid-run testbed "
+        "(docs/findings.md, \"Per kind of blow-up\") no norm signal led this rule, which fired in time (by "
+        "the visible event, or within 20 steps of it) in {hits} of {events} blow-ups and on {false} of "
+        "{healthy} healthy and {harmless} harmless runs; on runs from scratch it fired in {from_start_hits} "
+        "of {from_start} that went wrong from their first step (stream_growth warns there) and on "
+        "{from_start_false} of {from_start_clean} that trained well; so it claims no lead: it says when the "
+        "loss went wrong and what the norms did then",
     ),
     FindingKind(
         "eps_dominates", "first_eps_over_var", ">", EPS_KNEE,
         "the first norm's eps is {value:,.0f}x the variance it reads (step {step}; the knee is "
         "{threshold:g}): it passes eps/(var+eps) of its gradient along its input instead of normalising",
-        "lower eps, or start the stream the first norm reads at a variance well above eps "
-        "(e.g. N(0, 1) embeddings instead of N(0, 0.02))",
-        "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 "
-        "steps in every configuration measured (docs/eps.md): {eps_costs}; the size is the "
-        "corpus's, so read it as a direction, not a figure for this run; in steps of training lost (the "
-        "eps 1e-5 run reached the eps 0.1 run's final loss that much earlier): {eps_delays}, so neither "
-        "figure carries to another corpus or budget; in the stability testbed it "
-        "fired in {hits} of the {bad} runs that went wrong, {lead:g} steps before the loss fell behind, "
-        "and on {false} of the {clean} runs that trained well",
+        "lower eps, or start the stream the first norm reads at a variance well above eps (e.g. N(0, 1) "
+        "embeddings instead of N(0, 0.02))",
+        "at an eps/var of about 130, eps 0.1 cost validation loss against eps 1e-5 after 3,000 steps in "
+        "every configuration measured (docs/eps.md): {eps_costs}; the size is the corpus's, so read it as a "
+        "direction, not a figure for this run; in steps of training lost (the eps 1e-5 run reached the eps "
+        "0.1 run's final loss that much earlier): {eps_delays}, so neither figure carries to another corpus "
+        "or budget; in the stability testbed it fired in {hits} of the {bad} runs that went wrong, {lead:g} "
+        "steps before the loss fell behind, and on {false} of the {clean} runs that trained well",
     ),
 )}
 
 
 @dataclass(frozen=True)
 class Finding:
-    """A finding raised at ``step``: its ``kind``, the ``value`` seen against the ``threshold``,
-    and the ``message`` (what was seen, what it meant in the testbed, what to try)."""
+    """A finding of ``kind`` raised at ``step``: the ``value`` seen against the ``threshold``, and the
+    ``message``."""
 
     kind: str
     step: int
@@ -137,9 +123,9 @@ class Finding:
 
 @dataclass
 class Reading:
-    """One measured step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and
-    no longer do), ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far) and
-    ``stop`` (``on_finding`` returned True for one of them: the monitor stops the run)."""
+    """One step's findings: ``raised`` (new this fit), ``ended`` (kinds that held and no longer do),
+    ``metrics`` (``lnmonitor/health/<kind>`` for every kind raised so far, 1 while it holds) and ``stop``
+    (``on_finding`` returned True for one of them)."""
 
     raised: list[Finding] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
@@ -148,8 +134,7 @@ class Reading:
 
 
 def _thresholds(value, name: str) -> dict[str, float]:
-    """``None`` (the defaults) or a mapping from kind names to finite thresholds > 0; a kind
-    mapped to ``None`` is off."""
+    """``None`` (the defaults) or a mapping from kinds to finite thresholds > 0 (``None``: off)."""
     defaults = {k: kind.threshold for k, kind in KINDS.items()}
     if value is None:
         return defaults
@@ -169,21 +154,11 @@ def _thresholds(value, name: str) -> dict[str, float]:
 
 
 class FindingsReader:
-    """Reads measured steps into findings (see the module docstring).
-
-    Args:
-        thresholds: ``{kind: threshold}`` overriding :data:`KINDS`' defaults (``None`` turns a
-            kind off); the testbed's figures in each message are for the default thresholds.
-        on_finding: called with each :class:`Finding` once per kind per fit; returning True
-            asks the monitor to stop the run; an exception from it is said once and it is not
-            called again (training goes on).
-        name: the name messages start with.
-        warn: ``warn(message)``; default ``warnings.warn(message, HealthWarning)``.
-
-    Raises:
-        ArgumentError: a threshold that is not a finite number > 0 or None, an unknown kind,
-            or an ``on_finding`` that is not callable.
-    """
+    """Reads measured steps into findings (see the module docstring): ``thresholds`` override :data:`KINDS`'
+    defaults (None turns a kind off); ``on_finding`` is called with each :class:`Finding` (an exception from
+    it is said once and it is not called again); messages start with ``name`` and are said by
+    ``warn(message)`` (default ``warnings.warn(message, HealthWarning)``) and ``info(message)``.  Raises
+    :class:`ArgumentError` for a bad threshold or kind, or an ``on_finding`` that is not callable."""
 
     def __init__(self, *, thresholds: Mapping[str, float | None] | None = None,
                  on_finding: Callable[[Finding], object] | None = None, name: str = "lnmonitor",
@@ -194,19 +169,11 @@ class FindingsReader:
         self.name = name
         self._warn = warn or (lambda message: warn_at_user(message, HealthWarning))
         self._info = info or (lambda message: None)
-        self.raised: dict[str, Finding] = {}
-        self.holding: set[str] = set()
-        self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
-        self.first: LadderSnapshot | None = None  # the ladder at the fit's first measured step
-        self.last: LadderSnapshot | None = None  # the ladder at the latest measured step
-        self.loss_rule = LossRule()
-        # the loss rule fired: (step, its signals), said with the next measured step's figures
-        self.pending_loss: tuple[int, dict[str, float]] | None = None
+        self.reset()
 
     def read(self, step: int, result: LadderResult | None) -> Reading:
-        """The findings of measured step ``step`` (``result`` None: nothing measured, nothing said).
-        The fit's first measured step with a ladder sets the growth every later step is judged
-        against; a ladder already taller than :data:`TALL_AT_START` there is said as information."""
+        """The findings of measured step ``step`` (``result`` None: nothing said).  The fit's first measured
+        step with a ladder sets the growth later steps are judged against."""
         if result is None:
             return Reading()
         signals = step_signals(result.figures)
@@ -224,19 +191,16 @@ class FindingsReader:
                        reading.stop or said.stop)
 
     def read_growth(self, step: int, growth: float) -> Reading:
-        """The every-step growth of step ``step`` (:meth:`LadderMeter.take_growth`): only
-        ``stream_growth`` is judged, against the fit's first measured step (nothing before it)."""
+        """The every-step growth of step ``step``: only the growth's kinds are judged (nothing before the
+        fit's first measured step)."""
         if self.start is None:
             return Reading()
         return self._judge(step, {"growth": growth})
 
     def read_loss(self, step: int, loss: float) -> Reading:
-        """The training loss of step ``step``: only ``loss_blowup`` is judged, by the
-        :class:`~lnmonitor.core.findings.loss_rule.LossRule`.  When the rule first fires it is kept
-        in :attr:`pending_loss` (nothing said yet): the monitor measures its next step, and
-        :meth:`read` then says it with what the norms did between the measured step before and that
-        one (:func:`~lnmonitor.core.findings.loss_rule.what_the_norms_did`; :meth:`say_pending_loss`
-        says it without, where nothing can be measured)."""
+        """The training loss of step ``step``: only ``loss_blowup`` is judged.  When the rule first fires it
+        is kept in :attr:`pending_loss`: the next :meth:`read` says it with what the norms did (or
+        :meth:`say_pending_loss`, where nothing can be measured)."""
         minimum = self.loss_rule.minimum
         ratio = self.loss_rule.ratio(loss)
         if self.pending_loss is not None:
@@ -249,8 +213,8 @@ class FindingsReader:
         return self._judge(step, signals)
 
     def say_pending_loss(self, before: LadderSnapshot | None = None) -> Reading:
-        """Say the loss rule's pending finding, with what the norms did between ``before`` (the
-        measured step before it) and :attr:`last`; nothing where none is pending."""
+        """Say the loss rule's pending finding, with what the norms did between ``before`` (the measured step
+        before it) and :attr:`last`."""
         if self.pending_loss is None:
             return Reading()
         (step, signals), self.pending_loss = self.pending_loss, None
@@ -258,8 +222,7 @@ class FindingsReader:
         return self._judge(step, signals, diagnosis)
 
     def _judge(self, step: int, signals: dict[str, float], diagnosis: str = "") -> Reading:
-        """Raise, hold and end the kinds whose signal ``signals`` has (``diagnosis``: what the
-        norms did, for the loss rule's message)."""
+        """Raise, hold and end the kinds whose signal ``signals`` has (``diagnosis``: for the loss rule)."""
         reading = Reading()
         if self.start is not None:
             signals = {**signals, "growth_over_start": growth_over_start(signals.get("growth", math.nan),
@@ -306,13 +269,17 @@ class FindingsReader:
 
     def reset(self) -> None:
         """A new fit: every kind may be raised again, against the new fit's first measured step."""
-        self.raised, self.holding, self.start = {}, set(), None
-        self.first = self.last = self.pending_loss = None
+        self.raised: dict[str, Finding] = {}
+        self.holding: set[str] = set()
+        self.start: tuple[int, float] | None = None  # (step, growth) of the fit's first measured step
+        self.first: LadderSnapshot | None = None  # the ladder at the fit's first measured step
+        self.last: LadderSnapshot | None = None  # the ladder at the latest measured step
         self.loss_rule = LossRule()
+        # the loss rule fired: (step, its signals), said with the next measured step's figures
+        self.pending_loss: tuple[int, dict[str, float]] | None = None
 
     def state_dict(self) -> dict:
-        """What a resumed fit needs so a kind is not raised twice, and its growth is judged
-        against the same start."""
+        """What a resumed fit needs not to raise a kind twice and to judge against the same start."""
         state = {"raised": {k: vars(f) for k, f in self.raised.items()}, "holding": sorted(self.holding),
                  "loss_rule": self.loss_rule.state_dict()}
         if self.start is not None:
@@ -332,13 +299,10 @@ class FindingsReader:
 
 def state_from_health(points: Iterable[tuple[int, str, float]],
                       start: tuple[int, float] | None = None) -> dict:
-    """The :meth:`FindingsReader.state_dict` that a fit resumed from a record of its
-    ``lnmonitor/health/<kind>`` values restores, from ``points`` ``(step, kind, value)`` in step
-    order (a monitor that keeps no state of its own keeps each change of those values) and the fit's
-    ``start`` ``(step, growth)`` when it was kept: a kind with a value 1 is raised, at the step of
-    its first (its value, threshold and message were not kept: NaN and a note), and holds when its
-    last value is 1.  Kinds this version does not know are left out; no points and no start: a
-    fresh fit's state."""
+    """The :meth:`FindingsReader.state_dict` restored from a record of the ``lnmonitor/health/<kind>``
+    values, ``points`` ``(step, kind, value)`` in step order, and the fit's ``start`` ``(step, growth)``: a
+    kind with a value 1 is raised at the step of its first (value and threshold NaN, a note for message),
+    and holds when its last value is 1; unknown kinds are left out."""
     raised: dict[str, dict] = {}
     last: dict[str, float] = {}
     for step, kind, value in points:
@@ -355,10 +319,9 @@ def state_from_health(points: Iterable[tuple[int, str, float]],
 
 
 def state_from_log(entries: Iterable[Mapping]) -> dict:
-    """:func:`state_from_health` of a framework's log of dicts, each with its ``step`` (the
-    Trainer's ``log_history``, restored from a checkpoint; empty on a fresh fit): every
-    ``lnmonitor/health/<kind>`` in it, in its order, and the first ``lnmonitor/ladder/growth``
-    as the fit's start (a monitor keeps that one at the fit's start for this)."""
+    """:func:`state_from_health` of a framework's log of dicts with a ``step`` (the Trainer's
+    ``log_history``): its ``lnmonitor/health/<kind>`` values, and its first ``lnmonitor/ladder/growth`` as
+    the fit's start."""
     points, start = [], None
     for entry in entries:
         if "step" not in entry:
@@ -374,9 +337,9 @@ def state_from_log(entries: Iterable[Mapping]) -> dict:
 
 def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
                     info: Callable[[str], None] | None = None) -> FindingsReader | None:
-    """The reader a monitor builds from its ``findings`` argument (None: the default thresholds;
-    a dict ``{kind: threshold}``; False: no findings) and ``on_finding``; its warnings come from
-    the process that speaks (``speaks()``, rank zero) only.  Raises :class:`ArgumentError`."""
+    """The reader a monitor builds from its ``findings`` argument (see :func:`finding_thresholds`) and
+    ``on_finding``, warning only where ``speaks()`` (rank zero); None for no findings.  Raises
+    :class:`ArgumentError`."""
     thresholds = finding_thresholds(findings)
     if thresholds is None:
         function(on_finding, "on_finding", "on_finding(finding)")
@@ -390,9 +353,8 @@ def findings_reader(findings, on_finding, speaks: Callable[[], bool], name: str,
 
 
 def finding_thresholds(findings) -> dict[str, float | None] | None:
-    """A monitor's ``findings`` setting as ``{kind: threshold}`` (None or True: the defaults; a
-    dict overrides them, None turning a kind off), or None for ``False`` (no findings).  Raises
-    :class:`ArgumentError`."""
+    """A monitor's ``findings`` setting as ``{kind: threshold}`` (None or True: the defaults; a dict
+    overrides them, None turning a kind off), or None for ``False``.  Raises :class:`ArgumentError`."""
     if findings is False:
         return None
     if findings is not None and findings is not True and not isinstance(findings, Mapping):
@@ -403,9 +365,8 @@ def finding_thresholds(findings) -> dict[str, float | None] | None:
 
 def health(reader: FindingsReader | None, step: int, result: LadderResult | None,
            stop: Callable[[], object]) -> dict[str, float]:
-    """What a monitor does with a measured step's findings, in one call: read them (warn, call
-    ``on_finding``), call ``stop()`` when ``on_finding`` asked to stop, and return the
-    ``lnmonitor/health/<kind>`` metrics to log with the step's (empty without a reader)."""
+    """Read a measured step's findings, call ``stop()`` when ``on_finding`` asked to, and return the
+    ``lnmonitor/health/<kind>`` metrics to log (empty without a reader)."""
     if reader is None:
         return {}
     reading = reader.read(step, result)
@@ -416,9 +377,8 @@ def health(reader: FindingsReader | None, step: int, result: LadderResult | None
 
 def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: int,
                stop: Callable[[], object]) -> Reading:
-    """What a monitor does at the end of every optimizer step ``step``: close it for the meter's
-    every-step growth and read that (a finding is said at the step the growth crosses, on an
-    accelerator the step after); ``stop()`` when ``on_finding`` asked to stop."""
+    """At the end of every optimizer step: read the meter's every-step growth of ``step`` (on an accelerator
+    said a step later); ``stop()`` when ``on_finding`` asked to stop."""
     if reader is None or meter is None:
         return Reading()
     taken = meter.take_growth(step)
@@ -431,8 +391,7 @@ def every_step(reader: FindingsReader | None, meter: LadderMeter | None, step: i
 
 
 def reads_growth(reader: FindingsReader | None) -> bool:
-    """Whether ``reader`` judges a kind read from the ladder's growth: a monitor's meter watches the
-    growth on every step only then."""
+    """Whether ``reader`` judges a kind read from the ladder's growth (the meter then watches every step)."""
     return reader is not None and any(
         kind.signal in GROWTH_SIGNALS and reader.thresholds[name] is not None for name, kind in KINDS.items())
 

@@ -1,12 +1,6 @@
-"""The signals the findings read from one measured step: figures the meter already has.
-
-:func:`step_signals` gives the ladder's ``growth`` (judged as :func:`growth_over_start`) and the
-first rung's ``first_eps_over_var``; :func:`crosses` says whether a value is past a threshold.
-The testbed that validated them (research/stability/candidate_signals.py) reads these same
-figures beside its other candidates, so a threshold measured there means the same figure in a
-user's run.  Nothing here is recomputed from rows: every value is a field of the step's
-:class:`~lnmonitor.core.meter.meter.LadderFigures`.  Imports no Lightning and no torch.
-"""
+"""The signals the findings read from one measured step's
+:class:`~lnmonitor.core.meter.meter.LadderFigures` (the same figures the testbed,
+research/stability/candidate_signals.py, read), and :func:`crosses`.  Imports no torch."""
 
 from __future__ import annotations
 
@@ -31,18 +25,16 @@ def crosses(value: float, direction: str, threshold: float) -> bool:
 
 
 def growth_over_start(growth: float, start: float) -> float:
-    """The ladder's ``growth`` over its value at the fit's first measured step (``start``): what
-    the fit itself did to the stream, whatever the model it started from had (a pretrained
-    checkpoint's ladder is tall from the start); nan unless both are finite and positive."""
+    """The ladder's ``growth`` over its value at the fit's first measured step (``start``): what the fit
+    itself did to the stream; nan unless both are finite and positive."""
     if not (math.isfinite(growth) and math.isfinite(start) and growth > 0 and start > 0):
         return math.nan
     return growth / start
 
 
 def step_signals(figures: LadderFigures | None) -> dict[str, float]:
-    """``{"growth": ..., "first_eps_over_var": ...}`` of one measured step: the stream's growth
-    (rms of the last rung's input over the first's) and eps/var of the first rung; nan where the
-    step has no such figure (no ladder, a model with one rung)."""
+    """``{"growth": ..., "first_eps_over_var": ...}`` of one measured step: the stream's growth (rms of the
+    last rung's input over the first's) and the first rung's eps/var; nan where the step has none."""
     if figures is None:
         return {"growth": math.nan, "first_eps_over_var": math.nan}
     by_name = figures.by_name()

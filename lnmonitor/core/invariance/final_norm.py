@@ -1,23 +1,16 @@
 """Which norm is final, and whether it is: found by a forward, checked by the gradient.
 
-:func:`find_final_norm` takes the last norm to run in the forward.  The invariance cases
-transform only what the norm sees, so they show the loss's invariance only when the norm's
-input reaches the loss through the norm alone.  For a model without a final norm (the head
-reads the residual stream), the last norm to run is a block's norm whose input also flows
-on through the residual: the loss is not invariant, yet the cases would read zero.
-:func:`final_norm_bypass` measures the share of the loss gradient at the norm's input that
-goes around the norm (0 for a true final norm); the probe checks it once and refuses
-(:class:`NotAFinalNorm`) above :data:`FINAL_BYPASS_TOLERANCE`.
-
-This is the meter's rule (:func:`~lnmonitor.core.norms.roles.assign_roles`: the last norm to run,
-if no gradient goes around it) taken on the probe's own rows; the probe uses it only where no
-meter has decided (:class:`~lnmonitor.core.invariance.probe.InvarianceProbe`'s ``meter``).
+:func:`find_final_norm` takes the last norm to run (the meter's rule,
+:func:`~lnmonitor.core.norms.roles.assign_roles`, on the probe's own rows).  Without a final norm that is a
+block's norm whose input also flows on through the residual, where the cases would wrongly read zero:
+:func:`final_norm_bypass` measures the share of the loss gradient at the norm's input that goes around it,
+and the probe refuses (:class:`NotAFinalNorm`) above :data:`FINAL_BYPASS_TOLERANCE`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -26,20 +19,19 @@ from torch import Tensor, nn
 from lnmonitor.core import dtensors
 from lnmonitor.core.hooks import Hooks, restored
 from lnmonitor.core.invariance.loss_contract import LossFn, default_loss, split_output
+from lnmonitor.core.invariance.probe_rows import map_tensors
 from lnmonitor.core.norms.find import NormInfo, find_norms
 
 __all__ = [
     "FINAL_BYPASS_TOLERANCE", "NotAFinalNorm", "final_norm_bypass", "find_final_norm", "named_norm",
 ]
 
-# share of the loss gradient at the final norm's input allowed to go around the norm (a
-# true final norm gives exactly 0: the two gradients are the same numbers)
+# share of the loss gradient at the final norm's input allowed to go around it (a true final norm: exactly 0)
 FINAL_BYPASS_TOLERANCE = 1e-6
 
 
 class NotAFinalNorm(ValueError):
-    """The norm taken as the final norm has a residual path around it: there is no
-    final-norm invariance to check."""
+    """The norm taken as the final norm has a residual path around it: no invariance to check."""
 
 
 def named_norm(norms: Sequence[NormInfo], final_norm: nn.Module | str) -> NormInfo:
@@ -55,9 +47,8 @@ def named_norm(norms: Sequence[NormInfo], final_norm: nn.Module | str) -> NormIn
 def find_final_norm(
     module: nn.Module, batch, loss_fn: LossFn | None = None, norms: Sequence[NormInfo] | None = None
 ) -> str:
-    """Qualified name of the last normalisation layer to run in ``module``'s forward on
-    ``batch`` (found with temporary forward hooks, under ``no_grad``, in eval mode).
-    ``norms``: the norms to consider (default :func:`lnmonitor.core.norms.find.find_norms`)."""
+    """Qualified name of the last of ``norms`` (default: every norm) to run in ``module``'s forward on
+    ``batch``, under ``no_grad`` in eval mode."""
     norms = find_norms(module) if norms is None else list(norms)
     if not norms:
         raise ValueError("the module has no normalisation layer (see lnmonitor.core.norms.find.find_norms)")
@@ -67,48 +58,18 @@ def find_final_norm(
             hooks.forward(info.module, lambda m, a, o, n=info.name: order.append(n))
         (loss_fn or default_loss)(module, batch)
     if not order:
-        raise ValueError(
-            "no normalisation layer ran in the forward: name the final norm explicitly"
-        )
+        raise ValueError("no normalisation layer ran in the forward: name the final norm explicitly")
     return order[-1]
 
 
-def _grad_ready(batch):
-    """The batch with every inference-mode tensor replaced by a normal copy (a probe batch
-    taken during validation may be one; autograd cannot save it for the backward)."""
-    if isinstance(batch, Tensor):
-        return batch.clone() if batch.is_inference() else batch
-    if isinstance(batch, Mapping):
-        return {k: _grad_ready(v) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_grad_ready(v) for v in batch]
-    if isinstance(batch, tuple):
-        items = [_grad_ready(v) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
-    return batch
-
-
-def final_norm_bypass(
-    module: nn.Module,
-    batch,
-    final_norm: nn.Module | str,
-    *,
-    loss_fn: LossFn | None = None,
-    autocast: Callable[[], object] | None = None,
-) -> float:
-    """How much of the loss's dependence on the final norm's input ``h`` goes around the
-    norm: ``|dL/dh - J^T dL/dy| / |dL/dh|`` on ``batch`` (``J`` the norm's Jacobian, ``y``
-    its output), one forward and two partial backwards with gradient, in eval mode.
-
-    0 when ``h`` reaches the loss only through the norm (a true final norm: the two
-    gradients are the same numbers); of order 1 when a residual path carries ``h`` on
-    (a model without a final norm, whose last norm is inside a block); 1.0 when the loss
-    does not depend on the norm's output at all; nan when it cannot tell (the norm did
-    not run on a tensor that needs gradient).  Parameters' ``.grad`` are not touched.
-    ``h`` is the tensor the norm's caller passed (before a tensor-parallel input hook makes a
-    ``DTensor`` of it, whose gradient would be the norm's alone), and the norms are summed
-    over the ranks of a ``DTensor`` input's mesh.
-    """
+def final_norm_bypass(module: nn.Module, batch, final_norm: nn.Module | str, *, loss_fn: LossFn | None = None,
+                      autocast: Callable[[], object] | None = None) -> float:
+    """How much of the loss's dependence on the final norm's input ``h`` goes around the norm, in eval mode:
+    ``|dL/dh - J^T dL/dy| / |dL/dh|`` on ``batch`` (``J`` the norm's Jacobian, ``y`` its output). 0 for a true
+    final norm; of order 1 when a residual path carries ``h`` on; 1.0 when the loss does not depend on the
+    norm's output; nan when it cannot tell. Parameters' ``.grad`` are not touched. ``h`` is the tensor the
+    norm's caller passed (before a tensor-parallel input hook makes a ``DTensor`` of it), and the norms are
+    summed over the ranks of a ``DTensor`` input's mesh."""
     loss_fn = loss_fn or default_loss
     norm = module.get_submodule(final_norm) if isinstance(final_norm, str) else final_norm
     ctx = autocast or nullcontext
@@ -120,13 +81,12 @@ def final_norm_bypass(
 
     def hook(mod, args, output):
         if "h" not in seen and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
-            seen["h"], seen["y"] = seen.get("passed", args[0]), output
-            seen["input"] = args[0]
+            seen["h"], seen["y"], seen["input"] = seen.get("passed", args[0]), output, args[0]
 
     with Hooks() as hooks, torch.inference_mode(False), torch.enable_grad():
         hooks.forward_pre(norm, passed, prepend=True)
         hooks.forward(norm, hook)
-        batch = _grad_ready(batch)
+        batch = map_tensors(batch, lambda t: t.clone() if t.is_inference() else t)  # not an inference tensor
         with restored(module, batch):
             with ctx():
                 loss, _ = split_output(loss_fn(module, batch))

@@ -1,9 +1,6 @@
-"""The loss contract of the invariance probe: what a forward returns and how a batch is passed.
-
-``loss_fn(module, batch)`` returns the loss or ``(logits, loss)`` (:data:`LossFn`);
-:func:`default_loss` calls the module with the batch, and :func:`split_output` reads the
-loss and the logits from what a forward returned.
-"""
+"""The loss contract of the invariance probe: ``loss_fn(module, batch)`` (:data:`LossFn`) returns the loss or
+``(logits, loss)``; :func:`default_loss` calls the module with the batch; :func:`split_output` reads a
+forward's output."""
 
 from __future__ import annotations
 
@@ -17,14 +14,12 @@ LossFn = Callable[[nn.Module, object], object]
 
 
 def split_output(out) -> tuple[Tensor, Tensor | None]:
-    """``(loss, logits)`` from a forward output: a scalar loss, ``(logits, loss)``, or a
-    mapping with ``"loss"`` (and optionally ``"logits"``)."""
+    """``(loss, logits)`` from a forward output: a scalar loss, ``(logits, loss)``, or a mapping with
+    ``"loss"`` (and optionally ``"logits"``)."""
     if isinstance(out, Tensor):
         if out.numel() != 1:
-            raise ValueError(
-                f"the forward returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
-                "pass loss_fn(module, batch) returning the loss or (logits, loss)"
-            )
+            raise ValueError(f"the forward returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
+                             "pass loss_fn(module, batch) returning the loss or (logits, loss)")
         return out, None
     if isinstance(out, Mapping) and "loss" in out:
         return out["loss"], out.get("logits")
@@ -32,20 +27,15 @@ def split_output(out) -> tuple[Tensor, Tensor | None]:
         logits, loss = out
         if isinstance(loss, Tensor) and loss.numel() == 1:
             return loss, logits if isinstance(logits, Tensor) else None
-    raise ValueError(
-        f"cannot find a loss in a forward output of type {type(out).__name__}: the default "
-        "expects module(x, y) to return a loss or (logits, loss); pass loss_fn(module, batch)"
-    )
+    raise ValueError(f"cannot find a loss in a forward output of type {type(out).__name__}: the default "
+                     "expects module(x, y) to return a loss or (logits, loss); pass loss_fn(module, batch)")
 
 
 def default_loss(module: nn.Module, batch):
-    """``module(*batch)`` for a tuple/list batch (``module(**batch)`` for any mapping, a
-    ``BatchEncoding`` included, else ``module(batch)``): a loss or ``(logits, loss)`` as
-    :func:`split_output` reads it."""
+    """``module(*batch)`` for a tuple/list batch, ``module(**batch)`` for any mapping (a ``BatchEncoding``
+    included), else ``module(batch)``."""
     if isinstance(batch, Mapping):
-        out = module(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = module(*batch)
-    else:
-        out = module(batch)
-    return out
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)

@@ -1,59 +1,13 @@
-"""Final-norm invariance (docs/design.md), in plain torch: no Lightning.
+"""Final-norm invariance (docs/design.md), in plain torch.
 
-The final norm has no residual after it, so with ``h`` its input the loss is invariant
-to ``h + c 1`` exactly and to ``a h`` (a > 0) up to ``eps/v``.  :func:`final_norm_invariance`
-checks this on one batch by transforming the final norm's input inside the forward:
-
-* cases (:data:`CASES`): ``shift_5`` (h + 5), ``shift_1000`` (h + 1000), ``scale_3`` (3h),
-  ``scale_3_shift_5`` (3h + 5) and the control ``axis_5`` (h + 5 e_0, coordinate 0 only,
-  which must move the loss);
-* the scale sweep over ``a`` in :data:`SWEEP_SCALES`: per-``a`` *signed* delta-loss and
-  median ``eps/v`` at that scale (``eps / (a^2 v)``), a least-squares fit of ``log|dloss|``
-  against ``log(eps/v)`` over the points with ``1e-5 < eps/v < 10`` whose delta-loss has
-  one sign, at least three of them
-  (:func:`~lnmonitor.core.invariance.sweep.fit_sweep`; ``slope``, ``constant =
-  exp(intercept)``, ``fit_note`` saying how or why not), and the points with
-  ``eps/v <= 1e-5`` whose loss moved flagged as float32 rounding, not eps (only when the
-  unscaled input's ``eps/v`` is below 1e-5 too: otherwise a large ``a`` moves the loss by
-  removing the model's own eps effect, which is real).
-
-How the input is transformed.  A forward hook on the final norm takes its input ``h``,
-applies the transform in float64 and replaces the norm's output by the norm evaluated
-there in float64 from its checked form (:meth:`lnmonitor.core.norms.find.NormInfo.affine` of ``xhat``:
-``gain * xhat + bias``, which the norm reproduced in float64 before it was measured), cast
-back to the output's dtype; the untransformed baseline goes through the same float64
-path.  The delta-loss is therefore what the *transformation* does to the loss through
-the rest of the model at the model's own precision, without the float32 rounding of
-``h + 1000`` or of the norm's own arithmetic (which would otherwise swamp the eps effect
-at small ``sigma``).  So the shift cases are zero to the last bit in float32 for a
-LayerNorm, and non-zero for a norm that is not shift-invariant (an RMSNorm; a
-hand-written "LayerNorm" that forgets to centre is found to be one).  Only the final norm
-sees the transformed input (the hook replaces its output): a path that reads ``h`` around
-the final norm is not transformed.  No copy of the module is made, so a sharded model
-(FSDP2) is probed the same way.
-
-Only the first pass runs the model whole: the others replay what finished before the
-final norm was called (the embeddings, the blocks, an encoder), the same in every pass,
-and run from the final norm on (:class:`lnmonitor.core.invariance.replay.PrefixReplay`), after one
-replayed pass has given the first pass's loss and logits to the bit (else they run whole;
-a sharded model's passes always do).  A run costs about one forward pass and, per case
-and scale, the head and the loss.
-
-The norm-output residual ``|xhat(T h) - xhat(h)| / |xhat(h)|`` is computed per row in
-float64 on ``xhat`` (before the gain and bias), so for ``T h = a h + c 1`` it equals
-``|a sigma / sigma_a - 1|`` with ``sigma_a = sqrt(a^2 v + eps)`` exactly (RMSNorm: ``v``
-is the mean square, and shifts are not an invariance).  Reported as the median over
-rows, with the maximum alongside.
-
-The module's train/eval flags and the torch RNG state (CPU and the batch's CUDA
-device) are restored afterwards; everything runs under ``torch.no_grad()``, eagerly
-(``torch.compile``-d code would not see the hook) and invisible to the norm taps of a
-``LayerNormMonitor`` measuring the same step.
-
-Is the norm final?  :mod:`lnmonitor.core.invariance.final_norm` finds it and checks it; the result
-types are in :mod:`lnmonitor.core.invariance.results`, the loss contract in
-:mod:`lnmonitor.core.invariance.loss_contract`, the sweep's fit in :mod:`lnmonitor.core.invariance.sweep`, and
-the stateful probe the monitors drive in :mod:`lnmonitor.core.invariance.probe`.
+With ``h`` the final norm's input, the loss is invariant to ``h + c 1`` exactly and to ``a h`` up to
+``eps/v``.  :func:`final_norm_invariance` checks this on one batch: the cases of :data:`CASES` (``axis_5`` is
+the control that must move the loss) and the scale sweep over :data:`SWEEP_SCALES`.  A forward hook replaces
+the final norm's output by its checked float64 form (:meth:`~lnmonitor.core.norms.find.NormInfo.affine` of
+``xhat``) at the transformed input; the baseline takes the same path, so a delta-loss is the transformation's
+effect alone.  The passes after the first replay what ran before the final norm
+(:class:`~lnmonitor.core.invariance.replay.PrefixReplay`) once a replayed pass gives the first one's loss and
+logits to the bit; a sharded model's run whole.  The module's train/eval flags and the RNG state are restored.
 """
 
 from __future__ import annotations
@@ -97,25 +51,16 @@ def _transform(h: Tensor, scale: float, shift: float, axis: bool) -> Tensor:
 
 
 def final_norm_invariance(
-    module: nn.Module,
-    batch,
-    final_norm: nn.Module | str | None = None,
-    *,
-    loss_fn: LossFn | None = None,
-    cases: Sequence[str] = CASES,
-    scales: Sequence[float] = SWEEP_SCALES,
-    autocast: Callable[[], object] | None = None,
-    norms: Sequence[NormInfo] | None = None,
+    module: nn.Module, batch, final_norm: nn.Module | str | None = None, *, loss_fn: LossFn | None = None,
+    cases: Sequence[str] = CASES, scales: Sequence[float] = SWEEP_SCALES,
+    autocast: Callable[[], object] | None = None, norms: Sequence[NormInfo] | None = None,
 ) -> InvarianceResult:
-    """Run the invariance cases and the scale sweep of the final norm on ``batch``.
-
-    ``final_norm``: the module or its qualified name; ``None`` finds the last norm to run
-    (:func:`find_final_norm`).  ``loss_fn(module, batch)`` returns the loss or
-    ``(logits, loss)``; the default calls ``module(*batch)`` (see :func:`default_loss`).
-    ``autocast``: an optional context-manager factory entered around every forward (e.g.
-    a Lightning precision plugin's ``forward_context``).  ``norms``: the model's norms, when
-    already found (they are not searched again).  Returns plain dataclasses.
-    """
+    """Run the invariance cases and the scale sweep of the final norm on ``batch``. ``final_norm``: the module
+    or its qualified name; None finds the last norm to run
+    (:func:`~lnmonitor.core.invariance.final_norm.find_final_norm`). ``loss_fn(module, batch)`` returns the
+    loss or ``(logits, loss)`` (default :func:`~lnmonitor.core.invariance.loss_contract.default_loss`).
+    ``autocast``: a context-manager factory entered around every forward. ``norms``: the model's norms, when
+    already found."""
     unknown = [c for c in cases if c not in CASE_TRANSFORMS]
     if unknown:
         raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")
@@ -130,8 +75,7 @@ def final_norm_invariance(
     norm, name = info.module, info.name
     ctx = autocast or nullcontext
 
-    # the transform of the current pass, the first pass's input and eps, and the row statistics
-    # of the transformed input at the current pass's first call of the norm
+    # the current pass's transform, the first pass's input and eps, the stats at the pass's first norm call
     state: dict = {"t": None, "h": None, "eps": None, "stats": None}
 
     def hook(mod, args, output):
@@ -157,8 +101,7 @@ def final_norm_invariance(
         loss, logits = dtensors.whole(loss.detach()), dtensors.whole(logits)
         return loss.float(), None if logits is None else logits.detach(), state["stats"]
 
-    # the passes after the first replay what ran before the final norm (a sharded model's
-    # forward is a collective, which every rank must run alike: it runs whole)
+    # a sharded model's forward is a collective every rank must run alike: its passes run whole
     replay = PrefixReplay(module, norm) if (cases or scales) and not sharded(module) else None
     with Hooks() as hooks, restored(module, batch), torch.no_grad():
         hooks.forward(norm, hook)
@@ -171,8 +114,8 @@ def final_norm_invariance(
         d = base.xhat.shape[-1]
         xhat = base.xhat.reshape(-1, d)
         xnorm = torch.linalg.vector_norm(xhat, dim=-1)
-        # per case: the loss, max |logits - base logits| and the norm-output residual per row
-        results: dict[str, tuple] = {}
+        eps, v, base_value = float(state["eps"]), base.var.reshape(-1), float(base_loss)
+        res = InvarianceResult(name, info.kind, eps, int(xhat.shape[0]), base_value)
         for c in cases:
             with passes():
                 loss, logits, stats = run(CASE_TRANSFORMS[c])
@@ -180,24 +123,17 @@ def final_norm_invariance(
             if logits is not None and base_logits is not None and logits.shape == base_logits.shape:
                 dlogit = float((logits.float() - base_logits.float()).abs().max())
             resid = torch.linalg.vector_norm(stats.xhat.reshape(-1, d) - xhat, dim=-1) / xnorm
-            results[c] = (loss, dlogit, resid[torch.isfinite(resid)])
-        sweep_losses = {}
+            res.cases[c] = _case(c, float(loss) - base_value, dlogit, resid[torch.isfinite(resid)], v, eps,
+                                 info.kind)
+        dlosses = []
         for a in scales:
             if a == 1.0:
-                sweep_losses[a] = base_loss
-                continue
-            with passes():
-                sweep_losses[a] = run((a, 0.0, False))[0]
-
-    eps = float(state["eps"])
-    v = base.var.reshape(-1)
-    base_value = float(base_loss)
-
-    res = InvarianceResult(name, info.kind, eps, int(xhat.shape[0]), base_value)
-    for c in cases:
-        loss, dlogit, resid = results[c]
-        res.cases[c] = _case(c, float(loss) - base_value, dlogit, resid, v, eps, info.kind)
-    sweep = _sweep([(a, float(sweep_losses[a]) - base_value) for a in scales], v, eps)
+                loss = base_loss
+            else:
+                with passes():
+                    loss = run((a, 0.0, False))[0]
+            dlosses.append((a, float(loss) - base_value))
+    sweep = _sweep(dlosses, v, eps)
     res.slope, res.constant, res.fit_note = fit_sweep(sweep)
     res.sweep = fitted(sweep)
     return res
@@ -205,21 +141,18 @@ def final_norm_invariance(
 
 def _case(case: str, dloss: float, dlogit: float | None, resid: Tensor, v: Tensor, eps: float,
           kind: str) -> CaseResult:
-    """One case's result from its delta-loss, max |delta-logit| and per-row output residuals;
-    the expected residual ``|a sigma / sigma_a - 1|`` where the transform is ``a h + c 1`` and
-    the norm is shift-invariant (a LayerNorm) or not shifted."""
+    """One case's result; the expected residual ``|a sigma / sigma_a - 1|`` where the transform is
+    ``a h + c 1`` and the norm is shift-invariant (a LayerNorm) or not shifted."""
     scale, shift, axis = CASE_TRANSFORMS[case]
     expected = None
     if not axis and (shift == 0.0 or kind == "layer"):
         sigma = torch.sqrt(v + eps)
         sigma_a = torch.sqrt(scale * scale * v + eps)
         expected = float(torch.nanmedian((scale * sigma / sigma_a - 1.0).abs()))
-    return CaseResult(
-        case=case, scale=scale, shift=shift, dloss=dloss, max_dlogit=dlogit,
-        out_residual=float(resid.median()) if resid.numel() else math.nan,
-        out_residual_max=float(resid.max()) if resid.numel() else math.nan,
-        expected_residual=expected,
-    )
+    return CaseResult(case=case, scale=scale, shift=shift, dloss=dloss, max_dlogit=dlogit,
+                      out_residual=float(resid.median()) if resid.numel() else math.nan,
+                      out_residual_max=float(resid.max()) if resid.numel() else math.nan,
+                      expected_residual=expected)
 
 
 def _sweep(dlosses: Sequence[tuple[float, float]], v: Tensor, eps: float) -> list[SweepPoint]:
@@ -230,8 +163,7 @@ def _sweep(dlosses: Sequence[tuple[float, float]], v: Tensor, eps: float) -> lis
         ratio = eps / (a * a * v_med) if v_med > 0 else math.nan
         moved = dl != 0.0 and math.isfinite(dl)
         in_window = moved and FIT_RANGE[0] < ratio < FIT_RANGE[1]
-        # Rounding only when eps can explain nothing: tiny eps/v at this scale *and* at
-        # a = 1 (else a large a moves the loss by removing the model's own eps effect).
+        # rounding only when eps explains nothing here *and* at a = 1 (else a large a removes the model's eps)
         rounding = moved and max(ratio, eps / v_med) <= ROUNDING_BELOW
         points.append(SweepPoint(a, dl, ratio, in_window, bool(rounding)))
     return points

@@ -1,10 +1,4 @@
-"""The final-norm invariance probe of one model, with its state: run whenever a monitor decides.
-
-Every monitor (the Lightning callback, the transformers.Trainer callback, the plain loop's)
-drives one :class:`InvarianceProbe`: it finds the final norm once, checks once that it is
-final (:func:`lnmonitor.core.invariance.final_norm.final_norm_bypass`), and keeps the last point so
-that a point probed without its sweep can get the sweep alone.
-"""
+"""The final-norm invariance probe of one model, with its state, which every monitor drives."""
 
 from __future__ import annotations
 
@@ -39,30 +33,19 @@ class NonFiniteLoss(ValueError):
 
 
 class InvarianceProbe:
-    """The final-norm invariance probe of one model, run whenever its driver decides.
-
-    ``InvarianceProbe(model).run(batch)`` takes the final norm on the first run by the meter's
-    rule (:func:`~lnmonitor.core.norms.roles.assign_roles`: the last norm to run whose input
-    reaches the loss through it alone): ``final_norm`` when named; else the meter's, when a monitor
-    hands its ``meter`` (:attr:`~lnmonitor.core.meter.meter.LadderMeter.final`, once a measured
-    step found it); else the last of ``norms`` to run on ``batch``.  It checks once with
-    :func:`final_norm_bypass` that the loss reaches its input only through it (else raises
-    :class:`NotAFinalNorm`, whose message says why and what to do), then runs
-    :func:`final_norm_invariance`.  ``loss_fn``, ``cases``, ``scales``, ``autocast`` and
-    ``norms`` are passed on to it; ``norms`` defaults to the ``meter``'s (its ``include`` and
-    ``exclude`` apply), else every norm of the model.
-    """
+    """The final-norm invariance probe of one model, run whenever its driver decides. The first :meth:`run`
+    takes the final norm: ``final_norm`` when named; else the ``meter``'s
+    (:attr:`~lnmonitor.core.meter.meter.LadderMeter.final`, once a measured step found it); else the last of
+    ``norms`` to run on the batch. It checks once with
+    :func:`~lnmonitor.core.invariance.final_norm.final_norm_bypass` that the loss reaches its input only
+    through it (else raises :class:`~lnmonitor.core.invariance.final_norm.NotAFinalNorm`), then runs
+    :func:`~lnmonitor.core.invariance.measure.final_norm_invariance` with ``loss_fn``, ``cases``, ``scales``,
+    ``autocast`` and ``norms`` (default: the ``meter``'s, else every norm of the model)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn | None = None,
-        *,
-        final_norm: str | None = None,
-        cases: Sequence[str] = CASES,
-        scales: Sequence[float] = SWEEP_SCALES,
-        autocast: Callable[[], object] | None = None,
-        norms: Sequence[NormInfo] | None = None,
+        self, model: nn.Module, loss_fn: LossFn | None = None, *, final_norm: str | None = None,
+        cases: Sequence[str] = CASES, scales: Sequence[float] = SWEEP_SCALES,
+        autocast: Callable[[], object] | None = None, norms: Sequence[NormInfo] | None = None,
         meter: LadderMeter | None = None,
     ) -> None:
         self.model = model
@@ -85,9 +68,9 @@ class InvarianceProbe:
         return step == self.last_step and self.last is not None and not self.last.sweep and bool(self.scales)
 
     def point(self, batch, step: int, *, sweep: bool) -> tuple[InvarianceResult, dict[str, float]]:
-        """The probe run of training ``step``: the cases, the sweep too with ``sweep`` (the curves need
-        the cases; the sweep is 7 replayed passes more).  A step probed last without its sweep gets the
-        sweep alone, added to it.  Returns the run's result and its finite metrics that are new."""
+        """The probe run of training ``step``: the cases, and the sweep too with ``sweep``.  A step probed
+        last without its sweep gets the sweep alone, added to it.  Returns the result and its new finite
+        metrics."""
         if sweep and self.sweep_missing(step):
             last, swept = self.last, self.run(batch, cases=False)
             result = replace(last, sweep=swept.sweep, slope=swept.slope, constant=swept.constant,
@@ -101,9 +84,7 @@ class InvarianceProbe:
         return result, metrics
 
     def run(self, batch, *, cases: bool = True, sweep: bool = True) -> InvarianceResult:
-        """One run on ``batch``: the cases and/or the scale sweep (``cases``/``sweep`` False
-        leave them out: a run costs one forward pass, and per case and scale the part of a pass
-        from the final norm on; see :func:`final_norm_invariance`)."""
+        """One run on ``batch``: the cases and/or the sweep (``cases``/``sweep`` False leave them out)."""
         if self.final_norm is None and self.meter is not None:
             self.final_norm = self.meter.final
         if self.final_norm is None:
@@ -115,12 +96,11 @@ class InvarianceProbe:
                 name = self.final_norm
                 who = f"final_norm={name!r}" if self.named else f"the last norm to run, {name!r},"
                 raise NotAFinalNorm(
-                    f"{who} is not a final norm: part of the loss gradient at its "
-                    f"input goes around it (relative size {bypass:.3g}; a residual path carries that "
-                    "input on), so the loss is not invariant to shifting or scaling it and there is "
-                    "no final-norm invariance to check. The model seems to have no final norm before "
-                    "its head; if it has one, name it with final_norm=..."
-                )
+                    f"{who} is not a final norm: part of the loss gradient at its input goes around it "
+                    f"(relative size {bypass:.3g}; a residual path carries that input on), so the loss is "
+                    "not invariant to shifting or scaling it and there is no final-norm invariance to check. "
+                    "The model seems to have no final norm before its head; if it has one, name it with "
+                    "final_norm=...")
             self.checked = True
         result = final_norm_invariance(
             self.model, batch, self.final_norm, loss_fn=self.loss_fn, cases=self.cases if cases else (),

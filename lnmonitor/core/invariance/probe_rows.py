@@ -1,15 +1,10 @@
 """The held-out rows the invariance probe runs on, taken from a data loader.
 
-Batches are whatever a loader yields: a tensor, or a mapping (a ``transformers``
-``BatchEncoding`` included), tuple, named tuple or list of them.  :func:`first_samples`
-gathers the first ``size`` samples from as many batches as it takes; batches padded to
-different lengths (dynamic padding) are joined by padding each to the longest, on the side
-it is padded on (its ``attention_mask`` says which): ``input_ids`` with the pad id
-(:func:`pad_id_of`), ``attention_mask`` with 0, ``labels`` with -100.  A batch it cannot
-join (a key of different lengths it has no pad value for, a leaf that is no tensor) ends the
-gathering, said once by name: the probe takes the rows joined before it.
-:func:`probe_batch` keeps the first ``size`` rows of a batch as detached copies (nothing of
-the user's batch is held or changed).
+A batch is a tensor, or a mapping (a ``BatchEncoding`` included), tuple, named tuple or list of them.
+:func:`first_samples` gathers the first ``size`` samples from as many batches as it takes, padding batches of
+different lengths to the longest on the side their ``attention_mask`` pads: ``input_ids`` with the pad id
+(:func:`pad_id_of`), ``attention_mask`` with 0, ``labels`` with -100.  A batch it cannot join ends the
+gathering, said once by name.  :func:`probe_batch` keeps the first ``size`` rows as detached copies.
 """
 
 from __future__ import annotations
@@ -43,8 +38,8 @@ class _Unjoinable(ValueError):
 
 
 def pad_id_of(model: nn.Module | None = None, tokenizer=None) -> Padding:
-    """The pad id of ``tokenizer`` (its ``pad_token_id``), else of the first module of
-    ``model`` with a ``config.pad_token_id`` (a transformers model), else 0, said so."""
+    """The pad id of ``tokenizer`` (its ``pad_token_id``), else of the first module of ``model`` with a
+    ``config.pad_token_id``, else 0, said so."""
     pad = getattr(tokenizer, "pad_token_id", None)
     if isinstance(pad, int):
         return Padding(pad, "the tokenizer's pad_token_id")
@@ -56,8 +51,8 @@ def pad_id_of(model: nn.Module | None = None, tokenizer=None) -> Padding:
 
 
 def map_tensors(batch, fn: Callable[[Tensor], object]):
-    """``batch`` with ``fn`` applied to every tensor in it (mappings, tuples and lists are
-    rebuilt with their own type; other leaves are kept as they are)."""
+    """``batch`` with ``fn`` applied to every tensor in it (mappings, tuples and lists rebuilt with their own
+    type; other leaves kept)."""
     if isinstance(batch, Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
@@ -77,8 +72,7 @@ def _samples(batch) -> int | None:
 
 
 def _left_padded(batch) -> bool:
-    """Whether ``batch``'s ``attention_mask`` pads on the left (every row's last token real,
-    some row's first token padding)."""
+    """Whether ``batch``'s ``attention_mask`` pads on the left (every last token real, some first not)."""
     found = padding_mask(batch)
     return found is not None and bool(found[0][:, -1].all()) and not bool(found[0][:, 0].all())
 
@@ -130,12 +124,6 @@ def _join(parts: list, key: str, pad: Padding, left: list[bool], masked: bool):
                       "rows to join")
 
 
-def _joined(batches: list, pad: Padding):
-    """``batches`` joined into one (see the module docstring); raises :class:`_Unjoinable`."""
-    masked = all(padding_mask(b) is not None for b in batches)
-    return _join(batches, "", pad, [_left_padded(b) for b in batches], masked)
-
-
 def _read(loader, size: int | None, warn: Callable[[str], None]) -> list:
     """The first batches of ``loader``, enough for ``size`` samples (one when it cannot count)."""
     batches, seen = [], 0
@@ -154,11 +142,10 @@ def _read(loader, size: int | None, warn: Callable[[str], None]) -> list:
 
 def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
                   info: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None):
-    """The first ``size`` samples of a loader (or of the first of a list or dict of them),
-    gathered from as many batches as it takes and joined (see the module docstring); None
-    when there is none.  ``pad``: the id ``input_ids`` are padded with (default 0, said);
-    ``info`` gets what was padded, ``warn`` why a batch could not be joined or read (once
-    per call each; None: not said).  Never raises on the loader's account."""
+    """The first ``size`` samples of a loader (or of the first of a list or dict of them), joined; None when
+    there is none.  ``pad``: the id ``input_ids`` are padded with (default 0, said); ``info`` gets what was
+    padded, ``warn`` why a batch could not be joined or read (once each).  Never raises on the loader's
+    account."""
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     elif isinstance(loaders, dict):
@@ -172,25 +159,22 @@ def first_samples(loaders, size: int | None, *, pad: Padding | None = None,
         return batches[0] if batches else None
     joined, used = batches[0], 1
     for batch in batches[1:]:
+        pair = [joined, batch]
         try:
-            joined = _joined([joined, batch], pad)
+            masked = all(padding_mask(b) is not None for b in pair)
+            joined = _join(pair, "", pad, [_left_padded(b) for b in pair], masked)
         except _Unjoinable as err:
             warn(f"batch {used + 1} cannot be joined to the probe rows before it: {err}; the probe takes the "
                  f"rows of the first {used} batch(es)")
             break
         used += 1
-    widths = {t.shape[1] for b in batches[:used] for t in _id_tensors(b)}
+    widths = {t.shape[1] for b in batches[:used] if isinstance(b, Mapping) for k, t in b.items()
+              if k in _ID_KEYS and isinstance(t, Tensor) and t.ndim == 2}
     if info is not None and len(widths) > 1:
         info(f"the probe rows join {used} batches padded to different lengths ({min(widths)} to "
              f"{max(widths)} tokens): each is padded to the longest on its own side, input_ids with "
              f"{pad.id} ({pad.source}), attention_mask with 0, labels with {LABEL_PAD}")
     return joined
-
-
-def _id_tensors(batch) -> list[Tensor]:
-    if not isinstance(batch, Mapping):
-        return []
-    return [v for k, v in batch.items() if k in _ID_KEYS and isinstance(v, Tensor) and v.ndim == 2]
 
 
 def probe_batch(batch, size: int | None):
@@ -201,8 +185,7 @@ def probe_batch(batch, size: int | None):
 
 
 def labels_problem(batch, label_names: Sequence[str]) -> str | None:
-    """Why ``model(**batch).loss`` gives the probe no loss on ``batch`` (None: it does): no
-    batch, not a mapping of the model's inputs, or none of ``label_names`` among its keys."""
+    """Why ``model(**batch).loss`` gives the probe no loss on ``batch`` (None: it does)."""
     if batch is None:
         return "there is no eval or training data to take probe rows from"
     if not isinstance(batch, Mapping):

@@ -1,28 +1,11 @@
 """Replay the part of a forward that runs before one module, so that later passes skip it.
 
-The invariance probe runs the same batch through a model several times, changing only
-what its final norm outputs; everything that finished before that norm was first called
-is the same in every pass.  :class:`PrefixReplay` records, during one pass, the outputs
-of the module calls that finish before ``stop`` starts, and in later passes returns them
-instead of running those calls (a pass then costs about what runs from ``stop`` on: for a
-language model the head and the loss).
-
-Which calls: those made directly by the model's code around ``stop`` -- the calls whose
-innermost enclosing call is one of ``stop``'s ancestors (or that have none: an encoder
-called by the loss function) -- that finish before ``stop`` starts: a transformer's
-embeddings and blocks, an encoder-decoder's whole encoder.  Their outputs are cloned when
-they return (a later in-place update of the stream does not reach the copy) and cloned
-again each time they are replayed, within a memory ``budget`` (calls past it run as
-usual).  A replayed call's inputs are never looked at: the passes must run the same
-batch, deterministically (eval mode, no dropout), and a call's result must not depend on
-how often it ran before (a model whose forward counts its calls gives each whole pass its
-own state; replayed, every pass sees the first pass's).
-
-It proves itself each time: :meth:`PrefixReplay.faithful` runs the recorded pass again
-with the replay and compares the loss (and logits) with the recorded pass bit for bit,
-and the probe uses the replay only when they are equal (a call with a side effect that
-the rest of the pass reads, code that fails replayed, or a kernel that is not
-deterministic, makes it fall back to whole passes).  Nothing is kept once the probe ends.
+:class:`PrefixReplay` records, during one pass, the outputs of the calls that finish before ``stop`` starts
+and are made directly by the code around it (the calls whose innermost enclosing call is one of ``stop``'s
+ancestors, or that have none: a transformer's embeddings and blocks, an encoder-decoder's encoder), cloned
+within a memory ``budget``; later passes return clones of them instead of running those calls.  The passes
+must run the same batch deterministically.  :meth:`PrefixReplay.faithful` checks each time that a replayed
+pass gives the recorded loss and logits to the bit; the probe replays only then.
 """
 
 from __future__ import annotations
@@ -43,8 +26,8 @@ REPLAY_BUDGET = 1 << 30
 
 
 def _clone(out):
-    """``out`` with every tensor cloned: tensors, tuples (named too), lists and mappings
-    (``transformers``' ``ModelOutput`` too) are rebuilt, other objects shared."""
+    """``out`` with every tensor cloned: tuples (named too), lists and mappings (``ModelOutput`` too) are
+    rebuilt, other objects shared."""
     if isinstance(out, Tensor):
         return out.clone()
     if isinstance(out, tuple):
@@ -71,20 +54,14 @@ def _bytes(out) -> int:
 
 
 class PrefixReplay:
-    """Record the calls of ``model`` that finish before ``stop`` first starts (see the module
-    docstring); replay them in later passes.
-
-    ``with replay.recording(): run()`` records (hooks on every submodule for the pass);
-    ``with replay.replaying(): run()`` replays; :meth:`faithful` says whether a replayed
-    pass gives what the recorded one gave, to the bit.
-    """
+    """Record the calls of ``model`` that finish before ``stop`` first starts (``with replay.recording():
+    run()``); replay them in later passes (``with replay.replaying(): run()``)."""
 
     def __init__(self, model: nn.Module, stop: nn.Module, budget: int = REPLAY_BUDGET) -> None:
-        self.model, self.stop = model, stop
-        self.budget = budget
+        self.model, self.stop, self.budget = model, stop, budget
         self.outputs: dict[tuple[nn.Module, int], object] = {}  # (module, call) -> cloned output
         names = {m: n for n, m in model.named_modules()}
-        stop_name = names.get(stop, None)
+        stop_name = names.get(stop)
         self._around = set() if stop_name is None else {
             m for m, n in names.items() if n == "" or stop_name.startswith(n + ".")}
 
@@ -95,7 +72,9 @@ class PrefixReplay:
         open_calls: list[tuple[nn.Module, int]] = []
         counts: dict[nn.Module, int] = {}
         direct: set[tuple[nn.Module, int]] = set()  # calls made by the code around ``stop``
-        state = {"started": False, "left": self._budget()}
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        free = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else self.budget
+        state = {"started": False, "left": min(self.budget, free)}
 
         def before(module, args) -> None:
             if module is self.stop:
@@ -156,27 +135,18 @@ class PrefixReplay:
 
     def faithful(self, run: Callable[[], tuple[Tensor, Tensor | None]],
                  recorded: tuple[Tensor, Tensor | None]) -> bool:
-        """Whether ``run()`` (the recorded pass's ``(loss, logits)``) replayed gives ``recorded``
-        to the bit (and raises nothing); when not, the recorded outputs are dropped
-        (:attr:`outputs` empty)."""
+        """Whether ``run()`` (the recorded pass's ``(loss, logits)``) replayed gives ``recorded`` to the bit
+        (and raises nothing); when not, the recorded outputs are dropped."""
         if not self.outputs:
             return False
         try:
             with self.replaying():
                 loss, logits = run()
+            base = recorded[1]  # torch.equal: False for different shapes
             same = torch.equal(loss, recorded[0]) and (
-                (logits is None and recorded[1] is None)
-                or (logits is not None and recorded[1] is not None and logits.shape == recorded[1].shape
-                    and torch.equal(logits, recorded[1])))
+                logits is None if base is None else logits is not None and torch.equal(logits, base))
         except Exception:  # noqa: BLE001 - code that cannot run replayed runs whole
             same = False
         if not same:
             self.outputs = {}
         return same
-
-    def _budget(self) -> int:
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return min(self.budget, free // 4)
-        return self.budget

@@ -1,9 +1,5 @@
-"""What the final-norm invariance probe measures: its cases, its scales and its result types.
-
-:func:`lnmonitor.core.invariance.measure.final_norm_invariance` fills an :class:`InvarianceResult`
-(one :class:`CaseResult` per case, one :class:`SweepPoint` per scale); its :meth:`metrics
-<InvarianceResult.metrics>` are what the monitors log (docs/design.md, section 4).
-"""
+"""What the final-norm invariance probe measures: its cases, its scales and its result types (an
+:class:`InvarianceResult`'s :meth:`~InvarianceResult.metrics` are what the monitors log)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,9 @@ __all__ = [
 ]
 
 CASES = INVARIANCE_CASES
-# The probe rows, one definition for every tool (the monitor's default probe_size, analyze,
-# eps-compare): the first PROBE_WINDOWS samples of the held-out data.  Across disjoint sets
-# of windows spanning the held-out text, the spread of a real delta-loss (scale 3 at
-# eps = 0.1) falls as 1/sqrt(windows): 0.37, 0.18, 0.08 of its mean at 8, 32, 128
-# (measured by benchmarks/probe_rows.py as of 4bc27ae, removed since).
+# The probe rows of every tool (the monitors' default probe_size, analyze, eps-compare): the first
+# PROBE_WINDOWS samples of the held-out data.  The spread of a real delta-loss (scale 3 at eps = 0.1) falls
+# as 1/sqrt(windows): 0.37, 0.18, 0.08 of its mean at 8, 32, 128 windows.
 PROBE_WINDOWS = 64
 SWEEP_SCALES = (1e3, 1e1, 1.0, 1e-1, 1e-2, 3e-3, 1e-3, 1e-4)
 
@@ -35,6 +29,7 @@ CASE_TRANSFORMS = {
     "scale_3_shift_5": (3.0, 5.0, False),
     "axis_5": (1.0, 5.0, True),
 }
+
 
 @dataclass
 class CaseResult:
@@ -82,8 +77,8 @@ class InvarianceResult:
         return [p.scale for p in self.sweep if p.rounding]
 
     def metrics(self) -> dict[str, float]:
-        """The logged metric names and values (cases without logits omit max_dlogit; a
-        delta-loss of exactly zero has no log10 and gets none, which the caller drops)."""
+        """The logged metric names and values (cases without logits omit max_dlogit; a delta-loss of
+        exactly zero gets a log10 of nan, which the caller drops)."""
         out: dict[str, float] = {}
         for name, c in self.cases.items():
             out[invariance_metric("dloss", name)] = c.dloss

@@ -1,21 +1,9 @@
 """The invariance probe's runs at training steps: one rule for every monitor.
 
-Each monitor (the Lightning invariance monitor, the ``transformers.Trainer`` callback, the
-plain loop's monitor) decides *when* a probe run is due and *where* its numbers go; what happens
-at a probe run is the same everywhere and written here: a step already probed is not probed
-again unless its sweep is asked for and missing, a non-finite loss is said once and the next
-step is tried, a sweep without a slope is noted once with the reason on the ``lnmonitor`` logger
-(nothing to act on: a short or healthy run often has too few sweep points to fit), and a probe
-that cannot run on this model turns the probe off with its cause and location (the rest of the
-monitor goes on), naming ``loss_fn=`` when it was the monitor's default call of the model with
-the batch that failed.
-
-Example::
-
-    >>> from lnmonitor.core.monitor.shared import Messages
-    >>> runs = InvarianceRuns("Monitor", Messages(warn=print))
-    >>> runs.take(0, sweep=False) is None  # no probe yet: nothing to take
-    True
+Each monitor decides *when* a probe run is due and *where* its numbers go; :class:`InvarianceRuns` does the
+run: a step already probed is not probed again unless its sweep is asked for and missing, a non-finite loss
+is said once and the next step is tried, a sweep without a slope is noted once on the ``lnmonitor`` logger,
+and a probe that cannot run on this model turns the probe off with its cause and location.
 """
 
 from __future__ import annotations
@@ -40,15 +28,13 @@ LOSS_FN_ADVICE = (
     "e.g. torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())."
 )
 
-# why a monitor's probe is off for an FSDP1 model (core.wrappers.fsdp1): its units gather their weights only
-# inside the root's forward, and the probe's passes call the model itself
+# why a monitor's probe is off for an FSDP1 model (core.wrappers.fsdp1)
 FSDP1_REFUSED = ("the model holds FSDP1 units (FullyShardedDataParallel, as Lightning's and Fabric's "
                  "FSDPStrategy wrap it), which gather their weights only inside the wrapper's forward, and "
                  "the probe's passes call the model itself; the ladder is not affected. Shard with FSDP2 "
                  "(fully_shard, Lightning's ModelParallelStrategy) or use DDP to probe the final norm.")
 
-# why the transformers.Trainer callback's probe is off for a sharded model (core.wrappers.sharded): it probes
-# on the main process alone, and such a model's forward gathers its parameters from every process
+# why the transformers.Trainer callback's probe is off for a sharded model (core.wrappers.sharded)
 SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP, DeepSpeed ZeRO-3), so "
                    "its forward is a collective every process must join, and this callback probes on the "
                    "main process alone; the ladder is not affected. To probe the final norm, train with "
@@ -57,37 +43,27 @@ SHARDED_REFUSED = ("the model's parameters are sharded over the processes (FSDP,
 
 
 class InvarianceRuns:
-    """The probe runs of ``prober`` on ``batch`` during one training run (:meth:`begin`), each
-    taken by :meth:`take`; ``name`` starts the messages ``messages`` says, and ``on_off(reason)``,
-    when given, is called instead of the message when the probe turns off; ``advice`` ends that
-    message when the probe failed running the default loss
-    (:func:`~lnmonitor.core.invariance.loss_contract.default_loss`): a monitor with a ``loss_fn=``
-    argument passes :data:`LOSS_FN_ADVICE`.
-
-    Attributes:
-        off_reason: why the probe is off for this run (None while it is on).
-        last_step: the step probed last (-1: none); a monitor that keeps its own
-            (a checkpoint's, on resume) sets it.
-        last: the last probe run's :class:`~lnmonitor.core.invariance.measure.InvarianceResult`.
-    """
+    """The probe runs of ``prober`` on ``batch`` during one training run (:meth:`begin`), each taken by
+    :meth:`take`; ``name`` starts the messages ``messages`` says; ``on_off(reason)``, when given, is called
+    instead of the message when the probe turns off; ``advice`` (:data:`LOSS_FN_ADVICE` for a monitor with a
+    ``loss_fn=`` argument) ends that message when the probe failed running the default loss. ``off_reason``:
+    why the probe is off (None while on); ``last_step``: the step probed last (-1: none; a monitor resuming
+    sets it); ``last``: the last run's :class:`~lnmonitor.core.invariance.results.InvarianceResult`."""
 
     def __init__(self, name: str, messages: Messages, on_off=None, advice: str = "") -> None:
         self.name = name
         self.messages = messages
         self.advice = advice
-        self._noted: set[str] = set()
         self._on_off = on_off  # a monitor whose probe is the monitor itself turns itself off (and says so)
-        self.prober: InvarianceProbe | None = None
-        self.batch = None
-        self.off_reason: str | None = None
-        self.last_step = -1
-        self.last: InvarianceResult | None = None
+        self.begin(None, None)
 
     def begin(self, prober: InvarianceProbe | None, batch) -> None:
         """A new run: probe ``batch`` with ``prober`` (None: the probe does not run)."""
         self.prober, self.batch = prober, batch
-        self.off_reason, self.last_step, self.last = None, -1, None
-        self._noted = set()
+        self.off_reason: str | None = None
+        self.last_step = -1
+        self.last: InvarianceResult | None = None
+        self._no_fit_noted = False
 
     def off(self, reason: str) -> None:
         """Turn the probe off for the rest of the run, saying why once (or ``on_off(reason)``)."""
@@ -104,9 +80,8 @@ class InvarianceRuns:
         return step > self.last_step or (sweep and self.prober.sweep_missing(step))
 
     def take(self, step: int, *, sweep: bool) -> tuple[dict[str, float], bool] | None:
-        """The probe run of ``step`` (the sweep too with ``sweep``): its new finite metrics and
-        whether they extend the step probed last (its sweep added to it); None when nothing
-        was taken (taken already, no probe, a non-finite loss, the probe turned off)."""
+        """The probe run of ``step`` (the sweep too with ``sweep``): its new finite metrics and whether they
+        extend the step probed last (its sweep added to it); None when nothing was taken."""
         if not self.wanted(step, sweep=sweep):
             return None
         extend = step == self.last_step
@@ -122,8 +97,8 @@ class InvarianceRuns:
             self.off(f"{type(err).__name__}: {err} (raised at {where(err)}).{advice}")
             return None
         self.last = result
-        if sweep and result.sweep and not math.isfinite(result.slope) and "no-fit" not in self._noted:
-            self._noted.add("no-fit")  # a note, not a warning: the reason stays in last_result.fit_note
+        if sweep and result.sweep and not math.isfinite(result.slope) and not self._no_fit_noted:
+            self._no_fit_noted = True  # a note, not a warning: the reason stays in last_result.fit_note
             _log.info("%s: no scale-sweep slope at step %d: %s. Noted once.", self.name, step,
                       result.fit_note)
         return metrics, extend

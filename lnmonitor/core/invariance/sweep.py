@@ -1,10 +1,5 @@
-"""The scale sweep's fit window, and why a sweep point is or is not in the fit.
-
-:mod:`lnmonitor.core.invariance.measure` measures the sweep and fits ``|dloss| = c (eps/v)^slope``
-on the longest run of one sign inside :data:`FIT_RANGE` (:func:`fit_sweep`; :func:`fitted`
-marks the points it used); the figures of ``analyze`` and ``lnmonitor report`` label every
-point with :func:`sweep_reason`.  Imports no torch, so the report reads it without.
-"""
+"""The scale sweep's fit (:func:`fit_sweep`, :func:`fitted`), and why a point is or is not in it
+(:func:`sweep_reason`, the figures' labels).  Imports no torch."""
 
 from __future__ import annotations
 
@@ -34,8 +29,8 @@ REASONS = {
 
 
 def sweep_reason(eps_over_var: float, in_fit: bool, rounding: bool, fitted: bool) -> str:
-    """The key of :data:`REASONS` for one sweep point whose loss moved: ``in_fit`` and
-    ``rounding`` as the sweep flagged it, ``fitted`` whether its run has a slope."""
+    """The key of :data:`REASONS` for one sweep point whose loss moved: ``in_fit`` and ``rounding`` as the
+    sweep flagged it, ``fitted`` whether its run has a slope."""
     if rounding:
         return "rounding"
     if not FIT_RANGE[0] < eps_over_var < FIT_RANGE[1]:
@@ -58,22 +53,15 @@ def _runs(sweep: Sequence[SweepPoint]) -> tuple[list[SweepPoint], list[list[Swee
 
 
 def fitted(sweep: Sequence[SweepPoint]) -> list[SweepPoint]:
-    """``sweep`` with ``in_fit`` computed: a point is in the fit when it is in the window and
-    in its longest run of one sign (see :func:`fit_sweep`)."""
+    """``sweep`` with ``in_fit`` computed: in the window and in its longest run of one sign."""
     best = max(_runs(sweep)[1], key=len, default=[])
     return [replace(p, in_fit=any(p is q for q in best)) for p in sweep]
 
 
 def fit_sweep(sweep: Sequence[SweepPoint]) -> tuple[float, float, str]:
-    """``(slope, constant, note)`` of ``|dloss| = constant (eps/v)^slope`` over the points in
-    the window, or nan and nan with the reason there is no meaningful fit.
-
-    The delta-loss has a sign (scaling the input down shrinks the logits, which can lower a
-    held-out loss), and a power law fits one sign: the fit uses the longest run of window
-    points, consecutive in eps/v, whose delta-loss has one sign, and needs at least three
-    (two points fit any line).  Points of the other sign leave the window points out of the
-    fit (:func:`fitted`) and the note says where the sign changes.
-    """
+    """``(slope, constant, note)`` of ``|dloss| = constant (eps/v)^slope``, or nan and nan with the reason
+    there is no fit.  A power law fits one sign: the fit takes the longest run of window points, consecutive
+    in eps/v, whose delta-loss has one sign, and needs at least three."""
     window, runs = _runs(sweep)
     best = max(runs, key=len, default=[])
     if len(best) < 3:

@@ -1,29 +1,13 @@
-"""Structural probes, why LayerNorm does what the monitors show (docs/design.md).
+"""Structural probes, why LayerNorm does what the monitors show (docs/design.md); pure torch.
 
-Pure torch, no Lightning.  Every probe returns a plain frozen dataclass of python
-numbers (and tuples of them), so results go straight to tables, JSON or loggers.
+Each probe returns a frozen dataclass of python numbers.  :func:`probe_norm_jacobian`: one norm at one real
+input row, the closed-form Jacobian against autograd in float64, its numerical rank at the module's eps and at
+eps = 0, and the *gain spread* (largest over smallest nonzero singular value of ``diag(g) (1/sigma) P``, ``P``
+the projector off the dead subspace).  :func:`probe_block_rank`: the Jacobian of a residual block at one
+position with respect to that position's hidden state, and of the branch through its first norm.
 
-* :func:`probe_norm_jacobian`: one norm at one real input row: the closed-form
-  Jacobian (:func:`lnmonitor.core.maths.geometry.jacobian`) against autograd in float64, its
-  numerical rank at the module's own eps and at eps = 0, and the *gain spread*: the
-  ratio of the largest to the smallest nonzero singular value of
-  ``diag(g) (1/sigma) P`` (``P`` the projector off the dead subspace), i.e. how far the
-  learned gain bends the otherwise flat spectrum.
-* :func:`probe_block_rank`: the Jacobian of a whole residual block at one position
-  with respect to that position's hidden state (other positions held fixed), and of
-  the branch through the block's first norm (``attn(ln1(.))`` in a pre-norm GPT).
-  The residual keeps the block full rank while the branch inherits the norm's deleted
-  directions.
-
-A *probe* in lnmonitor is a measurement made on a fixed batch outside the training
-step: these structural probes, and the invariance cases of :mod:`lnmonitor.core.invariance.measure`.
-
-Ranks are numerical ranks: the number of singular values above a tolerance that every
-result states (``rank_rule``).  The default is numpy's ``matrix_rank`` rule,
-``tol = s_max * d * eps_float64``; pass ``rtol`` for ``tol = rtol * s_max`` instead.
-
-The residual blocks, the branch through a block's first norm and the sequences the probes
-are taken at come from :mod:`lnmonitor.core.probes.blocks`.
+Ranks count the singular values above a tolerance every result states (``rank_rule``): numpy's
+``matrix_rank`` rule ``s_max * d * eps_float64`` by default, ``rtol * s_max`` with ``rtol``.
 """
 
 from __future__ import annotations
@@ -42,22 +26,11 @@ from lnmonitor.core.maths import geometry
 from lnmonitor.core.norms.find import NormInfo, describe_norm
 from lnmonitor.core.probes.blocks import Branch, resolve_branch
 
-__all__ = [
-    "BlockRankProbe",
-    "NormJacobianProbe",
-    "numerical_rank",
-    "probe_block_rank",
-    "probe_norm_jacobian",
-    "rank_rule",
-]
+__all__ = ["BlockRankProbe", "NormJacobianProbe", "numerical_rank", "probe_block_rank", "probe_norm_jacobian",
+           "rank_rule"]
 
 _F64 = torch.float64
 _EPS64 = float(torch.finfo(_F64).eps)
-
-
-# ---------------------------------------------------------------------------
-# numerical rank
-# ---------------------------------------------------------------------------
 
 
 def rank_rule(rtol: float | None, d: int) -> str:
@@ -68,10 +41,7 @@ def rank_rule(rtol: float | None, d: int) -> str:
 
 
 def numerical_rank(sv: Tensor, rtol: float | None = None) -> tuple[int, float]:
-    """``(rank, tol)`` of a descending spectrum ``sv`` of a square (d, d) matrix.
-
-    ``tol = s_max * d * eps_float64`` (numpy's default) or ``rtol * s_max``.
-    """
+    """``(rank, tol)`` of a descending spectrum ``sv`` of a square (d, d) matrix (see :func:`rank_rule`)."""
     d = sv.shape[-1]
     s_max = float(sv.max()) if d else 0.0
     tol = s_max * (d * _EPS64 if rtol is None else rtol)
@@ -86,23 +56,14 @@ def _check_rtol(rtol) -> float | None:
     return float(rtol)
 
 
-# ---------------------------------------------------------------------------
-# one norm at one row
-# ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NormJacobianProbe:
-    """A norm's Jacobian at one real input row, all in float64.
-
-    ``max_abs_error``: max |closed form - autograd| over the d x d entries, next to
-    ``max_abs_entry`` (max |J|) for scale.  ``rank`` at the module's ``eps`` (numerically
-    d-1 for LayerNorm: the scale direction passes ``transmission = eps/(v+eps)``) and
-    ``rank_eps0`` at eps = 0 (d-2).  ``gain_spread = gain_sv_max / gain_sv_min`` over the
-    d-k nonzero singular values of ``diag(g) (1/sigma) P`` (1 without a gain; inf if a
-    gain entry is 0).  ``singular_values``/``singular_values_eps0``: the Jacobian's
-    spectrum (with the gain), descending, in 1/(units of x).
-    """
+    """A norm's Jacobian at one real input row, all in float64. ``max_abs_error``: max |closed form -
+    autograd| over the entries, next to ``max_abs_entry`` (max |J|). ``rank`` at the module's ``eps`` (d-1 for
+    LayerNorm: the scale direction passes ``transmission = eps/(v+eps)``) and ``rank_eps0`` at eps = 0 (d-2).
+    ``gain_spread = gain_sv_max / gain_sv_min`` over the d-k nonzero singular values of ``diag(g) (1/sigma)
+    P`` (1 without a gain; inf if a gain entry is 0). ``singular_values``/``singular_values_eps0``: the
+    Jacobian's spectrum, descending, in 1/(units of x)."""
 
     name: str
     kind: NormKind
@@ -123,17 +84,15 @@ class NormJacobianProbe:
 
 
 def _norm_info(norm, kind: NormKind | None, eps: float | None):
-    """``(module, kind, eps, eps64, weight)`` from a ``NormInfo`` or a bare module: ``eps``
-    is what the norm applies to float32 input, ``eps64`` what it applies to float64 input
-    (they differ for an eps of None, "the dtype's machine epsilon")."""
+    """``(module, kind, eps, eps64, weight)`` from a ``NormInfo`` or a bare module: the eps the norm applies
+    to float32 and to float64 input (they differ for an eps of None, the dtype's machine epsilon)."""
     if not isinstance(norm, NormInfo):
         info = describe_norm(norm)
         if info is None:
             if kind is None or eps is None:
-                raise ValueError(
-                    f"{type(norm).__name__} is not a normalisation layer lnmonitor recognises: pass "
-                    "kind='layer' or 'rms' and eps=..., or register it with lnmonitor.register_norm"
-                )
+                raise ValueError(f"{type(norm).__name__} is not a normalisation layer lnmonitor recognises: "
+                                 "pass kind='layer' or 'rms' and eps=..., or register it with "
+                                 "lnmonitor.register_norm")
             weight = getattr(norm, "weight", None)
             return norm, kind, float(eps), float(eps), weight if isinstance(weight, Tensor) else None
         norm = info
@@ -146,26 +105,19 @@ def probe_norm_jacobian(
     norm, x: Tensor, *, name: str = "", kind: NormKind | None = None, eps: float | None = None,
     rtol: float | None = None,
 ) -> NormJacobianProbe:
-    """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd.
-
-    ``norm`` is a ``NormInfo`` from :func:`lnmonitor.core.norms.find.find_norms` or a norm module
-    (``kind``/``eps`` read from it when :mod:`lnmonitor.core.norms.find` recognises it).  The
-    module's float64 forward (:func:`lnmonitor.core.float64.float64_forward`) is differentiated; the
-    model is not touched.  The rank and spectrum use the eps the module applies to float32
-    input; the error is measured against the closed form at the eps it applies to float64
-    input (the two differ only for an eps of None, the dtype's machine epsilon).
-    """
+    """Check the closed-form Jacobian of ``norm`` at the row ``x`` (shape (d,)) against autograd. ``norm``: a
+    ``NormInfo`` or a norm module (``kind``/``eps`` read from it when recognised). The module's float64
+    forward is differentiated; the model is not touched. The rank and spectrum use the eps the module applies
+    to float32 input, the error the eps it applies to float64 input."""
     rtol = _check_rtol(rtol)
     if hasattr(norm, "name") and not name:
         name = norm.name
     module, kind, eps, eps64, weight = _norm_info(norm, kind, eps)
-    geometry.dead_dim(kind)
+    k = geometry.dead_dim(kind)  # validates kind
     shape = getattr(module, "normalized_shape", None)
     if shape is not None and not isinstance(shape, int) and len(tuple(shape)) > 1:
-        raise ValueError(
-            f"norm {name!r} normalises over {tuple(shape)}: the probes handle norms over the last "
-            "dimension only"
-        )
+        raise ValueError(f"norm {name!r} normalises over {tuple(shape)}: the probes handle norms over the "
+                         "last dimension only")
     with torch.inference_mode(False), torch.enable_grad():
         row = x.detach().reshape(-1).to("cpu", _F64).clone()
         d = row.shape[0]
@@ -182,7 +134,6 @@ def probe_norm_jacobian(
         rank, _ = numerical_rank(sv, rtol)
         rank0, _ = numerical_rank(sv0, rtol)
         st = geometry.normalise(row, eps, kind)
-        k = geometry.dead_dim(kind)
         basis = geometry.dead_basis(row, eps, kind)
         projector = torch.eye(d, dtype=_F64) - basis @ basis.T
         gained = projector / st.sigma if g is None else g[:, None] * projector / st.sigma
@@ -198,21 +149,12 @@ def probe_norm_jacobian(
     )
 
 
-# ---------------------------------------------------------------------------
-# residual blocks: block versus branch rank at one position
-# ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class BlockRankProbe:
-    """Jacobians at one position ``position`` of a block's input, other positions held fixed.
-
-    ``block_*``: ``d block(h)[position] / d h[position]`` (d x d, float64).  ``branch_*``:
-    the same for the branch ``branch`` (e.g. ``ln1 -> attn``).  ``*_rank`` counts singular
-    values above ``*_tol`` (rule in ``rank_rule``); ``*_sv_min``/``*_sv_max`` are the
-    smallest and largest singular values (dimensionless: the block maps the stream to
-    itself).
-    """
+    """Jacobians at one position ``position`` of a block's input, other positions held fixed. ``block_*``: ``d
+    block(h)[position] / d h[position]`` (d x d, float64); ``branch_*``: the same for the branch ``branch``
+    (e.g. ``ln1 -> attn``). ``*_rank`` counts singular values above ``*_tol``; ``*_sv_min``/``*_sv_max``: the
+    smallest and largest singular values (dimensionless)."""
 
     name: str
     position: int
@@ -231,26 +173,19 @@ class BlockRankProbe:
     branch_singular_values: tuple[float, ...]
 
 
-def _first_tensor(out):
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    raise TypeError(f"block returned {type(out).__name__}; expected a tensor (or a tuple starting with one)")
-
-
 def _position_jacobian(fn: Callable[[Tensor], Tensor], h: Tensor, pos: int) -> Tensor:
-    """``d fn(h)[0, pos] / d h[pos]`` (d x d), other positions fixed, in one batched backward.
-
-    The sequence is copied d times along the batch; copy ``i`` gets its own leaf for row
-    ``pos`` and contributes output coordinate ``i``, so one backward yields every row of
-    the Jacobian (batch elements never interact in an eval-mode transformer block).
-    """
+    """``d fn(h)[0, pos] / d h[pos]`` (d x d), other positions fixed: the sequence copied d times along the
+    batch, copy ``i`` giving output coordinate ``i``, so one backward yields every row."""
     steps, d = h.shape
     leaf = h[pos].expand(d, d).clone().requires_grad_(True)
     before, after = h[:pos].expand(d, pos, d), h[pos + 1:].expand(d, steps - pos - 1, d)
     batch = torch.cat([before, leaf[:, None], after], dim=1)
-    out = _first_tensor(fn(batch))
+    out = fn(batch)
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        out = out[0]
+    if not isinstance(out, Tensor):
+        raise TypeError(f"block returned {type(out).__name__}; expected a tensor (or a tuple starting with "
+                        "one)")
     if out.shape != (d, steps, d):
         raise ValueError(f"the block maps (B, T, d) to {tuple(out.shape)}; expected (B, T, d) back")
     (grad,) = torch.autograd.grad(out[:, pos].diagonal().sum(), leaf)
@@ -261,16 +196,12 @@ def probe_block_rank(
     block: nn.Module, h: Tensor, norms: Sequence[NormInfo], *, position: int = -1, name: str = "",
     branch: Sequence[str] | Branch | None = None, rtol: float | None = None,
 ) -> BlockRankProbe:
-    """Block and branch Jacobians of ``block`` at ``position`` of the hidden states ``h``.
-
-    ``h`` is one sequence, shape (T, d) or (1, T, d): the block's real input.  A float64
-    CPU copy of the block is called as ``block(h[None])`` (blocks needing more inputs:
-    wrap them); the model is not touched.  ``position`` may be negative (from the end).
+    """Block and branch Jacobians of ``block`` at ``position`` (negative: from the end) of ``h``, one
+    sequence (T, d) or (1, T, d) of the block's real input.  A float64 CPU copy of the block is called as
+    ``block(h[None])``; the model is not touched.
     """
     rtol = _check_rtol(rtol)
-    if h.ndim == 3:
-        if h.shape[0] != 1:
-            raise ValueError(f"h must be one sequence, (T, d) or (1, T, d); got {tuple(h.shape)}")
+    if h.ndim == 3 and h.shape[0] == 1:
         h = h[0]
     if h.ndim != 2:
         raise ValueError(f"h must be one sequence, (T, d) or (1, T, d); got {tuple(h.shape)}")
