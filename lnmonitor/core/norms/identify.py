@@ -1,20 +1,9 @@
 """The float64 check: which spec a candidate norm computes, or why it is refused.
 
-Every candidate (:func:`lnmonitor.core.norms.registry.candidates`) is checked once against its own
-output: the module's float64 forward (:func:`lnmonitor.core.float64.float64_forward`) runs on four
-designed rows and must reproduce ``gain * xhat + bias`` of its kind to 1e-4.  A declared or
-registered norm is checked as declared; for the others lnmonitor tries the kinds and the
-gains ``weight``, ``1 + weight`` (Gemma, LitGPT's ``add_unit_offset``) and none, and keeps
-the first that reproduces the output.  Without an epsilon attribute the epsilon is
-*measured* from the output on a low-variance row (``NormSpec.eps_measured``).  A candidate
-that reproduces nothing is *refused* (the measured mismatch and what to declare); nothing is
-ever measured with a gain or a kind its output does not confirm.  A candidate whose
-``forward`` takes more than the input it normalises (a gate, a mask, a conditioning: Mamba2's
-``MambaRMSNormGated.forward(x, gate)`` normalises ``x * silu(gate)``) is refused too:
-lnmonitor measures a norm on its first argument, which is then not what it normalises.
-
-Rows are the input flattened to ``(-1, d)`` with ``d = prod(normalized_shape)`` (or the
-gain's size, or the last dimension: :func:`width_of`).
+The module's float64 forward runs on four designed rows and must reproduce ``gain * xhat + bias`` of a
+candidate spec to 1e-4 (the first that does is kept; without an epsilon attribute the epsilon is
+measured from a low-variance row).  A candidate that reproduces none, or whose ``forward`` takes more
+than the input it normalises (Mamba2's gated norm), is refused with the reason.
 """
 
 from __future__ import annotations
@@ -62,8 +51,7 @@ def width_of(module: nn.Module, spec: NormSpec) -> int | None:
 
 @torch.no_grad()
 def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
-    """Run the float64 forward on the four check rows (once, cached in ``y_cache``) and compare
-    with the closed form of ``spec``; measure the epsilon when the module has none."""
+    """The float64 forward on the check rows (cached in ``y_cache``) against ``spec``'s closed form."""
     d = width_of(module, spec) or 16
     gain = spec.gain_of(module, torch.float64)
     bias = dtensors.flat64(getattr(module, "bias", None) if isinstance(getattr(module, "bias", None), Tensor)
@@ -99,8 +87,7 @@ def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
 
 
 def _measured_eps(c: Tensor, v: Tensor, g: Tensor, b: Tensor, y: Tensor, kind: NormKind) -> float | None:
-    """The epsilon the output implies on the row whose variance (mean square) is 1e-5,
-    where ``sigma^2 = 1e-5 + eps``, to 3 significant digits."""
+    """The epsilon the output implies on the row of variance 1e-5, to 3 significant digits."""
     row = 1 if kind == "layer" else 2
     num, den = g * c[row], y[row] - b
     keep = num.abs() > 0.1 * num.abs().max()
