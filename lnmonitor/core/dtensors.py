@@ -12,7 +12,7 @@ from torch import Tensor
 from lnmonitor.core import zero3
 
 __all__ = [
-    "STREAM_NODES", "flat64", "is_dtensor", "laid_out", "layout", "local", "summed", "unsharded",
+    "STREAM_NODES", "flat64", "is_dtensor", "laid_out", "local", "summed", "unsharded",
     "unsupported", "whole",
 ]
 
@@ -26,22 +26,16 @@ def is_dtensor(t: object) -> bool:
     return isinstance(t, Tensor) and hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-def layout(t: Tensor) -> str:
-    """``t``'s placements as torch writes them, e.g. ``(Shard(dim=1),)``."""
-    return repr(tuple(t.placements))
-
-
 def unsupported(*tensors: object) -> str | None:
     """Why a norm call's rows cannot be read from the local tensors (a ``DTensor`` among ``tensors``
     sharded along its last dimension, or ``Partial``), or None."""
-    for t in tensors:
-        if not is_dtensor(t):
-            continue
+    for t in filter(is_dtensor, tensors):
+        layout = repr(tuple(t.placements))
         for p in t.placements:
             if p.is_partial():
-                return f"a Partial placement {layout(t)}: each rank holds a summand of every row"
+                return f"a Partial placement {layout}: each rank holds a summand of every row"
             if p.is_shard() and p.dim % t.ndim == t.ndim - 1:
-                return f"the feature dimension sharded {layout(t)}: each rank holds part of every row"
+                return f"the feature dimension sharded {layout}: each rank holds part of every row"
     return None
 
 
@@ -68,9 +62,7 @@ def unsharded(t: Tensor) -> Tensor:
 
 def flat64(t: Tensor | None) -> Tensor | None:
     """``t`` :func:`unsharded`, detached, flat, in float64; None stays None."""
-    if t is None:
-        return None
-    return unsharded(t).detach().reshape(-1).to(torch.float64)
+    return None if t is None else unsharded(t).detach().reshape(-1).to(torch.float64)
 
 
 def laid_out(full: Tensor, output: Tensor, stream: Tensor) -> Tensor:

@@ -23,12 +23,9 @@ WRAPPER_NAMES = frozenset({"_forward_module", "_orig_mod", "_fsdp_wrapped_module
 def compiled(module: nn.Module) -> bool:
     """Whether ``module`` is, contains or is driven by ``torch.compile``-d code (an ``OptimizedModule``,
     ``nn.Module.compile()``, Lightning's ``_compiler_ctx``)."""
-    if getattr(module, "_compiler_ctx", None):
-        return True
-    for m in module.modules():
-        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
-            return True
-    return False
+    return bool(getattr(module, "_compiler_ctx", None)) or any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules())
 
 
 def sharded(module: nn.Module) -> bool:

@@ -90,14 +90,11 @@ def assign_roles(norms: Sequence[NormInfo], bypass: dict[str, float] | None = No
             return QK
         return EMBEDDING if any("emb" in part for part in parts[-2:]) else POST  # the norm or its parent
 
-    def rung(name: str) -> bool:  # an embedding norm no gradient reached (frozen embeddings) is none
-        unmeasured = math.isnan(bypass.get(name, math.nan))
-        return goes_around(name) and not (unmeasured and by_name(name) == EMBEDDING)
-
     if patterns is not None:
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
-    else:
-        rungs = [n.name for n in norms if rung(n.name)]
+    else:  # an embedding norm no gradient reached (frozen embeddings) is none
+        rungs = [n.name for n in norms if goes_around(n.name)
+                 and not (math.isnan(bypass.get(n.name, math.nan)) and by_name(n.name) == EMBEDDING)]
     stack_of_norm = stack_of([n.name for n in norms])
     finals = set()
     for s in dict.fromkeys(stack_of_norm.values()):
@@ -108,15 +105,8 @@ def assign_roles(norms: Sequence[NormInfo], bypass: dict[str, float] | None = No
             finals.update([n for n in names if n in rungs][-1:])
         elif not goes_around(names[-1]):
             finals.add(names[-1])  # the stack's last norm to run, its input read by it alone
-
-    def role(info: NormInfo) -> str:
-        if info.name in finals:
-            return FINAL
-        if info.name in rungs:
-            return RESIDUAL
-        return by_name(info.name)
-
-    return [info.with_role(role(info)) for info in norms]
+    return [info.with_role(FINAL if info.name in finals else RESIDUAL if info.name in rungs
+                           else by_name(info.name)) for info in norms]
 
 
 def expected_final(norms: Sequence[NormInfo], ladder: str | Sequence[str] | None = None,
