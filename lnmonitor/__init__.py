@@ -4,8 +4,7 @@ Three integrations with the same measurements, each imported on first use (``imp
 loads neither Lightning nor transformers): PyTorch Lightning callbacks (:class:`LayerNormMonitor`,
 :class:`FinalNormInvarianceMonitor`, :class:`StructureProbe`), a plain PyTorch loop
 (:class:`LoopMonitor`) and a ``transformers.Trainer`` (:class:`LNMonitorCallback`, the ``hf`` extra);
-each configured by one :class:`Settings` (or keyword arguments of the same names).
-"""
+each configured by one :class:`Settings` (or keyword arguments of the same names)."""
 
 from lnmonitor.errors import HealthWarning  # standard library only
 

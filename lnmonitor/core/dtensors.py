@@ -1,8 +1,6 @@
-"""``DTensor`` activations (tensor parallelism): the taps reduce each rank's *local* rows
-(:func:`local`), whole rows unless the feature dimension is sharded or ``Partial``
-(:func:`unsupported`); the invariance probe gathers whole tensors (:func:`whole`) and hands each rank
-back its part (:func:`laid_out`).
-"""
+"""``DTensor`` activations (tensor parallelism): the taps reduce each rank's *local* rows (:func:`local`),
+whole rows unless the feature dimension is sharded or ``Partial`` (:func:`unsupported`); the invariance
+probe gathers whole tensors (:func:`whole`) and hands each rank back its part (:func:`laid_out`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""How lnmonitor touches a model without leaving a trace: :class:`Hooks` (every hook it registers,
-removed together), :func:`unmeasured` (passes the norm taps ignore), :func:`eval_mode`, :func:`eager`
-(``torch.compile``-d code ignores hooks added after it compiled) and :func:`restored` (a probe's
-passes: all of these, with the train flags and the RNG state back after).
-"""
+"""How lnmonitor touches a model without leaving a trace: :class:`Hooks` (every hook it registers, removed
+together), :func:`unmeasured` (passes the norm taps ignore), :func:`eval_mode`, :func:`eager`
+(``torch.compile``-d code ignores hooks added after it compiled) and :func:`restored` (a probe's passes:
+all of these, with the train flags and the RNG state back after)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""What every monitor shares, with no framework imported: :class:`Messages` (information, and
-warnings once per key, from rank zero only), :func:`guarded` (the guard around every entry point: an
-exception turns the monitor off with one message, its hooks removed, and training goes on) and
-:class:`History` (the logged dicts of a run, kept when nothing else receives them).
-"""
+"""What every monitor shares, with no framework imported: :class:`Messages` (information, and warnings once
+per key, from rank zero only), :func:`guarded` (the guard around every entry point: an exception turns the
+monitor off with one message, its hooks removed, and training goes on) and :class:`History` (the logged
+dicts of a run, kept when nothing else receives them)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The module's float64 forward runs on four designed rows and must reproduce ``gain * xhat + bias`` of a
 candidate spec to 1e-4 (the first that does is kept; without an epsilon attribute the epsilon is
 measured from a low-variance row).  A candidate that reproduces none, or whose ``forward`` takes more
-than the input it normalises (Mamba2's gated norm), is refused with the reason.
-"""
+than the input it normalises (Mamba2's gated norm), is refused with the reason."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 A module is a candidate norm, in this order: it declares ``lnmonitor_norm_kind = "layer"`` or
 ``"rms"`` (``None`` opts out); its class was given to :func:`register_norm`; it is an ``nn.LayerNorm``
 or ``nn.RMSNorm``; it has ``normalized_shape``, ``eps`` and ``weight``, or no child and a class name
-containing "layernorm" or "rmsnorm" (any case).  An ``eps`` of None means ``finfo(dtype).eps``.
-"""
+containing "layernorm" or "rmsnorm" (any case).  An ``eps`` of None means ``finfo(dtype).eps``."""
 
 from __future__ import annotations
 
