@@ -130,10 +130,8 @@ def candidates(module: nn.Module) -> tuple[list[NormSpec], bool] | None:
     for klass in type(module).__mro__:
         if klass in _REGISTRY:
             return [_REGISTRY[klass]], True
-    if isinstance(module, nn.LayerNorm):
-        return [NormSpec("layer", "eps")], True
-    if isinstance(module, nn.RMSNorm):
-        return [NormSpec("rms", "eps")], True
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return [NormSpec("layer" if isinstance(module, nn.LayerNorm) else "rms", "eps")], True
     name = type(module).__name__.lower()
     duck = all(hasattr(module, a) for a in ("normalized_shape", "eps", "weight"))
     named = ("layernorm" in name or "rmsnorm" in name) and next(module.children(), None) is None
@@ -141,11 +139,9 @@ def candidates(module: nn.Module) -> tuple[list[NormSpec], bool] | None:
         return None
     kinds = ["rms", "layer"] if "rms" in name else ["layer", "rms"]
     eps = _eps_attr(module)
-    has_weight = isinstance(getattr(module, "weight", None), Tensor)
     offsets = [1.0, 0.0] if getattr(module, "add_unit_offset", False) else [0.0, 1.0]
-    gains = [("weight", o) for o in offsets] if has_weight else []
-    gains.append((None, 0.0))
-    return [NormSpec(k, eps, w, o) for k in kinds for w, o in gains], False
+    gains = [("weight", o) for o in offsets] if isinstance(getattr(module, "weight", None), Tensor) else []
+    return [NormSpec(k, eps, w, o) for k in kinds for w, o in [*gains, (None, 0.0)]], False
 
 
 def norm_eps(module: nn.Module, dtype: torch.dtype = torch.float32, attr: str | float | None = None) -> float:
