@@ -68,10 +68,8 @@ _REGISTRY: dict[type, NormSpec] = {}
 _REGISTRY_VERSION = [0]
 
 
-def register_norm(
-    cls: type, kind: NormKind = "layer", *, eps: str | float | None = "eps",
-    weight: str | None = "weight", offset: float = 0.0, gain: GainFn | None = None,
-) -> type:
+def register_norm(cls: type, kind: NormKind = "layer", *, eps: str | float | None = "eps",
+                  weight: str | None = "weight", offset: float = 0.0, gain: GainFn | None = None) -> type:
     """Declare ``cls`` (and its subclasses) a normalisation layer of ``kind``; returns ``cls``.
 
     ``eps`` names the epsilon's attribute or is the epsilon (a forward that hard-codes it); missing,
