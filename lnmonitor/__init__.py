@@ -1,15 +1,10 @@
 """lnmonitor: watch what LayerNorm and RMSNorm do to a transformer while it trains.
 
-Three integrations with the same measurements (each imported only when first used, so
-``import lnmonitor`` loads neither Lightning nor transformers):
-
-* PyTorch Lightning callbacks: :class:`LayerNormMonitor` (every norm's 1/sigma ladder and
-  dead-plane share), :class:`FinalNormInvarianceMonitor`, :class:`StructureProbe`;
-* a plain PyTorch loop: :class:`LoopMonitor`;
-* a ``transformers.Trainer``: :class:`LNMonitorCallback` (needs the ``hf`` extra);
-
-each configured by one :class:`Settings` (or keyword arguments of the same names).
-"""
+Three integrations with the same measurements, each imported on first use (``import lnmonitor``
+loads neither Lightning nor transformers): PyTorch Lightning callbacks (:class:`LayerNormMonitor`,
+:class:`FinalNormInvarianceMonitor`, :class:`StructureProbe`), a plain PyTorch loop
+(:class:`LoopMonitor`) and a ``transformers.Trainer`` (:class:`LNMonitorCallback`, the ``hf`` extra);
+each configured by one :class:`Settings` (or keyword arguments of the same names)."""
 
 from lnmonitor.errors import HealthWarning  # standard library only
 
@@ -22,8 +17,7 @@ __all__ = [
 
 
 def _lazy_attributes(package: str, table: dict[str, str]):
-    """A module ``__getattr__`` that imports each name of ``table`` from its module on first
-    use, so that importing a package (or a light module in it) loads nothing heavy."""
+    """A module ``__getattr__`` importing each name of ``table`` from its module on first use."""
 
     def __getattr__(name: str):
         if name in table:
@@ -35,8 +29,6 @@ def _lazy_attributes(package: str, table: dict[str, str]):
     return __getattr__
 
 
-# Lazy, so that `import lnmonitor.core.maths.geometry` (layer 1) does not import Lightning, and a
-# plain loop's `from lnmonitor import LoopMonitor` imports neither Lightning nor transformers.
 __getattr__ = _lazy_attributes(__name__, {
     "LayerNormMonitor": "lnmonitor.lightning",
     "FinalNormInvarianceMonitor": "lnmonitor.lightning",

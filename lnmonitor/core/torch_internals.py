@@ -1,16 +1,5 @@
-"""The private torch APIs the norm taps use, each looked up once, each with a
-fallback to the plain path, so a rename in torch costs speed, never a user's forward.
-
-* :func:`saved_tensor_hooks_active`: whether saved-tensor hooks (activation
-  checkpointing, ``save_on_cpu``) pack what autograd saves now.  Unknown: assume they do
-  (the taps then read the norm's input instead of what its backward saved).
-* :func:`backward_running`: whether a backward pass is running (a forward inside it is
-  non-reentrant checkpointing recomputing a region).  Unknown: ``None``, and the tap
-  measures the call; its output never receives a gradient, so nothing is counted twice.
-* :func:`layernorm_saved_stats`: the per-row mean and ``1/sqrt(var + eps)`` that
-  ``native_layer_norm`` saved for its backward.  Unknown: ``None``, and the tap reduces
-  the norm's input itself.
-"""
+"""The private torch APIs the norm taps use, each looked up once, each with a fallback to the plain
+path, so a rename in torch costs speed, never a user's forward."""
 
 from __future__ import annotations
 
@@ -25,6 +14,8 @@ _saved_stats_readable = True  # cleared for good the first time reading them fai
 
 
 def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (checkpointing, ``save_on_cpu``) pack what autograd saves now
+    (unknown: True)."""
     if _top_saved_hooks is None:
         return True
     try:
@@ -34,6 +25,8 @@ def saved_tensor_hooks_active() -> bool:
 
 
 def backward_running() -> bool | None:
+    """Whether a backward pass is running (a forward inside it is checkpointing's recompute); None:
+    unknown."""
     if _graph_task_id is None:
         return None
     try:
@@ -43,9 +36,8 @@ def backward_running() -> bool | None:
 
 
 def layernorm_saved_stats(output: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
-    """``(mean, rstd)`` saved by the ``native_layer_norm`` that produced ``output`` over its
-    last dimension, each with ``rows`` entries; ``None`` when ``output`` came from elsewhere
-    or torch no longer exposes them."""
+    """``(mean, rstd)`` that the ``native_layer_norm`` producing ``output`` saved, ``rows`` entries
+    each; None when ``output`` came from elsewhere or torch no longer exposes them."""
     global _saved_stats_readable
     fn = output.grad_fn
     if not _saved_stats_readable or fn is None or fn.name() != "NativeLayerNormBackward0":
@@ -59,8 +51,6 @@ def layernorm_saved_stats(output: Tensor, rows: int) -> tuple[Tensor, Tensor] | 
         return None
     except RuntimeError:  # freed, or packed by saved-tensor hooks: this call only
         return None
-    if not (isinstance(mean, Tensor) and isinstance(rstd, Tensor)):
-        return None
-    if mean.numel() != rows or rstd.numel() != rows:
+    if not (isinstance(mean, Tensor) and isinstance(rstd, Tensor)) or {mean.numel(), rstd.numel()} != {rows}:
         return None
     return mean, rstd

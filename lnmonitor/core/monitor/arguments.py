@@ -1,11 +1,5 @@
-"""Checks of the monitors' constructor arguments (the Lightning callbacks, the loop's monitor and the
-Trainer callback).
-
-Each check returns the value in its canonical form or raises :class:`ArgumentError` (a
-``ValueError``; the Lightning callbacks raise it as ``ArgumentError``) with a
-message that names the argument and says what to pass instead, so nonsense fails at
-construction, never at step 1000.
-"""
+"""Checks of the monitors' constructor arguments: each returns the value in its canonical form or
+raises :class:`ArgumentError` naming the argument and what to pass, at construction, not at step 1000."""
 
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ class ArgumentError(ValueError):
 
 
 def _integer(value) -> int | None:
-    """``value`` as an int when it is an integer (int, numpy integers), not a bool; else None."""
+    """``value`` as an int when it is an integer (numpy's too), not a bool; else None."""
     if isinstance(value, bool):
         return None
     try:
@@ -47,9 +41,7 @@ def positive_int(value, name: str, *, allow_none: bool = True, unit: str = "opti
 def position(value, name: str, hint: str) -> int:
     number = _integer(value)
     if number is None:
-        raise ArgumentError(
-            f"{name} must be an integer sequence position ({hint}), got {value!r}"
-        )
+        raise ArgumentError(f"{name} must be an integer sequence position ({hint}), got {value!r}")
     return number
 
 
@@ -75,24 +67,21 @@ def _strings(value) -> tuple | None:
 
 
 def patterns(value, name: str) -> tuple[str, ...] | None:
-    """One glob or several as a tuple (None stays None): the one normaliser of the
-    ``include``/``exclude``/``ladder`` patterns, for the monitors and for core alike."""
+    """One glob or several as a tuple (None stays None)."""
     if value is None:
         return None
     items = _strings(value)
     if not items or not all(isinstance(p, str) and p for p in items):
         raise ArgumentError(
             f"{name} must be a glob pattern or a list of glob patterns over qualified module "
-            f"names (e.g. 'model.blocks.*.ln1'), got {value!r}"
-        )
+            f"names (e.g. 'model.blocks.*.ln1'), got {value!r}")
     return items
 
 
 def module_name(value, name: str, example: str) -> str | None:
     if value is not None and not (isinstance(value, str) and value):
-        raise ArgumentError(
-            f"{name} must be the qualified name of a module (e.g. {example!r}) or None, got {value!r}"
-        )
+        raise ArgumentError(f"{name} must be the qualified name of a module (e.g. {example!r}) or None, "
+                            f"got {value!r}")
     return value
 
 
@@ -101,25 +90,20 @@ def choices(value, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     items = _strings(value) or (value,)
     bad = [c for c in items if not isinstance(c, str) or c not in allowed]
     if not items or bad or len(set(items)) != len(items):
-        raise ArgumentError(
-            f"{name} must be a non-empty list of distinct names from {list(allowed)}, got {value!r}"
-        )
+        raise ArgumentError(f"{name} must be a non-empty list of distinct names from {list(allowed)}, "
+                            f"got {value!r}")
     return items
 
 
 def scales(value, name: str) -> tuple[float, ...]:
-    items = None
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray, Mapping)):
-        given = tuple(value)
-        if all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in given):
-            try:
-                items = tuple(float(a) for a in given)
-            except (TypeError, ValueError, OverflowError):
-                items = None
+    given, items = None if isinstance(value, str) else _strings(value), None
+    if given is not None and all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in given):
+        try:
+            items = tuple(float(a) for a in given)
+        except (TypeError, ValueError, OverflowError):
+            pass
     if items is None or any(not (math.isfinite(a) and a > 0) for a in items) or len(set(items)) != len(items):
-        raise ArgumentError(
-            f"{name} must be a list of distinct finite numbers > 0, got {value!r}"
-        )
+        raise ArgumentError(f"{name} must be a list of distinct finite numbers > 0, got {value!r}")
     return items
 
 
@@ -143,8 +127,7 @@ def row_mask(value) -> Callable | bool | None:
         return value
     raise ArgumentError(
         f"row_mask must be None (padding from the batch's attention_mask), False (no "
-        f"mask) or a callable row_mask(batch) -> bool tensor of the rows to measure, got {value!r}"
-    )
+        f"mask) or a callable row_mask(batch) -> bool tensor of the rows to measure, got {value!r}")
 
 
 def child_path(value, name: str) -> tuple[str, ...] | Callable | None:
@@ -155,6 +138,5 @@ def child_path(value, name: str) -> tuple[str, ...] | Callable | None:
     if not items or not all(isinstance(n, str) and n for n in items):
         raise ArgumentError(
             f"{name} must be a sequence of child names such as ('ln1', 'attn'), a callable "
-            f"(block, h) -> output, or None; got {value!r}"
-        )
+            f"(block, h) -> output, or None; got {value!r}")
     return items

@@ -1,23 +1,11 @@
-"""The one configuration every monitor takes: :class:`Settings`, one name per setting, checked
-where it is built.
+"""The one configuration every monitor takes: :class:`Settings`, checked where it is built.
 
-Every monitor (:class:`~lnmonitor.LayerNormMonitor`, :class:`~lnmonitor.FinalNormInvarianceMonitor`,
-:class:`~lnmonitor.LNMonitorCallback`, :class:`~lnmonitor.LoopMonitor`) accepts one
-``Settings`` as ``settings=``, or builds one from keyword arguments of the same names, so a
-setting has the same name, default, check and meaning everywhere.  What only one framework has
-(the loop's ``writer`` and ``max_steps``, Lightning's ``histograms``, the probe's own
-``probe_batch`` and ``loss_fn``) stays an argument of that monitor.
+Every monitor accepts one ``Settings`` as ``settings=``, or keyword arguments of the same names, so a
+setting has one name, default, check and meaning everywhere; what only one framework has (the loop's
+``writer``, Lightning's ``histograms``, the probe's ``probe_batch``) stays an argument of that monitor::
 
-Example::
-
-    >>> from lnmonitor import Settings
-    >>> settings = Settings(every_n_steps=10, invariance_every_n_steps=500)
-    >>> settings.changed()
+    >>> Settings(every_n_steps=10, invariance_every_n_steps=500).changed()
     {'every_n_steps': 10, 'invariance_every_n_steps': 500}
-    >>> Settings(every_n_steps=0)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    lnmonitor.core.monitor.arguments.ArgumentError: every_n_steps must be a positive integer ...
 """
 
 from __future__ import annotations
@@ -36,14 +24,12 @@ __all__ = ["Settings"]
 
 @dataclass(frozen=True)
 class Settings:
-    """What a monitor measures, when, and what it shows; checked when built
-    (:class:`~lnmonitor.core.monitor.arguments.ArgumentError` names the setting and what to pass;
-    the Lightning callbacks raise it as ``MisconfigurationException``)."""
+    """What a monitor measures, when, and what it shows.  Raises
+    :class:`~lnmonitor.core.monitor.arguments.ArgumentError` naming the setting and what to pass."""
 
     every_n_steps: int | None = None
-    """Measure the norms every this many optimizer steps, counted from the fit's first, and the
-    last step when it is known; None: the framework's log cadence (Lightning's
-    ``log_every_n_steps``, the Trainer's ``logging_steps``; a plain loop: 50)."""
+    """Measure every this many optimizer steps (and the last one when known); None: the framework's log
+    cadence (``log_every_n_steps``, ``logging_steps``; a plain loop: 50)."""
 
     include: str | Sequence[str] | None = None
     """``fnmatch`` glob(s) over the norms' qualified names: only these are measured (None: all)."""
@@ -52,42 +38,39 @@ class Settings:
     """Glob(s) of norms left out (after ``include``)."""
 
     final_norm: str | None = None
-    """Qualified name of the final norm; None: found on the first measured step (the last norm
-    to run whose input reaches the loss through it alone).  The invariance probe checks it."""
+    """Qualified name of the final norm (the invariance probe checks it); None: found on the first
+    measured step."""
 
     ladder: str | Sequence[str] | None = None
-    """Glob(s) naming the ladder's rungs (the norms that read the residual stream); None: found
-    from the gradient on the first measured step."""
+    """Glob(s) naming the ladder's rungs (the residual-stream norms); None: found from the gradient."""
 
     row_mask: Callable | bool | None = None
-    """``row_mask(batch)`` -> bool tensor, True on the rows (tokens) to measure; None: the
-    batch's padding (``attention_mask`` 0) is left out; False: every row counts."""
+    """``row_mask(batch)`` -> bool tensor of the rows (tokens) to measure; None: the batch's padding
+    (``attention_mask`` 0) is left out; False: every row counts."""
 
     findings: Mapping[str, float | None] | bool | None = None
-    """The findings read from the measured steps (docs/findings.md): None or True for the
-    default thresholds, a dict ``{kind: threshold}`` (None turns a kind off), False for none."""
+    """The findings (docs/findings.md): None or True for the default thresholds, ``{kind: threshold}``
+    (None turns a kind off), False for none."""
 
     on_finding: Callable | None = None
-    """Called with each :class:`~lnmonitor.core.findings.reader.Finding` once per kind per fit;
-    returning True stops the run."""
+    """Called with each :class:`~lnmonitor.core.findings.reader.Finding` once per kind per fit; True
+    stops the run."""
 
     invariance_every_n_steps: int | None = 1000
-    """Run the final-norm invariance probe every this many optimizer steps and at the end of
-    training (with its scale sweep); None: no probe (``FinalNormInvarianceMonitor``: after
-    validations only, with ``on_validation=True``)."""
+    """Run the invariance probe every this many optimizer steps and at the end (with its scale sweep);
+    None: no probe (``FinalNormInvarianceMonitor``: after validations, with ``on_validation=True``)."""
 
     probe_size: int | None = PROBE_WINDOWS
     """The invariance probe's rows: the first this many held-out samples; None: one whole batch."""
 
     cases: Sequence[str] = CASES
-    """The invariance cases to run, a subset of ``shift_5, shift_1000, scale_3, scale_3_shift_5,
-    axis_5``."""
+    """The invariance cases, a subset of ``shift_5, shift_1000, scale_3, scale_3_shift_5, axis_5``."""
 
     scales: Sequence[float] = SWEEP_SCALES
     """The scale sweep's scales; an empty tuple skips the sweep."""
 
     images: bool = True
-    """Log the ladder's picture on measured steps and the ladder over training at the end."""
+    """Log the ladder's picture on measured steps, and the ladder over training at the end."""
 
     image_every_n_steps: int = 50
     """The least number of steps between two ladder pictures (the last step gets one)."""
@@ -125,9 +108,8 @@ class Settings:
     @classmethod
     def build(cls, settings: Settings | None, fields: Mapping[str, object], name: str,
               reads: Sequence[str] | None = None) -> Settings:
-        """A monitor's settings: ``settings`` (a :class:`Settings`), or keyword ``fields`` of the
-        same names (not both); a name that is not a setting, or not one of those the monitor
-        ``reads`` (None: all), is refused with the names it takes."""
+        """``settings``, or one built from keyword ``fields`` (not both); a field that is not a setting,
+        or not one the monitor ``reads`` (None: all), is refused with the names it takes."""
         names = [f.name for f in dataclasses.fields(cls)] if reads is None else list(reads)
         unknown = [key for key in fields if key not in names]
         if unknown:
@@ -145,7 +127,7 @@ class Settings:
         return settings
 
     def changed(self) -> dict[str, object]:
-        """The settings that differ from their defaults, in field order (for the summary's header)."""
+        """The settings that differ from their defaults, in field order."""
         default = Settings()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name)}

@@ -1,35 +1,7 @@
-"""What every monitor shares: how it speaks, the one guard around its entry points, its history.
-
-A monitor (the Lightning callbacks, the ``transformers.Trainer`` callback, the plain loop's
-monitor) only decides when to measure and where the numbers go; what they all need is
-written here, once, with no framework imported:
-
-* :class:`Messages` -- information (``info``) and warnings said once per key (``warn``), from
-  the process that speaks (rank zero) only;
-* :func:`guarded` -- every entry point of a monitor runs inside it: an exception from
-  lnmonitor, or from the user's code it calls, turns that monitor off with one message naming
-  the cause and where it was raised, its hooks are removed, and training goes on.  Only the
-  ``configuration_errors`` a monitor lists (bad arguments, a model with no norm to measure) pass through;
-* :class:`History` -- the logged dicts of a run, kept when nothing else receives them.
-
-Example::
-
-    >>> class Monitor:
-    ...     configuration_errors = (ValueError,)
-    ...     def __init__(self):
-    ...         self.messages = Messages(warn=lambda text: None)
-    ...         self.off_reason = None
-    ...     def detach(self):
-    ...         pass  # remove hooks, forget the step
-    ...     @guarded
-    ...     def on_step(self, step):
-    ...         return 1 / step
-    >>> monitor = Monitor()
-    >>> monitor.on_step(0) is None, monitor.off_reason.split(":")[0]
-    (True, 'ZeroDivisionError')
-    >>> monitor.on_step(1) is None  # off for the rest of the run
-    True
-"""
+"""What every monitor shares, with no framework imported: :class:`Messages` (information, and warnings once
+per key, from rank zero only), :func:`guarded` (the guard around every entry point: an exception turns the
+monitor off with one message, its hooks removed, and training goes on) and :class:`History` (the logged
+dicts of a run, kept when nothing else receives them)."""
 
 from __future__ import annotations
 
@@ -54,59 +26,38 @@ def due(step: int, every_n_steps: int, last_step: int | None = None) -> bool:
 
 
 def _print_info(text: str) -> None:
-    """Information a user sees without configuring ``logging``: the ``lnmonitor`` logger when
-    someone configured it to show its INFO (a handler on it or on the root, and the level),
-    else standard error (``logging.basicConfig()`` alone shows warnings only)."""
+    """The ``lnmonitor`` logger when it is configured to show INFO, else standard error."""
     if _log.isEnabledFor(logging.INFO) and _log.hasHandlers():
         _log.info(text)
     else:
         print(text, file=sys.stderr, flush=True)
 
 
-# the code between a user's line and a warning of lnmonitor's: lnmonitor itself, the frameworks
-# that call its monitors, and contextlib (a ``with monitor.step(...)`` block ends there)
+# the code between a user's line and a warning of lnmonitor's (contextlib: a ``with monitor.step()``)
 _FRAMEWORKS = ("lnmonitor", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
                "transformers", "accelerate", "torch", "contextlib")
 
 
-def _not_the_user() -> tuple[str, ...]:
-    """The folders (a package's) and files (a module's) of :data:`_FRAMEWORKS` imported now."""
-    places = []
-    for name in _FRAMEWORKS:
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            places.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
-    return tuple(places)
-
-
 def warn_at_user(text: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` pointing at the user's line: the first frame, going out, that is not
-    lnmonitor's or a framework's (the ``trainer.fit(...)`` or loop line of the user's script)."""
-    skip = _not_the_user()
+    """``warnings.warn`` pointing at the first frame, going out, that is neither lnmonitor's nor a
+    framework's (the user's ``trainer.fit(...)`` or loop line)."""
+    paths = [getattr(sys.modules.get(name), "__file__", None) for name in _FRAMEWORKS]
+    # a package's folder, a module's file
+    skip = tuple(os.path.dirname(p) + os.sep if p.endswith("__init__.py") else p for p in paths if p)
     frame, level = sys._getframe(0), 1
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     warnings.warn(text, category, stacklevel=level if frame is not None else 2)
 
 
-def _warn(text: str) -> None:
-    warn_at_user(text)
-
-
 class Messages:
-    """What a monitor says: ``info(text)`` for information, ``warn(key, text)`` once per key.
-
-    Args:
-        info: where information goes (default: the ``lnmonitor`` logger when logging is
-            configured, else standard error, so it is seen either way).
-        warn: ``warn(text)`` for a warning (default ``warnings.warn``).
-        speaks: whether this process speaks (False on every rank but zero).
-    """
+    """What a monitor says: ``info(text)``, and ``warn(key, text)`` once per key; ``info``/``warn``
+    replace where each goes, ``speaks`` is False on every rank but zero."""
 
     def __init__(self, info: Callable[[str], None] | None = None,
                  warn: Callable[[str], None] | None = None, speaks: bool = True) -> None:
         self._info = info or _print_info
-        self._warn = warn or _warn
+        self._warn = warn or warn_at_user
         self.speaks = speaks
         self._warned: set[str] = set()
 
@@ -151,8 +102,7 @@ class History:
 
 
 def off_message(who: str, reason: str) -> str:
-    """The one sentence that says a monitor (or one of its parts, ``who``) stopped for the rest of
-    the run, and why; training goes on."""
+    """The sentence saying that ``who`` (a monitor or a part of one) stopped for the run, and why."""
     return f"{who} is off for the rest of this run: {reason}"
 
 
@@ -167,15 +117,12 @@ def where(err: BaseException) -> str:
 
 
 def guarded(method: Callable | None = None, *, starts_run: bool = False) -> Callable:
-    """Run a monitor's entry point inside the guard.
+    """Run a monitor's entry point inside the guard; while the monitor is off it returns None.
 
-    The monitor has ``off_reason`` (None while on), ``messages`` (a :class:`Messages`), ``detach()``
-    (remove every hook, forget the step: called once when the guard trips), and may have
-    ``configuration_errors`` (the exception types that pass through: bad configuration) and ``advice``
-    (a sentence added to the message).  While the
-    monitor is off the entry point does nothing and returns None.  ``starts_run``: the entry
-    point that begins a run (a fit's ``setup``, ``on_train_begin``) turns the monitor on again
-    first.  The guarded body stays reachable as ``entry.__wrapped__``.
+    The monitor has ``off_reason`` (None while on), ``messages`` (a :class:`Messages`) and ``detach()``
+    (remove every hook: called when the guard trips), and may have ``configuration_errors`` (exception
+    types that pass through) and ``advice`` (added to the message).  ``starts_run``: the entry point
+    that begins a run turns the monitor on again first.  The body stays ``entry.__wrapped__``.
     """
 
     def wrap(fn: Callable) -> Callable:
@@ -213,5 +160,5 @@ def _trip(monitor, entry: str, err: Exception) -> None:
 
 
 def entry_points(cls: type) -> list[str]:
-    """The names of ``cls``'s guarded entry points (for tests and docs)."""
+    """The names of ``cls``'s guarded entry points."""
     return sorted(name for name in dir(cls) if getattr(getattr(cls, name, None), "guarded", False))

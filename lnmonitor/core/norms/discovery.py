@@ -1,10 +1,4 @@
-"""Which norms a monitor measures, and what it tells the user about them.
-
-:func:`choose_norms` is the prologue every monitor shares: find the model's
-normalisation layers (:func:`lnmonitor.core.norms.find.discover_norms`), keep those the user's
-patterns select, and refuse with a :class:`NormSelectionError` that says what to do
-when nothing sensible is left.
-"""
+"""Which norms a monitor measures (:func:`choose_norms`), and what it tells the user about them."""
 
 from __future__ import annotations
 
@@ -21,17 +15,11 @@ class NormSelectionError(ValueError):
     """The model cannot be measured as asked; the message says what to do."""
 
 
-def choose_norms(
-    model: nn.Module,
-    include: str | Sequence[str] | None,
-    exclude: str | Sequence[str] | None,
-    final_norm: str | None,
-    name: str,
-    warn: Callable[[str, str], None],
-) -> list[NormInfo]:
-    """The selected norms of ``model``; ``warn("refused", ...)`` names the modules that look
-    like norms but cannot be measured.  Raises :class:`NormSelectionError` when the model
-    has no norm, the patterns select none, or ``final_norm`` is not a selected norm."""
+def choose_norms(model: nn.Module, include: str | Sequence[str] | None, exclude: str | Sequence[str] | None,
+                 final_norm: str | None, name: str, warn: Callable[[str, str], None]) -> list[NormInfo]:
+    """The selected norms of ``model``; ``warn("refused", ...)`` names the modules that look like norms
+    but cannot be measured.  Raises :class:`NormSelectionError` when the model has no norm, the
+    patterns select none, or ``final_norm`` is not a selected norm."""
     discovery = discover_norms(model)
     found = discovery.norms
     refused = refused_message(name, discovery.refused)
@@ -45,16 +33,14 @@ def choose_norms(
         raise NormSelectionError(
             f"{name}: include={include} exclude={exclude} select none of the {len(found)} "
             f"normalisation layers found: {', '.join(names)}. Fix the patterns (fnmatch globs "
-            "over these names)."
-        )
+            "over these names).")
     if final_norm is not None and final_norm not in [n.name for n in selected]:
         refusal = next((r for r in discovery.refused if r.name == final_norm), None)
         where = ("is excluded by include/exclude" if final_norm in names else
                  f"is not measured: {refusal.reason}" if refusal else "is not a norm")
         raise NormSelectionError(
             f"{name}: final_norm={final_norm!r} {where}; the selected norms are "
-            f"{', '.join(n.name for n in selected)}."
-        )
+            f"{', '.join(n.name for n in selected)}.")
     return selected
 
 
@@ -67,8 +53,7 @@ def no_norm_message(name: str, module: nn.Module) -> str:
         "It looks for nn.LayerNorm, nn.RMSNorm and modules with `normalized_shape`, `eps` and "
         "`weight` attributes; declare others with a class attribute "
         "`lnmonitor_norm_kind = 'layer'` (or 'rms') or `lnmonitor.register_norm(cls, kind)`, "
-        "or remove the callback."
-    )
+        "or remove the callback.")
 
 
 def measured_eps_message(name: str, norms: Sequence[NormInfo]) -> str | None:
@@ -83,8 +68,7 @@ def measured_eps_message(name: str, norms: Sequence[NormInfo]) -> str | None:
         f"({', '.join(classes)}) has no eps attribute; the eps its forward applies, measured "
         f"from its output, is {', '.join(f'{e:g}' for e in values)} (used for sigma, eps/var "
         f"and the transmission). To state it instead: lnmonitor.register_norm({classes[0]}, "
-        f"{measured[0].kind!r}, eps=<value>)."
-    )
+        f"{measured[0].kind!r}, eps=<value>).")
 
 
 def refused_message(name: str, refused: Sequence[Refusal]) -> str | None:
@@ -100,5 +84,4 @@ def refused_message(name: str, refused: Sequence[Refusal]) -> str | None:
         parts.append(f"{cls} ({len(rs)}: {names}): {rs[0].reason}")
     return (
         f"{name}: {len(refused)} module(s) look like normalisation layers but are not measured, "
-        f"the rest of the model is: {'; '.join(parts)}."
-    )
+        f"the rest of the model is: {'; '.join(parts)}.")

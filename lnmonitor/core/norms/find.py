@@ -1,12 +1,5 @@
-"""The normalisation layers of a model, each checked against its own output.
-
-:func:`discover_norms` walks a model's modules in ``named_modules()`` order; each candidate
-(:func:`lnmonitor.core.norms.registry.candidates`: declared, registered, torch's own, or found by
-its attributes or class name) is kept as a :class:`NormInfo` once its float64 check
-(:func:`lnmonitor.core.norms.identify.identify`) confirms what it computes, or refused
-(:attr:`Discovery.refused`, with the measured mismatch and what to declare).
-:func:`select_norms` keeps those an ``include``/``exclude`` glob names.
-"""
+"""The normalisation layers of a model, each checked against its own output (:func:`discover_norms`),
+and those an ``include``/``exclude`` glob selects (:func:`select_norms`)."""
 
 from __future__ import annotations
 
@@ -26,24 +19,14 @@ from lnmonitor.core.norms.registry import NormSpec, norm_eps
 from lnmonitor.core.wrappers import unwrap, user_name
 
 __all__ = [
-    "Discovery",
-    "NormInfo",
-    "Refusal",
-    "describe_norm",
-    "discover_norms",
-    "find_norms",
-    "select_norms",
+    "Discovery", "NormInfo", "Refusal", "describe_norm", "discover_norms", "find_norms", "select_norms",
 ]
 
 
 @dataclass(frozen=True, eq=False)
 class NormInfo:
-    """A normalisation layer of a model, checked against its own output.
-
-    ``role`` is ``None`` until the monitors know which norms read the residual stream:
-    ``"residual"`` (a rung of the ladder), ``"final"`` (the last rung), ``"qk"`` (a query or
-    key norm), ``"embedding"`` (the norm of the embeddings) or ``"post"`` (a norm of a branch's
-    output before it is added, or post-LN of the sum after it)."""
+    """A normalisation layer of a model, checked against its own output; ``role``
+    (:mod:`~lnmonitor.core.norms.roles`) is None until known."""
 
     name: str
     module: nn.Module
@@ -58,8 +41,7 @@ class NormInfo:
 
     @property
     def eps_measured(self) -> bool:
-        """True when the module has no epsilon attribute and the check measured the
-        value its forward applies (a hand-written norm found by its class name)."""
+        """Whether the check measured the epsilon its forward applies (no epsilon attribute)."""
         return self.spec.eps_measured
 
     def gain(self) -> Tensor | None:
@@ -71,9 +53,7 @@ class NormInfo:
         return norm_eps(self.module, dtype, self.spec.eps)
 
     def affine(self, xhat: Tensor) -> Tensor:
-        """``gain * xhat + bias`` in float64 for a float64 ``xhat``: the norm's output from its
-        checked form, without its rounding (the gain and bias read now: inside the model's
-        forward for a sharded model)."""
+        """``gain * xhat + bias`` in float64 for a float64 ``xhat``: the norm's output without rounding."""
         gain, bias = self.spec.gain_of(self.module, torch.float64), getattr(self.module, "bias", None)
         if gain is not None:
             xhat = xhat * gain.to(xhat.device)
@@ -103,8 +83,7 @@ class Discovery:
 
 
 def describe_norm(module: nn.Module, name: str = "") -> NormInfo | None:
-    """A :class:`NormInfo` for ``module`` if it is a normalisation layer whose output lnmonitor
-    reproduces, else ``None``."""
+    """A :class:`NormInfo` for ``module`` if it is a norm whose output lnmonitor reproduces, else None."""
     spec = identify(module)
     if not isinstance(spec, NormSpec):
         return None
@@ -112,10 +91,8 @@ def describe_norm(module: nn.Module, name: str = "") -> NormInfo | None:
 
 
 def discover_norms(module: nn.Module) -> Discovery:
-    """Every normalisation layer of ``module`` in ``named_modules()`` order, each checked against
-    its own output, and the candidates refused (with the reason).  Names are the user's model's
-    own, whatever wraps it (Fabric, DDP, ``torch.compile``, FSDP1: :func:`~lnmonitor.core.wrappers.unwrap`,
-    :func:`~lnmonitor.core.wrappers.user_name`)."""
+    """Every norm of ``module`` in ``named_modules()`` order, checked against its own output, and the
+    candidates refused (with why); names are the user's model's own, whatever wraps it."""
     norms, refused = [], []
     for name, sub in unwrap(module).named_modules():
         name = user_name(name)
@@ -132,19 +109,10 @@ def find_norms(module: nn.Module) -> list[NormInfo]:
     return discover_norms(module).norms
 
 
-def select_norms(
-    norms: Iterable[NormInfo],
-    include: str | Sequence[str] | None = None,
-    exclude: str | Sequence[str] | None = None,
-) -> list[NormInfo]:
-    """Norms whose qualified name matches an ``include`` glob (all when ``None``) and no
-    ``exclude`` glob (``fnmatch`` patterns: ``*`` matches dots too, e.g. ``"*.ln1"``)."""
+def select_norms(norms: Iterable[NormInfo], include: str | Sequence[str] | None = None,
+                 exclude: str | Sequence[str] | None = None) -> list[NormInfo]:
+    """Norms whose name matches an ``include`` glob (all when None) and no ``exclude`` glob
+    (``fnmatch``: ``*`` matches dots too, e.g. ``"*.ln1"``)."""
     inc, exc = patterns(include, "include"), patterns(exclude, "exclude")
-    out = []
-    for info in norms:
-        if inc is not None and not any(fnmatch.fnmatchcase(info.name, p) for p in inc):
-            continue
-        if exc is not None and any(fnmatch.fnmatchcase(info.name, p) for p in exc):
-            continue
-        out.append(info)
-    return out
+    return [info for info in norms if (inc is None or any(fnmatch.fnmatchcase(info.name, p) for p in inc))
+            and not any(fnmatch.fnmatchcase(info.name, p) for p in exc or ())]

@@ -1,28 +1,16 @@
 """The float64 check: which spec a candidate norm computes, or why it is refused.
 
-Every candidate (:func:`lnmonitor.core.norms.registry.candidates`) is checked once against its own
-output: the module's float64 forward (:func:`lnmonitor.core.float64.float64_forward`) runs on four
-designed rows and must reproduce ``gain * xhat + bias`` of its kind to 1e-4.  A declared or
-registered norm is checked as declared; for the others lnmonitor tries the kinds and the
-gains ``weight``, ``1 + weight`` (Gemma, LitGPT's ``add_unit_offset``) and none, and keeps
-the first that reproduces the output.  Without an epsilon attribute the epsilon is
-*measured* from the output on a low-variance row (``NormSpec.eps_measured``).  A candidate
-that reproduces nothing is *refused* (the measured mismatch and what to declare); nothing is
-ever measured with a gain or a kind its output does not confirm.  A candidate whose
-``forward`` takes more than the input it normalises (a gate, a mask, a conditioning: Mamba2's
-``MambaRMSNormGated.forward(x, gate)`` normalises ``x * silu(gate)``) is refused too:
-lnmonitor measures a norm on its first argument, which is then not what it normalises.
-
-Rows are the input flattened to ``(-1, d)`` with ``d = prod(normalized_shape)`` (or the
-gain's size, or the last dimension: :func:`width_of`).
-"""
+The module's float64 forward runs on four designed rows and must reproduce ``gain * xhat + bias`` of a
+candidate spec to 1e-4 (the first that does is kept; without an epsilon attribute the epsilon is
+measured from a low-variance row).  A candidate that reproduces none, or whose ``forward`` takes more
+than the input it normalises (Mamba2's gated norm), is refused with the reason."""
 
 from __future__ import annotations
 
 import inspect
 import math
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -36,12 +24,6 @@ from lnmonitor.core.norms.registry import NormSpec, candidates, norm_eps, regist
 __all__ = ["identify", "width_of"]
 
 _LOW_VAR = 1e-5  # variance (mean square) of the check row where eps shows
-
-
-@dataclass(frozen=True)
-class _Check:
-    eps: float | None  # the epsilon the output implies (None: nothing reproduced)
-    error: float  # max relative mismatch against the closed form
 
 
 def width_of(module: nn.Module, spec: NormSpec) -> int | None:
@@ -61,17 +43,17 @@ def width_of(module: nn.Module, spec: NormSpec) -> int | None:
 
 
 @torch.no_grad()
-def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
-    """Run the float64 forward on the four check rows (once, cached in ``y_cache``) and compare
-    with the closed form of ``spec``; measure the epsilon when the module has none."""
+def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> tuple[float | None, float]:
+    """The float64 forward on the check rows (cached in ``y_cache``) against ``spec``'s closed form:
+    the epsilon it implies (None: not reproduced) and the max relative error."""
     d = width_of(module, spec) or 16
     gain = spec.gain_of(module, torch.float64)
-    bias = dtensors.flat64(getattr(module, "bias", None) if isinstance(getattr(module, "bias", None), Tensor)
-                           else None)
+    bias = getattr(module, "bias", None)
+    bias = dtensors.flat64(bias) if isinstance(bias, Tensor) else None
     if (gain is not None and gain.numel() != d) or (bias is not None and bias.numel() != d):
-        return _Check(None, math.inf)
+        return None, math.inf
     if d < 2:  # a norm of one feature has no direction left to measure: taken as declared
-        return _Check(norm_eps(module, torch.float64, spec.eps if not spec.eps_measured else None), 0.0)
+        return norm_eps(module, torch.float64, spec.eps if not spec.eps_measured else None), 0.0
     device = gain.device if gain is not None else torch.device("cpu")
     if d not in y_cache:
         z = torch.randn(d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -82,7 +64,7 @@ def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
         y_cache[d] = (x, y.to(torch.float64) if isinstance(y, Tensor) and y.shape == x.shape else None)
     x, y = y_cache[d]
     if y is None:
-        return _Check(None, math.inf)
+        return None, math.inf
     g = torch.ones(d, dtype=torch.float64, device=device) if gain is None else gain.to(device)
     b = torch.zeros_like(g) if bias is None else bias.to(device)
     c = x - x.mean(-1, keepdim=True) if spec.kind == "layer" else x
@@ -91,16 +73,15 @@ def _check(module: nn.Module, spec: NormSpec, y_cache: dict) -> _Check:
     eps = _measured_eps(c, v, g, b, y, spec.kind) if spec.eps_measured else norm_eps(
         module, torch.float64, spec.eps)
     if eps is None:
-        return _Check(None, math.inf)
+        return None, math.inf
     ref = g * c / (v + eps).sqrt().unsqueeze(-1) + b
     scale = float(ref.abs().max()) or 1.0
     error = float(((y - ref).abs() / (ref.abs() + 1e-6 * scale)).max())
-    return _Check(eps if error <= 1e-4 else None, error)
+    return (eps if error <= 1e-4 else None), error
 
 
 def _measured_eps(c: Tensor, v: Tensor, g: Tensor, b: Tensor, y: Tensor, kind: NormKind) -> float | None:
-    """The epsilon the output implies on the row whose variance (mean square) is 1e-5,
-    where ``sigma^2 = 1e-5 + eps``, to 3 significant digits."""
+    """The epsilon the output implies on the row of variance 1e-5, to 3 significant digits."""
     row = 1 if kind == "layer" else 2
     num, den = g * c[row], y[row] - b
     keep = num.abs() > 0.1 * num.abs().max()
@@ -144,15 +125,15 @@ def identify(module: nn.Module) -> NormSpec | str | None:
             measured = spec.eps is None and not declared
             candidate = replace(spec, eps_measured=True) if measured else spec
             try:
-                check = _check(module, candidate, cache)
+                eps, error = _check(module, candidate, cache)
             except Exception as err:  # noqa: BLE001 - this candidate cannot be run, try the next
                 failure = failure or err
                 continue
-            if check.eps is not None:
-                result = replace(candidate, eps=check.eps) if measured else candidate
+            if eps is not None:
+                result = replace(candidate, eps=eps) if measured else candidate
                 break
-            if best is None or check.error < best[0]:
-                best = (check.error, candidate)
+            if best is None or error < best[0]:
+                best = (error, candidate)
     if result is None and best is None and failure is not None:
         result = f"its forward cannot be run on float64 rows ({type(failure).__name__}: {failure})"
     if result is None:

@@ -1,23 +1,9 @@
 """What a normalisation layer computes (:class:`NormSpec`), and which modules may be one.
 
-A module is a *candidate* norm, in this order of precedence, when
-
-1. it declares itself: a class or instance attribute ``lnmonitor_norm_kind`` set to
-   ``"layer"`` (LayerNorm-like: subtracts the mean, dead subspace span{1, xhat}) or
-   ``"rms"`` (RMSNorm-like: dead subspace span{xhat}); ``None`` opts a module out;
-2. its class (or a base class) was registered with :func:`register_norm`, which names the
-   epsilon and says what the gain is, for classes you cannot edit;
-3. it is an ``nn.LayerNorm`` or ``nn.RMSNorm``;
-4. it has ``normalized_shape``, ``eps`` and ``weight`` attributes (duck typing), or it has
-   no child module and its class name contains "layernorm" or "rmsnorm" (any case): the
-   hand-written norms of nanoGPT, Hugging Face (``LlamaRMSNorm``, ``GemmaRMSNorm``, ...)
-   and LitGPT.
-
-:func:`candidates` gives the specs a module may compute, in the order they are tried; which
-one it does compute is decided against its own output (:mod:`lnmonitor.core.norms.identify`).  An
-``eps`` of ``None`` (``nn.RMSNorm``'s default) means ``torch.finfo(input.dtype).eps``, as
-torch does (:func:`norm_eps`).
-"""
+A module is a candidate norm, in this order: it declares ``lnmonitor_norm_kind = "layer"`` or
+``"rms"`` (``None`` opts out); its class was given to :func:`register_norm`; it is an ``nn.LayerNorm``
+or ``nn.RMSNorm``; it has ``normalized_shape``, ``eps`` and ``weight``, or no child and a class name
+containing "layernorm" or "rmsnorm" (any case).  An ``eps`` of None means ``finfo(dtype).eps``."""
 
 from __future__ import annotations
 
@@ -42,8 +28,8 @@ GainFn = Callable[[nn.Module], "Tensor | None"]
 
 @dataclass(frozen=True)
 class NormSpec:
-    """What a norm computes: ``kind``, where its epsilon is, and its gain
-    (``offset + module.<weight>``, or ``gain(module)``; no gain when both are None)."""
+    """What a norm computes: ``kind``, its epsilon, and its gain (``offset + module.<weight>``, or
+    ``gain(module)``; none when both are None)."""
 
     kind: NormKind
     eps: str | float | None  # attribute name, fixed value, or None (dtype's machine eps)
@@ -53,8 +39,7 @@ class NormSpec:
     eps_measured: bool = False  # no eps attribute: ``eps`` was measured from the output
 
     def held_gain(self, module: nn.Module) -> Tensor | None:
-        """The tensor the gain is made of, as ``module`` holds it (sharded or not), without the
-        offset."""
+        """The tensor the gain is made of, as ``module`` holds it (sharded or not), without the offset."""
         if self.gain is not None:
             g = self.gain(module)
         else:
@@ -62,8 +47,7 @@ class NormSpec:
         return g if isinstance(g, Tensor) else None
 
     def gain_of(self, module: nn.Module, dtype: torch.dtype | None = None) -> Tensor | None:
-        """The gain of ``module``, whole (a sharded one is gathered: a collective), in ``dtype``
-        when given (the offset is added in it)."""
+        """The gain of ``module``, whole (a sharded one gathered: a collective), in ``dtype`` when given."""
         g = self.held_gain(module)
         if g is None:
             return None
@@ -84,20 +68,15 @@ _REGISTRY: dict[type, NormSpec] = {}
 _REGISTRY_VERSION = [0]
 
 
-def register_norm(
-    cls: type, kind: NormKind = "layer", *, eps: str | float | None = "eps",
-    weight: str | None = "weight", offset: float = 0.0, gain: GainFn | None = None,
-) -> type:
-    """Declare ``cls`` (and its subclasses) a normalisation layer of ``kind``.
+def register_norm(cls: type, kind: NormKind = "layer", *, eps: str | float | None = "eps",
+                  weight: str | None = "weight", offset: float = 0.0, gain: GainFn | None = None) -> type:
+    """Declare ``cls`` (and its subclasses) a normalisation layer of ``kind``; returns ``cls``.
 
-    ``eps`` names the attribute holding the epsilon, or is the epsilon itself (a number,
-    for a forward that hard-codes it, e.g. ``F.layer_norm(x, s, w, b, 1e-5)``); an
-    attribute that is missing or ``None``, or ``eps=None``, means the input dtype's machine
-    epsilon.  The gain is ``offset + <weight>`` (``weight`` names the attribute, ``None``:
-    no gain; Gemma-style norms: ``offset=1.0``), or ``gain(module)`` when a callable is
-    given.  The declaration is checked against the module's output before anything is
-    measured; one that does not reproduce it is refused with the mismatch.  Returns
-    ``cls``.  Registering the same class again replaces the entry.
+    ``eps`` names the epsilon's attribute or is the epsilon (a forward that hard-codes it); missing,
+    ``None`` or ``eps=None`` means the input dtype's machine epsilon.  The gain is ``offset + <weight>``
+    (``weight=None``: no gain; Gemma: ``offset=1.0``), or ``gain(module)``.  The declaration is checked
+    against the module's output and refused with the mismatch when it does not reproduce it.
+    Registering a class again replaces its entry.
     """
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"register_norm needs an nn.Module subclass, got {cls!r}")
@@ -127,8 +106,7 @@ def unregister_norm(cls: type) -> None:
 
 
 def registry_version() -> int:
-    """A number that changes whenever :func:`register_norm` or :func:`unregister_norm` changes
-    the registry (a module checked before must then be checked again)."""
+    """A number that changes with the registry (a module checked before must be checked again)."""
     return _REGISTRY_VERSION[0]
 
 
@@ -137,25 +115,21 @@ def _eps_attr(module: nn.Module) -> str | None:
 
 
 def candidates(module: nn.Module) -> tuple[list[NormSpec], bool] | None:
-    """The specs to check for ``module`` (in order) and whether they were declared (then only
-    that spec may be kept); None when ``module`` is not a candidate norm."""
+    """The specs to check for ``module``, in order, and whether they were declared (then only that
+    spec may be kept); None when ``module`` is not a candidate."""
     declared = getattr(module, "lnmonitor_norm_kind", False)
     if declared is None:
         return None
     if declared is not False:
         if declared not in NORM_KINDS:
-            raise ValueError(
-                f"{type(module).__name__}.lnmonitor_norm_kind must be 'layer', 'rms' or None, "
-                f"got {declared!r}"
-            )
+            raise ValueError(f"{type(module).__name__}.lnmonitor_norm_kind must be 'layer', 'rms' or None, "
+                             f"got {declared!r}")
         return [NormSpec(declared, _eps_attr(module))], True
     for klass in type(module).__mro__:
         if klass in _REGISTRY:
             return [_REGISTRY[klass]], True
-    if isinstance(module, nn.LayerNorm):
-        return [NormSpec("layer", "eps")], True
-    if isinstance(module, nn.RMSNorm):
-        return [NormSpec("rms", "eps")], True
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return [NormSpec("layer" if isinstance(module, nn.LayerNorm) else "rms", "eps")], True
     name = type(module).__name__.lower()
     duck = all(hasattr(module, a) for a in ("normalized_shape", "eps", "weight"))
     named = ("layernorm" in name or "rmsnorm" in name) and next(module.children(), None) is None
@@ -163,18 +137,14 @@ def candidates(module: nn.Module) -> tuple[list[NormSpec], bool] | None:
         return None
     kinds = ["rms", "layer"] if "rms" in name else ["layer", "rms"]
     eps = _eps_attr(module)
-    has_weight = isinstance(getattr(module, "weight", None), Tensor)
     offsets = [1.0, 0.0] if getattr(module, "add_unit_offset", False) else [0.0, 1.0]
-    gains = [("weight", o) for o in offsets] if has_weight else []
-    gains.append((None, 0.0))
-    return [NormSpec(k, eps, w, o) for k in kinds for w, o in gains], False
+    gains = [("weight", o) for o in offsets] if isinstance(getattr(module, "weight", None), Tensor) else []
+    return [NormSpec(k, eps, w, o) for k in kinds for w, o in [*gains, (None, 0.0)]], False
 
 
-def norm_eps(
-    module: nn.Module, dtype: torch.dtype = torch.float32, attr: str | float | None = None
-) -> float:
-    """Epsilon of a norm module; ``None`` (nn.RMSNorm's default) is ``finfo(dtype).eps``.
-    ``attr`` names the attribute to read (default: the usual names), or is the value."""
+def norm_eps(module: nn.Module, dtype: torch.dtype = torch.float32, attr: str | float | None = None) -> float:
+    """Epsilon of a norm module (``attr``: its attribute, default the usual names, or the value); None
+    (nn.RMSNorm's default) is ``finfo(dtype).eps``."""
     if isinstance(attr, (int, float)) and not isinstance(attr, bool):
         return float(attr)
     for name in (attr,) if attr else _EPS_NAMES:

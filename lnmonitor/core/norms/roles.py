@@ -1,7 +1,5 @@
-"""Which norms read the residual stream: the rungs of the 1/sigma ladder, the final norm,
-the norms of a branch (a query/key norm, a sublayer's output norm) and the norm of the
-embeddings; and which residual stream (stack) each norm belongs to: an encoder-decoder has
-two, each a ladder with its own final norm."""
+"""Each norm's role (a rung of the 1/sigma ladder, the final norm, a query/key norm, a branch's output
+norm, the embeddings' norm) and its residual stream (stack: an encoder-decoder has two)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ __all__ = [
 
 RESIDUAL, FINAL, QK, POST, EMBEDDING = "residual", "final", "qk", "post", "embedding"
 RUNGS = (RESIDUAL, FINAL)  # the roles that read the residual stream: the ladder's rungs
-# share of the gradient at a norm's input that goes around it above which the norm's input
-# flows on past it (a residual-stream norm); a branch or final norm gives float rounding
+# share of the gradient at a norm's input going around it above which the norm is a rung
 RUNG_BYPASS_TOLERANCE = 1e-3
 _QK_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm",
              "query_layernorm", "key_layernorm", "norm_q", "norm_k", "q_ln", "k_ln")
@@ -30,7 +27,6 @@ STACK_NAMES = ("encoder", "decoder")
 
 
 def _stack_path(name: str) -> str | None:
-    """``name`` up to its first ``encoder``/``decoder`` component, or None."""
     parts = name.split(".")
     i = next((i for i, part in enumerate(parts) if part.lower() in STACK_NAMES), None)
     return None if i is None else ".".join(parts[:i + 1])
@@ -47,14 +43,11 @@ def _shared(a: str, b: str) -> int:
 
 
 def stack_of(names: Sequence[str]) -> dict[str, str]:
-    """``{norm: stack}``: the stack (residual stream) each norm belongs to, ``names`` in forward order.
+    """``{norm: stack}`` for ``names`` in forward order.
 
-    A stack is the qualified name of a module called ``encoder`` or ``decoder`` (the first
-    such component of a norm's name: T5's ``encoder``, BART's ``model.decoder``); each has its
-    own residual stream.  A model with fewer than two of them has one stream, ``""`` (every
-    decoder-only model, OPT's ``model.decoder`` and BERT's ``bert.encoder`` included).  A norm
-    outside every stack belongs to the stack whose name shares the most of its path, and on
-    a tie to the stack of the norm that ran just before it (or, first to run, just after).
+    A stack is the name up to a norm's first ``encoder``/``decoder`` component; with fewer than two
+    stacks every norm is in ``""``.  A norm outside every stack belongs to the one sharing most of its
+    path, on a tie to that of the nearest norm that ran before it (or, first to run, after it).
     """
     named = {n: _stack_path(n) for n in names}
     found = list(dict.fromkeys(s for s in named.values() if s is not None))
@@ -72,27 +65,17 @@ def stack_of(names: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def assign_roles(
-    norms: Sequence[NormInfo], bypass: dict[str, float] | None = None,
-    ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
-    tolerance: dict[str, float] | None = None,
-) -> list[NormInfo]:
+def assign_roles(norms: Sequence[NormInfo], bypass: dict[str, float] | None = None,
+                 ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
+                 tolerance: dict[str, float] | None = None) -> list[NormInfo]:
     """``norms`` (in forward order) with their roles.
 
-    With ``ladder`` (glob patterns) the matching norms are the rungs; otherwise a norm is a
-    rung when more than ``tolerance[name]`` (default :data:`RUNG_BYPASS_TOLERANCE`) of the
-    loss gradient at its input goes around it (``bypass[name]``, measured on a training
-    step: its input flows on through the residual), or when that was not measured (no
-    gradient reached it: frozen inputs) and its name does not say it is an embedding norm.  Each
-    stack (:func:`stack_of`: an encoder-decoder's encoder and decoder, else the whole model)
-    has its own final norm: ``final_norm`` in its stack, else the stack's last norm to run if
-    its gradient does not go around it (with ``ladder``: the stack's last rung); a stack
-    without one has none.  It is its ladder's last rung.  The other norms are, by name,
-    ``"qk"`` (``q_norm``, ``k_norm``,
-    ...) or ``"embedding"`` (``emb`` in its name or its parent's: BERT's ``embeddings.LayerNorm``,
-    BLOOM's ``word_embeddings_layernorm``, the stream's start, not a rung), else ``"post"``
-    (a sublayer's output before it is added, OLMo2; or, post-LN as in BERT, the sum after it
-    is added: no gradient goes around either, and a post-LN model has no pre-norm ladder).
+    The rungs (``"residual"``) are the norms the ``ladder`` globs name, else those around which more
+    than ``tolerance[name]`` (default :data:`RUNG_BYPASS_TOLERANCE`) of the gradient at their input
+    goes (``bypass[name]``), or where that was not measured unless named for the embeddings.  Each
+    stack's ``"final"`` norm is ``final_norm``, else its last norm if no gradient goes around it (with
+    ``ladder``: its last rung).  The others are, by name, ``"qk"``, ``"embedding"`` (``emb`` in its
+    name or its parent's) or ``"post"`` (a branch's output norm, or post-LN).
     """
     bypass = bypass or {}
     patterns = glob_patterns(ladder, "ladder")
@@ -107,14 +90,11 @@ def assign_roles(
             return QK
         return EMBEDDING if any("emb" in part for part in parts[-2:]) else POST  # the norm or its parent
 
-    def rung(name: str) -> bool:  # an embedding norm no gradient reached (frozen embeddings) is none
-        unmeasured = math.isnan(bypass.get(name, math.nan))
-        return goes_around(name) and not (unmeasured and by_name(name) == EMBEDDING)
-
     if patterns is not None:
         rungs = [n.name for n in norms if any(fnmatch.fnmatchcase(n.name, p) for p in patterns)]
-    else:
-        rungs = [n.name for n in norms if rung(n.name)]
+    else:  # an embedding norm no gradient reached (frozen embeddings) is none
+        rungs = [n.name for n in norms if goes_around(n.name)
+                 and not (math.isnan(bypass.get(n.name, math.nan)) and by_name(n.name) == EMBEDDING)]
     stack_of_norm = stack_of([n.name for n in norms])
     finals = set()
     for s in dict.fromkeys(stack_of_norm.values()):
@@ -125,26 +105,14 @@ def assign_roles(
             finals.update([n for n in names if n in rungs][-1:])
         elif not goes_around(names[-1]):
             finals.add(names[-1])  # the stack's last norm to run, its input read by it alone
-
-    def role(info: NormInfo) -> str:
-        if info.name in finals:
-            return FINAL
-        if info.name in rungs:
-            return RESIDUAL
-        return by_name(info.name)
-
-    return [info.with_role(role(info)) for info in norms]
+    return [info.with_role(FINAL if info.name in finals else RESIDUAL if info.name in rungs
+                           else by_name(info.name)) for info in norms]
 
 
-def expected_final(
-    norms: Sequence[NormInfo], ladder: str | Sequence[str] | None = None, final_norm: str | None = None,
-) -> str | None:
-    """The final norm of the model's ladder before any gradient is measured: :func:`assign_roles`'s
-    rule on what is known then.  ``final_norm`` when named; else the last rung with no gradient
-    measured (a norm not named for the embeddings, or one the ``ladder`` patterns name) of
-    ``norms``, in forward order as far as it is known (a resumed run's order, else module order).
-    None when there is no rung.  A measured step may find otherwise: the last norm's input may
-    flow on past it (no final norm), or module order may not be the order the forward runs."""
+def expected_final(norms: Sequence[NormInfo], ladder: str | Sequence[str] | None = None,
+                   final_norm: str | None = None) -> str | None:
+    """The final norm expected before any gradient is measured: ``final_norm``, else the last rung
+    :func:`assign_roles` finds with no gradient (None: no rung).  A measured step may find otherwise."""
     if final_norm is not None:
         return final_norm
     rungs = [n.name for n in assign_roles(norms, None, ladder) if n.role in RUNGS]
