@@ -101,10 +101,10 @@ def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
     return rungs, [n for n in norms if not position[n] >= 0]
 
 
-def ladder_grid(curves: Curves, tag: str = "inv_sigma") -> tuple[list[str], list[int], np.ndarray]:
-    """``(rungs, steps, values)``: ``lnmonitor/<tag>/<rung>`` as a rungs x steps array (NaN: no point)."""
+def ladder_grid(curves: Curves) -> tuple[list[str], list[int], np.ndarray]:
+    """``(rungs, steps, values)``: 1/sigma as a rungs x steps array (NaN: no point at a step)."""
     rungs, _ = ladder_of(curves)
-    series = [dict(curves.get(per_norm(tag, name), ())) for name in rungs]
+    series = [dict(curves.get(per_norm("inv_sigma", name), ())) for name in rungs]
     steps = sorted({s for points in series for s in points})
     grid = np.array([[points.get(s, np.nan) for s in steps] for points in series], dtype=float)
     return rungs, steps, grid.reshape(len(rungs), len(steps))
