@@ -92,8 +92,7 @@ def _natural(name: str) -> list:
 def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
     """``(rungs in forward order, other norms)``, by the last ``ladder_position`` logged; without any,
     every norm is taken for a rung, in natural name order."""
-    metrics = [m for m in map(parse, curves) if m]
-    norms = sorted({m.name for m in metrics if m[:2] == ("norm", "inv_sigma")}, key=_natural)
+    norms = sorted({m.name for m in map(parse, curves) if m and m[:2] == ("norm", "inv_sigma")}, key=_natural)
     position = {n: last(curves, per_norm("ladder_position", n)) for n in norms}
     if all(math.isnan(p) for p in position.values()):
         return norms, []
@@ -126,11 +125,10 @@ def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None 
     so when nothing of lnmonitor was logged.  ``watched``: the finding kinds the run judged; ``start``:
     the ``(step, growth)`` they judged the growth from; ``settings``: the monitor's settings that differ
     from the defaults (each None: not known)."""
-    steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
-    if not steps:
+    if not any(points for tag, points in curves.items() if parse(tag)):
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
-    head = [f"lnmonitor summary{': ' + title if title else ''}", *settings_lines(settings)]
-    return "\n".join([*head, *ladder_lines(curves, start), *invariance_lines(curves),
+    return "\n".join([f"lnmonitor summary{': ' + title if title else ''}", *settings_lines(settings),
+                      *ladder_lines(curves, start), *invariance_lines(curves),
                       *health_lines(curves, watched)])
 
 
