@@ -41,7 +41,7 @@ class RunCurves:
     """What a monitor keeps of its curves for its end-of-fit views, in a size that does not grow with the
     fit: the first and last point of every tag, and the series of the tags starting with one of ``series``
     thinned to at most ``max_points`` steps (when full, every other kept step is dropped and the stride
-    doubled)."""
+    doubled; the last point is always there)."""
 
     def __init__(self, series: Sequence[str] = (), max_points: int = 256) -> None:
         self.series, self.max_points = tuple(series), max_points
