@@ -1,12 +1,5 @@
-"""Checkpoints of the tiny GPT recipe: loaded safely, read without loading the model.
-
-:func:`load_checkpoint` reads a train-tiny / eps-compare checkpoint with
-``torch.load(weights_only=True)`` (a checkpoint cannot run code); anything wrong with the
-file is a one-line :class:`~lnmonitor.errors.UsageError`.  :func:`checkpoint_file` refuses
-what is plainly no checkpoint without importing torch, so the command line says so at
-once; torch is imported by the functions that load.  :func:`checkpoint_state` reads a
-run's step and hyperparameters, to resume it.
-"""
+"""Checkpoints of the tiny GPT recipe, loaded with ``torch.load(weights_only=True)`` (a checkpoint cannot
+run code); anything wrong with a file is a one-line :class:`~lnmonitor.errors.UsageError`."""
 
 from __future__ import annotations
 
@@ -43,87 +36,74 @@ def _load_error(err: BaseException) -> str:
 
 
 def checkpoint_file(path: str | Path) -> Path:
-    """``path``, once it is a non-empty file that begins as a torch checkpoint does;
-    otherwise :class:`UsageError` (no torch is imported)."""
+    """``path``, once it is a non-empty file that begins as a torch checkpoint does; otherwise
+    :class:`UsageError` (no torch is imported)."""
     path = Path(path)
+    where = f"checkpoint {str(path)!r}"
     if not path.exists():
-        raise UsageError(f"checkpoint {str(path)!r} does not exist: pass a .ckpt written by train-tiny")
+        raise UsageError(f"{where} does not exist: pass a .ckpt written by train-tiny")
     if not path.is_file():
-        raise UsageError(f"checkpoint {str(path)!r} is not a file: pass a .ckpt written by train-tiny")
+        raise UsageError(f"{where} is not a file: pass a .ckpt written by train-tiny")
     try:
         with path.open("rb") as handle:
             head = handle.read(4)
     except PermissionError:
-        raise UsageError(f"checkpoint {str(path)!r} cannot be read: permission denied") from None
+        raise UsageError(f"{where} cannot be read: permission denied") from None
     if not head:
-        raise UsageError(f"checkpoint {str(path)!r} is empty: pass a .ckpt written by train-tiny")
+        raise UsageError(f"{where} is empty: pass a .ckpt written by train-tiny")
     if not head.startswith(TORCH_MAGIC):
-        raise UsageError(f"checkpoint {str(path)!r} {NOT_TORCH}")
+        raise UsageError(f"{where} {NOT_TORCH}")
     return path
 
 
 def load_checkpoint(path: str | Path):
-    """``(module, step)``: the :class:`TinyGPTModule` of a train-tiny or eps-compare checkpoint
-    (CPU, eval mode) and its ``global_step`` (None when absent).
-
-    Loaded with ``torch.load(weights_only=True)``, so a checkpoint cannot run code.  A path
-    that is not a file, a file that is not a torch checkpoint or is truncated, a checkpoint
-    without the module's hyperparameters (e.g. a plain ``state_dict``), or weights whose
-    shapes disagree with the hyperparameters each raise :class:`UsageError`.
-    """
+    """``(module, step)``: the :class:`TinyGPTModule` of a train-tiny or eps-compare checkpoint (CPU, eval
+    mode) and its ``global_step`` (None when absent).  A file that is no such checkpoint, or whose weights
+    disagree with its hyperparameters or are not finite, raises :class:`UsageError`."""
     import torch
 
     from lnmonitor.tiny.module import TinyGPTModule
 
     path = checkpoint_file(path)
+    where = f"checkpoint {str(path)!r}"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - every failure to read the file is the same user error
-        raise UsageError(f"checkpoint {str(path)!r} {_load_error(err)}") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict) or (
-        not isinstance(ckpt.get("state_dict"), dict)
-    ):
-        raise UsageError(
-            f"checkpoint {str(path)!r} is a torch file but not a train-tiny checkpoint: it lacks the model's "
-            "hyperparameters and state_dict (a plain state_dict cannot be analysed; pass last.ckpt)"
-        )
-    hparams = ckpt["hyper_parameters"]
+        raise UsageError(f"{where} {_load_error(err)}") from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("hyper_parameters"), dict)
+            and isinstance(ckpt.get("state_dict"), dict)):
+        raise UsageError(f"{where} is a torch file but not a train-tiny checkpoint: it lacks the model's "
+                         "hyperparameters and state_dict (a plain state_dict cannot be analysed; pass "
+                         "last.ckpt)")
     accepted = set(inspect.signature(TinyGPTModule.__init__).parameters) - {"self"}
-    kwargs = {k: v for k, v in hparams.items() if k in accepted}
+    kwargs = {k: v for k, v in ckpt["hyper_parameters"].items() if k in accepted}
     if "vocab" not in kwargs:
-        raise UsageError(
-            f"checkpoint {str(path)!r} has hyperparameters but no vocabulary: it was not written by "
-            "train-tiny or eps-compare"
-        )
+        raise UsageError(f"{where} has hyperparameters but no vocabulary: it was not written by train-tiny "
+                         "or eps-compare")
     try:
         module = TinyGPTModule(**kwargs)
     except (TypeError, ValueError) as err:
-        raise UsageError(
-            f"checkpoint {str(path)!r} has invalid hyperparameters: {_first_line(err)}"
-        ) from None
+        raise UsageError(f"{where} has invalid hyperparameters: {_first_line(err)}") from None
     try:
         module.load_state_dict(ckpt["state_dict"], strict=True)
     except RuntimeError as err:
         detail = [ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()]
         raise UsageError(
-            f"checkpoint {str(path)!r}: the weights do not match the configuration stored with them "
-            f"(width {kwargs.get('width')}, depth {kwargs.get('depth')}, vocab {len(kwargs['vocab'])}): "
+            f"{where}: the weights do not match the configuration stored with them (width "
+            f"{kwargs.get('width')}, depth {kwargs.get('depth')}, vocab {len(kwargs['vocab'])}): "
             f"{detail[0][:200] if detail else _first_line(err)}"
         ) from None
-    state = module.state_dict()
-    bad = [name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
+    bad = [n for n, t in module.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:
-        more = " and others" if len(bad) > 1 else ""
-        raise UsageError(
-            f"checkpoint {str(path)!r} has non-finite weights ({bad[0]}{more}): the run diverged; "
-            "analyse an earlier checkpoint"
-        )
+        raise UsageError(f"{where} has non-finite weights ({bad[0]}{' and others' if len(bad) > 1 else ''}): "
+                         "the run diverged; analyse an earlier checkpoint")
     step = ckpt.get("global_step")
     return module.eval(), (int(step) if isinstance(step, int) else None)
 
 
 def checkpoint_state(path: Path) -> dict | None:
-    """``{"step", "hparams"}`` of a checkpoint; None when absent; ``{"corrupt": err}`` when unreadable."""
+    """``{"step", "hparams"}`` of a checkpoint, to resume it; None when absent; ``{"corrupt": err}`` when
+    unreadable."""
     if not path.is_file():
         return None
     import torch

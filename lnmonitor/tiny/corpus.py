@@ -1,11 +1,5 @@
-"""The text the tiny GPT learns from: the built-in corpora and the checks on a user's file.
-
-Two corpora come with every CPython installation, so nothing is downloaded at run time:
-``python-help``, the English help text in ``pydoc_data.topics`` (the default, the study's), and
-``python-source``, the standard library's own ``.py`` files (code, not prose: the second corpus
-the eps law is checked on, docs/eps.md).  This module imports no torch, so the command line can
-check ``--data`` before loading it.
-"""
+"""The text the tiny GPT learns from: the two corpora every CPython ships (nothing is downloaded) and the
+checks on a user's file.  No torch is imported, so the command line can check ``--data`` first."""
 
 from __future__ import annotations
 
@@ -26,10 +20,8 @@ def default_corpus() -> str:
 
 
 def python_source() -> str:
-    """The standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``, without the
-    installed packages under ``site-packages``), concatenated in sorted path order, undecodable
-    bytes replaced by U+FFFD.  About 31.5 million characters and 444 distinct ones on CPython
-    3.11.7; another Python version ships another text."""
+    """The standard library's ``.py`` files (not ``site-packages``), concatenated in sorted path order,
+    undecodable bytes replaced by U+FFFD (about 31.5 million characters on CPython 3.11.7)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts))
     return "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
@@ -44,38 +36,32 @@ DEFAULT_CORPUS_NAME = BUILT_IN["python-help"][0]
 
 
 def corpus_name(data: str | Path | None) -> str:
-    """What records and reports call the text ``--data`` chose: a built-in corpus's
-    description, else the file's path."""
+    """What records and reports call the text ``--data`` chose: a built-in corpus's description, else the
+    file's path."""
     if data is None or str(data) in BUILT_IN:
         return BUILT_IN[str(data or "python-help")][0]
     return str(data)
 
 
 def load_corpus(path: str | Path | None = None, *, min_chars: int = 1000) -> str:
-    """Read a UTF-8 text file, or a built-in corpus by its name in :data:`BUILT_IN` (the
-    default, ``python-help``, when ``path`` is None; a file with such a name is read as
-    ``./python-source``).
-
-    Raises :class:`UsageError` for a missing, empty, non-UTF-8 or too-short file.
-    """
+    """A UTF-8 text file, or a built-in corpus by its name in :data:`BUILT_IN` (None: ``python-help``; a
+    file with such a name is read as ``./python-source``).  :class:`UsageError` for a missing, empty,
+    non-UTF-8 or too-short file."""
     if path is None or str(path) in BUILT_IN:
         return BUILT_IN[str(path or "python-help")][1]()
     path = Path(path)
+    where = f"data file {str(path)!r}"
     if not path.is_file():
-        raise UsageError(f"data file {str(path)!r} does not exist: pass a UTF-8 text file to --data, "
-                         f"or a built-in corpus: {', '.join(BUILT_IN)}")
+        raise UsageError(f"{where} does not exist: pass a UTF-8 text file to --data, or a built-in corpus: "
+                         f"{', '.join(BUILT_IN)}")
     raw = path.read_bytes()
     if not raw.strip():
-        raise UsageError(f"data file {str(path)!r} is empty: pass a UTF-8 text file with text in it")
+        raise UsageError(f"{where} is empty: pass a UTF-8 text file with text in it")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UsageError(
-            f"data file {str(path)!r} is not UTF-8 (byte {err.start}): convert it to UTF-8 first"
-        ) from None
+        raise UsageError(f"{where} is not UTF-8 (byte {err.start}): convert it to UTF-8 first") from None
     if len(text) < min_chars:
-        raise UsageError(
-            f"data file {str(path)!r} has {len(text)} characters, fewer than the {min_chars} needed "
-            "for a training and a validation split: pass a longer text"
-        )
+        raise UsageError(f"{where} has {len(text)} characters, fewer than the {min_chars} needed for a "
+                         "training and a validation split: pass a longer text")
     return text

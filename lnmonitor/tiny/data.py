@@ -1,7 +1,4 @@
-"""Character-level batches: the vocabulary of a text and reproducible windows of it.
-
-The text itself comes from :mod:`lnmonitor.tiny.corpus`.
-"""
+"""Character-level batches: the vocabulary of a text and reproducible windows of it."""
 
 from __future__ import annotations
 
@@ -53,16 +50,11 @@ def windows_at(tokens: torch.Tensor, offsets: torch.Tensor, context: int):
 
 
 class RandomWindows(IterableDataset):
-    """Batches of random windows; batch ``i`` depends only on (seed, rank, i).
+    """Batches of random windows; batch ``i`` depends only on (seed, rank, i).  Iteration starts at batch
+    ``start``, so a resumed fit continues the same stream; ``len`` is the number left."""
 
-    Iteration starts at batch ``start`` so that a resumed fit continues the same
-    stream instead of replaying its first batches; ``len`` is the number left.
-    """
-
-    def __init__(
-        self, tokens: torch.Tensor, context: int, batch_size: int, seed: int,
-        total: int, start: int = 0, rank: int = 0,
-    ) -> None:
+    def __init__(self, tokens: torch.Tensor, context: int, batch_size: int, seed: int, total: int,
+                 start: int = 0, rank: int = 0) -> None:
         self.tokens, self.context, self.batch_size = tokens, context, batch_size
         self.seed, self.total, self.start, self.rank = seed, total, start, rank
 
@@ -82,8 +74,8 @@ class RandomWindows(IterableDataset):
 
 
 def _spread_order(n: int) -> torch.Tensor:
-    """A permutation of ``range(n)`` whose every prefix is spread over the whole range: the
-    indices sorted by the bit-reversal of their position in ``[0, 1)`` (van der Corput)."""
+    """A permutation of ``range(n)`` whose every prefix is spread over the whole range: the indices sorted
+    by the bit-reversal of their position (van der Corput)."""
 
     def radical_inverse(i: int) -> float:
         out, base = 0.0, 0.5
@@ -97,21 +89,15 @@ def _spread_order(n: int) -> torch.Tensor:
 
 
 class CharDataModule(L.LightningDataModule):
-    """Character batches from ``text``: 90/10 train/validation split (by position).
+    """Character batches from ``text``, split 90/10 by position: random training windows drawn
+    reproducibly from ``seed``, and up to ``val_windows`` evenly spaced windows of the held-out tail, the
+    same for every seed."""
 
-    Training batches are random windows drawn reproducibly from ``seed``; validation
-    uses up to ``val_windows`` evenly spaced windows of the held-out tail, the same
-    for every seed, so runs are compared on identical text.
-    """
-
-    def __init__(
-        self, text: str, vocab: CharVocab | None = None, context: int = 64,
-        batch_size: int = 32, seed: int = 0, max_steps: int = 3000,
-        val_fraction: float = 0.1, val_windows: int = 512,
-    ) -> None:
+    def __init__(self, text: str, vocab: CharVocab | None = None, context: int = 64, batch_size: int = 32,
+                 seed: int = 0, max_steps: int = 3000, val_fraction: float = 0.1,
+                 val_windows: int = 512) -> None:
         super().__init__()
-        # the run's HPARAMS columns; context and max_steps are the module's (Lightning refuses
-        # a key both hold with two values), the text and vocabulary make none
+        # HPARAMS columns; context and max_steps are the module's (Lightning refuses a key both hold)
         self.save_hyperparameters("batch_size", "seed", "val_fraction", "val_windows")
         self.vocab = vocab or CharVocab.from_text(text)
         self.context, self.batch_size, self.seed = context, batch_size, seed
@@ -119,27 +105,21 @@ class CharDataModule(L.LightningDataModule):
         self.train_tokens, self.val_tokens = split_tokens(self.vocab.encode(text), val_fraction)
         shortest = min(len(self.train_tokens), len(self.val_tokens))
         if shortest <= context + 1:
-            raise UsageError(
-                f"the text is too short for context {context}: each split needs more than "
-                f"{context + 1} characters, the shorter has {shortest}; pass a longer text"
-            )
+            raise UsageError(f"the text is too short for context {context}: each split needs more than "
+                             f"{context + 1} characters, the shorter has {shortest}; pass a longer text")
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
         start = trainer.global_step * accumulate if trainer else 0
         rank = trainer.global_rank if trainer else 0
-        dataset = RandomWindows(
-            self.train_tokens, self.context, self.batch_size, self.seed,
-            total=self.max_steps * accumulate, start=start, rank=rank,
-        )
+        dataset = RandomWindows(self.train_tokens, self.context, self.batch_size, self.seed,
+                                total=self.max_steps * accumulate, start=start, rank=rank)
         return DataLoader(dataset, batch_size=None)
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed held-out batches (inputs, targets), identical for every seed: windows
-        evenly spaced over the held-out text, in an interleaved order (bit-reversed
-        positions) so that the first ``n`` of them, for any ``n``, spread over all of it --
-        the first ones are the invariance probe's rows."""
+        """The fixed held-out batches ``(inputs, targets)``: windows evenly spaced over the held-out text, in
+        an order whose every prefix spreads over all of it (the first are the invariance probe's rows)."""
         high = len(self.val_tokens) - self.context - 1
         count = min(self.val_windows, high // self.context + 1)
         offsets = torch.linspace(0, high, count).long()[_spread_order(count)]

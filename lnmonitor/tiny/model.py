@@ -1,10 +1,5 @@
-"""A configurable pre-norm character GPT (plain PyTorch, no Lightning).
-
-The default configuration is the study's reference model (docs/design.md): 4 blocks,
-4 heads, width 128, context 64, GELU MLP (4x), pre-norm blocks
-``x + attn(ln1(x))`` and ``x + mlp(ln2(x))``, a final norm ``lnf``, bias-free
-attention projections and head: 816,128 parameters at a 65-symbol vocabulary.
-"""
+"""A configurable pre-norm character GPT (plain PyTorch); the default configuration is the study's
+reference model (docs/design.md): 816,128 parameters at a 65-symbol vocabulary."""
 
 from __future__ import annotations
 
@@ -44,10 +39,8 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.width % self.heads:
-            raise ValueError(
-                f"width {self.width} is not divisible by heads {self.heads}: "
-                "choose a width that is a multiple of the number of heads"
-            )
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}: "
+                             "choose a width that is a multiple of the number of heads")
         if self.norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {NORM_KINDS}, got {self.norm!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
@@ -62,10 +55,8 @@ class GPTConfig:
 
 def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
     """The configured norm over ``width`` features (default: the model's width)."""
-    width = width or config.width
-    if config.norm == "layer":
-        return nn.LayerNorm(width, eps=config.eps)
-    return nn.RMSNorm(width, eps=config.eps)
+    norm = nn.LayerNorm if config.norm == "layer" else nn.RMSNorm
+    return norm(width or config.width, eps=config.eps)
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,12 +114,10 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Character GPT.  ``config.init == "default"`` keeps PyTorch's own initialisation
-    (embeddings N(0, 1)), as in the study: its first norm reads a residual stream of rms
-    ~0.9 after training.  ``"gpt2"`` is GPT-2's: weights N(0, 0.02), biases 0, the residual
-    projections N(0, 0.02 / sqrt(2 depth)), so the stream starts at rms ~0.03.
-    ``forward(idx, targets=None)`` returns ``(logits, loss)``; loss is
-    the mean cross-entropy in nats per character, or ``None`` without targets."""
+    """Character GPT: embeddings, pre-norm blocks, a final norm ``lnf`` and a bias-free head.
+    ``config.init``: ``"default"`` keeps PyTorch's initialisation (embeddings N(0, 1)), ``"gpt2"`` is
+    GPT-2's.  ``forward(idx, targets=None)`` returns ``(logits, loss)``, loss the mean cross-entropy in
+    nats per character (None without targets)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -152,9 +141,8 @@ class TinyGPT(nn.Module):
             for proj in (block.attn.proj, block.mlp.proj):
                 proj.weight.normal_(0.0, 0.02 / math.sqrt(2 * self.config.depth))
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         time = idx.shape[1]
         if time > self.config.context:
             raise ValueError(f"sequence length {time} exceeds the context {self.config.context}")
@@ -165,5 +153,4 @@ class TinyGPT(nn.Module):
         logits = self.head(self.lnf(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,6 +1,5 @@
-"""Progress of a train-tiny or eps-compare fit where the output is not a terminal (a log
-file, a pipe, a SLURM job), which a progress bar never reaches: a plain line every
-:data:`EVERY_N_STEPS` optimizer steps."""
+"""Progress of a train-tiny or eps-compare fit where the output is not a terminal (a log file, a pipe, a
+SLURM job): a plain line every :data:`EVERY_N_STEPS` optimizer steps."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ EVERY_N_STEPS = 100
 
 
 class ProgressLines(Callback):
-    """One line every ``every_n_steps`` optimizer steps and at the last: the step, the last
-    training loss, the last validation loss and its step, the time taken and the time left
-    at the pace so far."""
+    """One line every ``every_n_steps`` optimizer steps and at the last: the step, the last training and
+    validation losses, the time taken and the time left at the pace so far."""
 
     def __init__(self, every_n_steps: int = EVERY_N_STEPS) -> None:
         self.every_n_steps = every_n_steps

@@ -1,9 +1,5 @@
-"""The train-tiny recipe's settings, validated before anything is written.
-
-This module imports no torch, so the command line can show its defaults (``--help``)
-and refuse bad input without loading it.  Bad input is a one-line
-:class:`~lnmonitor.errors.UsageError`.
-"""
+"""The train-tiny recipe's settings, validated (a one-line :class:`~lnmonitor.errors.UsageError`) before
+anything is written; no torch is imported, so the command line can show and check them at once."""
 
 from __future__ import annotations
 
@@ -16,16 +12,13 @@ from lnmonitor.errors import UsageError
 __all__ = ["ATTENTIONS", "DECAYS", "INITS", "LATER_OPTIONS", "Recipe", "SCHEDULES"]
 
 ATTENTIONS = ("sdpa", "explicit")  # the tiny GPT's attention implementations
-# "default": PyTorch's own initialisation (embeddings N(0, 1)), as the study;
-# "gpt2": GPT-2's, N(0, 0.02) weights and 0.02 / sqrt(2 depth) on the residual projections
+# PyTorch's own initialisation (embeddings N(0, 1), the study's), or GPT-2's: N(0, 0.02) weights and
+# 0.02 / sqrt(2 depth) on the residual projections
 INITS = ("default", "gpt2")
-# weight decay on every parameter (the study's AdamW), or on the matrices only
-DECAYS = ("all", "matrices")
-# the learning rate over the run: one cycle (warm-up over the first 30%, the study's), or
-# constant from step 0 (no warm-up)
-SCHEDULES = ("one-cycle", "constant")
-# options added after the study's recipe: left out of the hyperparameters and the record
-# while at their defaults, so runs and checkpoints made before them still match
+DECAYS = ("all", "matrices")  # weight decay on every parameter (the study's), or on the matrices only
+SCHEDULES = ("one-cycle", "constant")  # one cycle (warm-up over the first 30%, the study's), or constant
+# options added after the study's recipe: left out of the hyperparameters and the record while at their
+# defaults, so runs and checkpoints made before them still match
 LATER_OPTIONS = {"qk_norm": False, "z_loss": 0.0, "schedule": "one-cycle"}
 
 
@@ -55,8 +48,7 @@ class Recipe:
     trainer_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        positive_ints = ("width", "depth", "heads", "context", "max_steps", "batch_size", "val_every")
-        for name in positive_ints:
+        for name in ("width", "depth", "heads", "context", "max_steps", "batch_size", "val_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -77,30 +69,21 @@ class Recipe:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.width % self.heads:
-            raise UsageError(
-                f"width {self.width} is not divisible by heads {self.heads}: "
-                "choose a width that is a multiple of the number of heads"
-            )
+            raise UsageError(f"width {self.width} is not divisible by heads {self.heads}: "
+                             "choose a width that is a multiple of the number of heads")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
 
     def module_kwargs(self, vocab: str) -> dict:
-        """Keyword arguments of :class:`~lnmonitor.tiny.module.TinyGPTModule` for ``vocab``
-        (the vocabulary's characters)."""
-        return dict(
-            vocab=vocab, width=self.width, depth=self.depth, heads=self.heads,
-            context=self.context, norm=self.norm, eps=float(self.eps), attention=self.attention,
-            lr=float(self.lr), weight_decay=float(self.weight_decay), decay=self.decay, init=self.init,
-            max_steps=self.max_steps, **self._later_options(),
-        )
+        """Keyword arguments of :class:`TinyGPTModule` for ``vocab`` (the vocabulary's characters)."""
+        return dict(vocab=vocab, width=self.width, depth=self.depth, heads=self.heads, context=self.context,
+                    norm=self.norm, eps=float(self.eps), attention=self.attention, lr=float(self.lr),
+                    weight_decay=float(self.weight_decay), decay=self.decay, init=self.init,
+                    max_steps=self.max_steps, **self._later_options())
 
     def _later_options(self) -> dict:
         return {k: getattr(self, k) for k, default in LATER_OPTIONS.items() if getattr(self, k) != default}
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("trainer_kwargs")
-        for name in LATER_OPTIONS:
-            out.pop(name)
-        out.update(self._later_options())
-        return out
+        out = {k: v for k, v in asdict(self).items() if k != "trainer_kwargs" and k not in LATER_OPTIONS}
+        return {**out, **self._later_options()}

@@ -1,8 +1,5 @@
-"""The train-tiny recipe: fit a :class:`TinyGPTModule` on a character corpus.
-
-:func:`fit` trains a :class:`~lnmonitor.tiny.recipe.Recipe`; it is shared by
-``train-tiny`` and ``eps-compare``.
-"""
+"""The train-tiny recipe's fit of a :class:`TinyGPTModule` on a character corpus (``train-tiny`` and
+``eps-compare``)."""
 
 from __future__ import annotations
 
@@ -33,59 +30,42 @@ class FitResult:
 
 
 def monitor_callbacks() -> list[Callback]:
-    """The monitoring callbacks train-tiny attaches by default: :class:`LayerNormMonitor`
-    (every ``log_every_n_steps``) and :class:`FinalNormInvarianceMonitor` (every 1000
-    steps and at the end of the fit), both at their defaults."""
+    """The monitoring callbacks train-tiny attaches by default: :class:`LayerNormMonitor` and
+    :class:`FinalNormInvarianceMonitor`, both at their defaults."""
     from lnmonitor.lightning import FinalNormInvarianceMonitor, LayerNormMonitor
 
     return [LayerNormMonitor(), FinalNormInvarianceMonitor()]
 
 
-def fit(
-    recipe: Recipe, text: str, log_dir: Path, *, logger: TensorBoardLogger | None = None,
-    callbacks: list[Callback] | None = None, resume: bool = True, progress: bool = True,
-) -> FitResult:
-    """Train the recipe on ``text`` with checkpoints in ``log_dir/checkpoints``.
-
-    With ``resume``, a ``last.ckpt`` already there is continued from, so an
-    interrupted fit loses at most ``val_every`` steps. Returns the final
-    validation loss (nats per character) on the fixed held-out windows. With
-    ``progress``, a tqdm bar on a terminal (Lightning's rich bar reads "Epoch 0/-2" in a
-    fit bounded by steps), and :class:`ProgressLines` on anything else.
-    """
+def fit(recipe: Recipe, text: str, log_dir: Path, *, logger: TensorBoardLogger | None = None,
+        callbacks: list[Callback] | None = None, resume: bool = True, progress: bool = True) -> FitResult:
+    """Train the recipe on ``text`` with checkpoints in ``log_dir/checkpoints``; with ``resume``, from a
+    ``last.ckpt`` already there.  The result's ``val_loss`` is the final validation loss (nats per
+    character).  With ``progress``, a tqdm bar on a terminal (Lightning's rich bar reads "Epoch 0/-2" in
+    a fit bounded by steps), :class:`ProgressLines` on anything else."""
     L.seed_everything(recipe.seed, workers=True, verbose=False)
-    data = CharDataModule(
-        text, context=recipe.context, batch_size=recipe.batch_size, seed=recipe.seed,
-        max_steps=recipe.max_steps,
-    )
+    data = CharDataModule(text, context=recipe.context, batch_size=recipe.batch_size, seed=recipe.seed,
+                          max_steps=recipe.max_steps)
     module = TinyGPTModule(**recipe.module_kwargs(data.vocab.chars))
     ckpt_dir = Path(log_dir) / "checkpoints"
-    checkpoint = ModelCheckpoint(
-        dirpath=ckpt_dir, every_n_train_steps=recipe.val_every, save_top_k=0,
-        save_last=True, enable_version_counter=False,
-    )
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=recipe.val_every, save_top_k=0,
+                                 save_last=True, enable_version_counter=False)
     bar = progress and sys.stdout.isatty()
     shown = [TQDMProgressBar()] if bar else [ProgressLines()] if progress else []
-    trainer_kwargs = dict(
+    trainer = L.Trainer(**dict(
         max_steps=recipe.max_steps, gradient_clip_val=recipe.grad_clip or None,
         val_check_interval=recipe.val_every, check_val_every_n_epoch=None,
-        logger=logger if logger is not None else False,
-        callbacks=[checkpoint, *shown, *(callbacks or [])], enable_progress_bar=bar,
-        enable_model_summary=False, log_every_n_steps=min(50, recipe.val_every),
+        logger=logger if logger is not None else False, callbacks=[checkpoint, *shown, *(callbacks or [])],
+        enable_progress_bar=bar, enable_model_summary=False, log_every_n_steps=min(50, recipe.val_every),
         num_sanity_val_steps=0, deterministic=False,
-    )
-    trainer_kwargs.update(recipe.trainer_kwargs)
-    trainer = L.Trainer(**trainer_kwargs)
+    ) | recipe.trainer_kwargs)
     last = ckpt_dir / "last.ckpt"
-    ckpt_path = last if resume and last.is_file() else None
     with warnings.catch_warnings():
         # RandomWindows knows its exact length; the warning is about worker sharding.
         warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=data, ckpt_path=last if resume and last.is_file() else None)
     trainer.save_checkpoint(last, weights_only=False)  # full state: resumable
     val_loss = trainer.callback_metrics.get(VAL_LOSS)
     if val_loss is None or trainer.global_step % recipe.val_every:
         val_loss = trainer.validate(module, datamodule=data, verbose=False)[0][VAL_LOSS]
-    return FitResult(
-        val_loss=float(val_loss), log_dir=Path(log_dir), checkpoint=last, steps=trainer.global_step
-    )
+    return FitResult(float(val_loss), Path(log_dir), last, trainer.global_step)

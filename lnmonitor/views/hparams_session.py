@@ -1,11 +1,7 @@
 """A run's HPARAMS-tab session, with the columns that matter in view.
 
-TensorBoard's HPARAMS table shows five hyperparameter columns: those whose ``HParamInfo``
-says ``differs`` first, then by name (``attention``, ``batch_size``, ``context``,
-``decay``, ``depth`` for the tiny GPT, with eps and seed unticked), and the first five
-metric columns in the session's order.  :func:`session_protos` marks the first five
-of :data:`FIRST_HPARAMS` that the run has, so that they are the columns shown.
-:func:`monitor_columns` is the LayerNormMonitor's share of the session.
+TensorBoard's HPARAMS table shows five hyperparameter columns, those marked ``differs`` first, then by
+name; :func:`session_protos` marks the first five of :data:`FIRST_HPARAMS` that the run has.
 """
 
 from __future__ import annotations
@@ -16,21 +12,15 @@ from lnmonitor.core.output.metric_names import ladder_metric, per_norm, run_metr
 
 __all__ = ["FIRST_HPARAMS", "SHOWN_HPARAMS", "columns_message", "monitor_columns", "session_protos"]
 
-# how many hyperparameter columns TensorBoard's HPARAMS table shows before any is ticked
-SHOWN_HPARAMS = 5
-# preferred columns, most wanted first: the knobs an eps comparison turns, then what the
-# monitors measured (a model of one's own has these), then the tiny GPT's other choices
-FIRST_HPARAMS = (
-    "eps", "seed", run_metric("eps"), run_metric("norm_kind"), run_metric("final_norm"), "norm", "init",
-    "decay",
-)
+SHOWN_HPARAMS = 5  # hyperparameter columns TensorBoard's HPARAMS table shows before any is ticked
+# preferred columns, most wanted first: an eps comparison's knobs, what the monitors measured, the tiny GPT's
+FIRST_HPARAMS = ("eps", "seed", run_metric("eps"), run_metric("norm_kind"), run_metric("final_norm"), "norm",
+                 "init", "decay")
 
 
 def session_protos(params: Mapping, metrics: Sequence[str]) -> list:
-    """The experiment, session-start and session-end protos (TensorBoard's ``Summary``) of
-    torch's ``hparams`` for ``params`` and the metric columns ``metrics`` (in that order), the first
-    :data:`SHOWN_HPARAMS` of :data:`FIRST_HPARAMS` present in ``params`` marked so that
-    TensorBoard shows them."""
+    """The experiment, session-start and session-end ``Summary`` protos of torch's ``hparams`` for
+    ``params`` and the metric columns ``metrics``, the preferred columns marked to be shown."""
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
     from torch.utils.tensorboard.summary import hparams
 
@@ -46,15 +36,13 @@ def session_protos(params: Mapping, metrics: Sequence[str]) -> list:
 
 def monitor_columns(norms: Sequence, dtype, every_n_steps: int | None,
                     final: str | None) -> tuple[dict, list[str]]:
-    """The LayerNormMonitor's share of a run's session: the measured ``norms``' kind, eps (in
-    ``dtype``), width and count and the cadence as hyperparameters; the ladder's attenuation and
-    growth and, when ``final`` names the final norm expected, its log10 eps/var and median share
-    as metric columns."""
-    kinds = sorted({n.kind for n in norms})
+    """The LayerNormMonitor's share of a run's session, ``(hparams, metric columns)``: the norms' kind, eps
+    (in ``dtype``), width, count and the cadence; the ladder's attenuation and growth and, when ``final``
+    names the final norm expected, its log10 eps/var and median share."""
     epss = sorted({n.eps(dtype) for n in norms})
     widths = sorted({n.width for n in norms if n.width is not None})
     params = {
-        run_metric("norm_kind"): ",".join(kinds),
+        run_metric("norm_kind"): ",".join(sorted({n.kind for n in norms})),
         run_metric("eps"): epss[0] if len(epss) == 1 else ",".join(f"{e:g}" for e in epss),
         run_metric("width"): widths[0] if len(widths) == 1 else ",".join(map(str, widths)),
         run_metric("n_norms"): len(norms),
@@ -67,9 +55,8 @@ def monitor_columns(norms: Sequence, dtype, every_n_steps: int | None,
 
 
 def columns_message(name: str, named: str, final: str | None) -> str:
-    """What is said when the session's columns name ``named`` and a measured step then found the
-    final norm to be ``final`` (None: no final norm): module order is not the order the forward
-    runs, or the last norm's input flows on past it."""
+    """The warning when the session's columns name ``named`` but a measured step found the final norm to
+    be ``final`` (None: none)."""
     found = (f"the final norm is {final!r}; pass final_norm={final!r} to have its columns there" if final
              else "the model has no final norm (the last norm's input flows on past it)")
     return (f"{name}: the HPARAMS tab's columns show {named!r}'s eps/var and share, the final norm "

@@ -1,9 +1,5 @@
-"""docs/metrics.md, written from :data:`lnmonitor.core.output.metric_names.FAMILIES`.
-
-``python -m lnmonitor.views.metric_table`` rewrites the file (or writes to the path given);
-a test checks that the file in the repository is what this writes, and that every name a
-short fit logs belongs to a family, so the page a user reads is the names the code logs.
-"""
+"""docs/metrics.md, written from :data:`lnmonitor.core.output.metric_names.FAMILIES`:
+``python -m lnmonitor.views.metric_table [path]`` rewrites it (a test checks it is current)."""
 
 from __future__ import annotations
 
@@ -49,7 +45,7 @@ share maximum is exact.
 
 
 def _names(names: tuple[str, ...]) -> str:
-    """The first name in full, the others without the shared ``lnmonitor/`` (as a reader says them)."""
+    """The first name in full, the others without the shared ``lnmonitor/``."""
     first, *rest = names
     return ", ".join([f"`{first}`", *(f"`{n.removeprefix('lnmonitor/')}`" for n in rest)])
 

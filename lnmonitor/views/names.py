@@ -1,11 +1,5 @@
-"""How a norm's name is shortened for display: one rule for every table, text and picture.
-
-The norms shown together lose the dotted prefix they all share (:func:`name_prefix`:
-``model.`` for a LightningModule's ``self.model``, ``model.model.`` for a Llama held as
-``self.model``), and a name longer than the column keeps its start and its end with ``...``
-where the middle was cut (:func:`short_names`).  :func:`short_name` is one name as
-:func:`short_names` shows it among the others.  Logged tags keep the whole name.
-"""
+"""How a norm's name is shortened for display, one rule for every table, text and picture (logged tags
+keep the whole name)."""
 
 from __future__ import annotations
 
@@ -30,8 +24,8 @@ def name_prefix(names: Sequence[str]) -> str:
 
 
 def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
-    """``names`` without their shared :func:`name_prefix`, each at most ``width`` characters:
-    a longer one keeps its start and its end, with ``...`` where the middle was cut."""
+    """``names`` without their shared :func:`name_prefix`, each at most ``width`` characters: a longer
+    one keeps its start and its end, with ``...`` where the middle was cut."""
     cut = len(name_prefix(names))
     out = []
     for name in (name[cut:] for name in names):
@@ -43,6 +37,5 @@ def short_names(names: Sequence[str], width: int = NAME_WIDTH) -> list[str]:
 
 
 def short_name(name: str, among: Iterable[str], width: int = NAME_WIDTH) -> str:
-    """``name`` as :func:`short_names` shows it beside the names ``among`` (the norms shown
-    with it, ``name`` among them or not)."""
+    """``name`` as :func:`short_names` shows it beside the names ``among`` (``name`` among them or not)."""
     return short_names([name, *among], width)[0]

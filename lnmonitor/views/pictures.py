@@ -1,15 +1,5 @@
-"""Pictures of the ladder, for loggers that take images (TensorBoard's Images tab, W&B, MLflow).
-
-* :func:`ladder_picture`: 1/sigma and the rms of the stream against depth at one step, the
-  final norm marked; drawn directly with Pillow (a few milliseconds, so it can be logged at
-  every logging step), as an ``(H, W, 3)`` uint8 array.
-* :func:`heatmap_picture`: 1/sigma of every rung against depth and step over a whole fit,
-  drawn once at its end with matplotlib.
-
-Both take plain python numbers: nothing here knows Lightning or the hooks.
-:func:`step_picture` and :func:`over_training_picture` are what every monitor logs: the
-first from a measured step's figures, the second from the curves a monitor kept.
-"""
+"""Pictures of the ladder, as ``(H, W, 3)`` uint8 arrays for loggers that take images: :func:`ladder_picture`
+(one step, drawn with Pillow in a few milliseconds) and :func:`heatmap_picture` (a whole fit, matplotlib)."""
 
 from __future__ import annotations
 
@@ -19,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lnmonitor.views.names import short_name, short_names
+from lnmonitor.views.summary import ladder_grid
 
 __all__ = ["heatmap_picture", "ladder_picture", "over_training_picture", "step_picture"]
 
@@ -36,8 +27,8 @@ def _font(size: int):
 
 
 def _ticks(lo: float, hi: float) -> list[float]:
-    """Ticks for a log axis over [lo, hi]: 1-2-5 per decade, or, when that gives fewer
-    than three (a range within a decade or so), evenly spaced round values."""
+    """Ticks for a log axis over [lo, hi]: 1-2-5 per decade, or evenly spaced round values when that
+    gives fewer than three."""
     ticks = [m * 10.0**d for d in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
              for m in (1, 2, 5) if lo <= m * 10.0**d <= hi]
     if len(ticks) >= 3:
@@ -49,9 +40,8 @@ def _ticks(lo: float, hi: float) -> list[float]:
 
 
 def _labels(names: Sequence[str], most: int = 12, longest: int = 14) -> list[str]:
-    """Axis labels for the rungs: the names without their common dotted prefix (a long one
-    keeps its layer numbers and its last part, cut to ``longest`` characters), and only
-    every k-th one (the last always) when there are more than ``most``; the others blank."""
+    """Axis labels for the rungs: the names without their common dotted prefix (a long one keeps its layer
+    numbers and its last part, cut to ``longest``); past ``most``, only every k-th and the last."""
     parts = [n.split(".") for n in names]
     common = 0
     while len(names) > 1 and all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
@@ -68,18 +58,16 @@ def _labels(names: Sequence[str], most: int = 12, longest: int = 14) -> list[str
     return [s if i % every == 0 or i == len(names) - 1 else "" for i, s in enumerate(short)]
 
 
-def ladder_picture(
-    names: Sequence[str], inv_sigma: Sequence[float], rms: Sequence[float], final: str | None = None,
-    title: str = "", width: int = 480, height: int = 320,
-) -> np.ndarray:
-    """1/sigma (blue dots) and rms (orange squares) of each rung, in forward order, on a log
-    scale; the final norm marked in red.  Non-finite values are left out."""
+def ladder_picture(names: Sequence[str], inv_sigma: Sequence[float], rms: Sequence[float],
+                   final: str | None = None, title: str = "") -> np.ndarray:
+    """1/sigma (blue dots) and rms (orange squares) of each rung, in forward order, on a log scale; the
+    final norm marked in red.  Non-finite values are left out."""
     from PIL import Image, ImageDraw
 
-    img = Image.new("RGB", (width, height), "white")
+    img = Image.new("RGB", (480, 320), "white")
     draw = ImageDraw.Draw(img)
     font, small = _font(15), _font(13)
-    left, right, top, bottom = 60, width - 14, 46, height - 84
+    left, right, top, bottom = 60, 480 - 14, 46, 320 - 84
     values = [v for v in (*inv_sigma, *rms) if v is not None and math.isfinite(v) and v > 0]
     if not names or not values:
         draw.text((left, top), "no rung measured yet", fill=_INK, font=font)
@@ -122,10 +110,8 @@ def ladder_picture(
     return np.asarray(img)
 
 
-def heatmap_picture(
-    names: Sequence[str], steps: Sequence[int], values: np.ndarray, title: str = "",
-    label: str = "1/sigma",
-) -> np.ndarray:
+def heatmap_picture(names: Sequence[str], steps: Sequence[int], values: np.ndarray,
+                    title: str = "") -> np.ndarray:
     """``values`` (rungs x steps) as a log-scaled heatmap, rungs in forward order top down."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LogNorm
@@ -144,15 +130,15 @@ def heatmap_picture(
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("optimizer step")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label=label)
+    fig.colorbar(image, ax=ax, label="1/sigma")
     fig.tight_layout()
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def step_picture(figures, step: int) -> np.ndarray:
-    """The ladder of one measured step (its :class:`~lnmonitor.core.meter.meter.LadderFigures`) as
-    :func:`ladder_picture` draws it, titled with the step and the attenuation."""
+    """The ladder of one measured step (its :class:`~lnmonitor.core.meter.meter.LadderFigures`), titled
+    with the step and the attenuation."""
     rungs, by_name = figures.rungs, figures.by_name()
     title = f"step {step}" + (f": attenuation {figures.attenuation:.2f}x"
                               if math.isfinite(figures.attenuation) else "")
@@ -162,10 +148,7 @@ def step_picture(figures, step: int) -> np.ndarray:
 
 
 def over_training_picture(curves) -> tuple[int, np.ndarray] | None:
-    """``(last step, picture)``: 1/sigma of every rung of ``curves`` (``{tag: [(step, value),
-    ...]}``) against depth and step (:func:`heatmap_picture`); None with fewer than two steps."""
-    from lnmonitor.views.summary import ladder_grid
-
+    """``(last step, heatmap)`` of 1/sigma of every rung of ``curves``; None with fewer than two steps."""
     rungs, steps, grid = ladder_grid(curves)
     if len(steps) < 2:
         return None

@@ -1,5 +1,4 @@
-"""What every lnmonitor figure is drawn with: matplotlib's object API (no pyplot, no global
-backend state) and atomic PNG writes."""
+"""What every lnmonitor figure is drawn with: matplotlib's object API (no pyplot) and atomic PNG writes."""
 
 from __future__ import annotations
 

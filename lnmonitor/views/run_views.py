@@ -1,12 +1,5 @@
-"""What every monitor shows of a run beside its metrics, written once: the ladder's picture on
-measured steps, and at the end the ladder over training and the one-screen summary.
-
-A monitor keeps one :class:`RunViews` per run (rank zero), passes it every dict it logs
-(:meth:`RunViews.add`), offers it each measured step's result (:meth:`RunViews.step`) and ends
-it (:meth:`RunViews.end`); it gives the views ``write(tag, image, step)`` -- its framework's way
-to log an image, or None where there is none -- and a title.  A picture that fails turns the
-pictures off with one warning; the metrics go on.
-"""
+"""What every monitor shows of a run beside its metrics: the ladder's picture on measured steps, and at
+the end the ladder over training and the one-screen summary."""
 
 from __future__ import annotations
 
@@ -14,6 +7,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from lnmonitor.core.output.metric_names import per_norm, run_metric
+from lnmonitor.views.pictures import over_training_picture, step_picture
 from lnmonitor.views.summary import RunCurves, summary_text
 
 __all__ = ["RunViews", "WriteImage"]
@@ -22,15 +16,12 @@ WriteImage = Callable[[str, object, int], None]  # (tag, HWC uint8 image, step)
 
 
 class RunViews:
-    """The pictures and summary of one run.
+    """The pictures and summary of one run (a monitor keeps one per run, on rank zero).
 
-    Args:
-        name: the name warnings start with.
-        info, warn: the monitor's ``info(text)`` and ``warn(key, text)``.
-        images: log the pictures at all.
-        image_every_n_steps: the least number of steps between two ladder pictures (the last
-            step gets one regardless).
-        summary: print the summary at the end.
+    ``name`` starts the warnings; ``info(text)`` and ``warn(key, text)`` are the monitor's;
+    ``image_every_n_steps`` is the least number of steps between two ladder pictures (the last step gets
+    one regardless).  ``write(tag, image, step)`` is the framework's way to log an image (None: none).  A
+    picture that fails turns the pictures off with one warning; the metrics go on.
     """
 
     def __init__(self, name: str, info: Callable[[str], None], warn: Callable[[str, str], None], *,
@@ -46,31 +37,21 @@ class RunViews:
         self.curves.add(step, metrics)
 
     def step(self, write: WriteImage | None, result, step: int, last: bool = False) -> None:
-        """A measured step's ladder picture, when ``image_every_n_steps`` have passed or it is
-        the ``last`` step."""
-        if write is None or not self.images:
-            return
-        if step - self._last_picture >= self.image_every_n_steps or last:
+        """A measured step's ladder picture, when ``image_every_n_steps`` have passed or it is ``last``."""
+        due = step - self._last_picture >= self.image_every_n_steps or last
+        if write is not None and self.images and due:
             self._last_picture = step
-            from lnmonitor.views.pictures import step_picture
-
             self._picture(write, run_metric("ladder"), lambda: step_picture(result.figures, step), step)
 
     def end(self, write: WriteImage | None, title: str, watched: Sequence[str] | None = None,
             start: tuple[int, float] | None = None, settings: Mapping[str, object] | None = None) -> None:
-        """Once per run: the ladder over training (a picture) and the summary titled ``title``
-        (``watched``, ``start``, ``settings``: as :func:`~lnmonitor.views.summary.summary_text`
-        takes them)."""
+        """Once per run: the ladder over training and the summary (arguments: as :func:`summary_text`)."""
         if self._ended or not self.curves:
             return
         self._ended = True
         curves = self.curves.curves()
-        if write is not None and self.images:
-            from lnmonitor.views.pictures import over_training_picture
-
-            heatmap = over_training_picture(curves)
-            if heatmap is not None:
-                self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
+        if write is not None and self.images and (heatmap := over_training_picture(curves)) is not None:
+            self._picture(write, run_metric("ladder_over_training"), lambda: heatmap[1], heatmap[0])
         if self.summary:
             self._info(summary_text(curves, title, watched, start, settings))
 

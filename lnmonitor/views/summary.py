@@ -1,16 +1,6 @@
-"""A one-screen summary of what lnmonitor logged for one run, from its curves.
-
-The input is ``{tag: [(step, value), ...]}`` -- what
-:func:`lnmonitor.views.events.read_scalars` reads back from a run, or what a monitor
-kept during a fit -- so ``lnmonitor summarize`` and the end-of-fit summary print the same.
-:func:`summary_text` gives the ladder at the last logged step (1/sigma, rms, eps/var, the
-dead-plane share against the random baseline), the attenuation and growth and how they
-moved since the first logged step, the norms that are not rungs, and the final norm's
-invariance residuals; :func:`comparison_lines` sets several runs side by side.
-:func:`ladder_of` orders the rungs by ``lnmonitor/ladder_position/<norm>`` (logged once
-per fit).  :class:`RunCurves` is what a monitor keeps of its curves for its end-of-fit views,
-in a bounded size.
-"""
+"""A one-screen summary of what lnmonitor logged for one run, from its curves ``{tag: [(step, value), ...]}``
+(read back from a log, or kept by a monitor during the fit: ``lnmonitor summarize`` and the end-of-fit
+summary print the same)."""
 
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ from lnmonitor.views.names import NAME_WIDTH, name_prefix, short_names
 
 __all__ = [
     "Curves", "RunCurves", "comparison_lines", "health_lines", "invariance_lines", "invariance_summary",
-    "ladder_grid", "ladder_lines", "ladder_of", "settings_lines",
-    "last", "summary_text",
+    "ladder_grid", "ladder_lines", "ladder_of", "last", "settings_lines", "summary_text",
 ]
 
 Curves = Mapping[str, Sequence[tuple[int, float]]]
@@ -49,11 +38,10 @@ def last(curves: Curves, tag: str) -> float:
 
 
 class RunCurves:
-    """What a monitor keeps of its own curves for its end-of-fit summary and pictures, in
-    a size that does not grow with the fit: the first and last point of every tag, and the
-    whole series of the tags starting with one of ``series``, thinned to at most
-    ``max_points`` steps (every other kept step dropped, and the stride doubled, when full;
-    the last point is always there)."""
+    """What a monitor keeps of its curves for its end-of-fit views, in a size that does not grow with the
+    fit: the first and last point of every tag, and the series of the tags starting with one of ``series``
+    thinned to at most ``max_points`` steps (when full, every other kept step is dropped and the stride
+    doubled; the last point is always there)."""
 
     def __init__(self, series: Sequence[str] = (), max_points: int = 256) -> None:
         self.series, self.max_points = tuple(series), max_points
@@ -102,12 +90,9 @@ def _natural(name: str) -> list:
 
 
 def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
-    """``(rungs in forward order, other norms)``, by the last ladder positions logged (every fit
-    logs them at its first measured step, a resumed one too); without them (a log of an older
-    lnmonitor's fit resumed into a fresh log) every norm is taken for a rung, in natural name
-    order."""
-    metrics = [m for m in map(parse, curves) if m]
-    norms = sorted({m.name for m in metrics if m[:2] == ("norm", "inv_sigma")}, key=_natural)
+    """``(rungs in forward order, other norms)``, by the last ``ladder_position`` logged; without any,
+    every norm is taken for a rung, in natural name order."""
+    norms = sorted({m.name for m in map(parse, curves) if m and m[:2] == ("norm", "inv_sigma")}, key=_natural)
     position = {n: last(curves, per_norm("ladder_position", n)) for n in norms}
     if all(math.isnan(p) for p in position.values()):
         return norms, []
@@ -115,11 +100,10 @@ def ladder_of(curves: Curves) -> tuple[list[str], list[str]]:
     return rungs, [n for n in norms if not position[n] >= 0]
 
 
-def ladder_grid(curves: Curves, tag: str = "inv_sigma") -> tuple[list[str], list[int], np.ndarray]:
-    """``(rungs, steps, values)``: ``lnmonitor/<tag>/<rung>`` as a rungs x steps array
-    (forward order top down; NaN where a rung has no point at a step)."""
+def ladder_grid(curves: Curves) -> tuple[list[str], list[int], np.ndarray]:
+    """``(rungs, steps, values)``: 1/sigma as a rungs x steps array (NaN: no point at a step)."""
     rungs, _ = ladder_of(curves)
-    series = [dict(curves.get(per_norm(tag, name), ())) for name in rungs]
+    series = [dict(curves.get(per_norm("inv_sigma", name), ())) for name in rungs]
     steps = sorted({s for points in series for s in points})
     grid = np.array([[points.get(s, np.nan) for s in steps] for points in series], dtype=float)
     return rungs, steps, grid.reshape(len(rungs), len(steps))
@@ -130,22 +114,21 @@ def _f(value: float, digits: int = 3) -> str:
         return "-"
     if value == 0:
         return "0"
-    if value != 0 and (abs(value) < 10 ** -(digits - 1) or abs(value) >= 1e4):
+    if abs(value) < 10 ** -(digits - 1) or abs(value) >= 1e4:
         return f"{value:.{digits - 1}e}"
     return f"{value:.{digits}g}" if abs(value) >= 1 else f"{value:.{digits}f}"
 
 
 def summary_text(curves: Curves, title: str = "", watched: Sequence[str] | None = None,
                  start: tuple[int, float] | None = None, settings: Mapping[str, object] | None = None) -> str:
-    """The summary (see the module docstring); says so when nothing of lnmonitor was logged.
-    ``watched``: the finding kinds the run judged (None: not known, as for a log read back);
-    ``start``: the ``(step, growth)`` they judged the growth from (None: the first logged);
-    ``settings``: the monitor's settings that differ from the defaults (None: not known)."""
-    steps = sorted({s for t, pts in curves.items() if parse(t) for s, _ in pts})
-    if not steps:
+    """The ladder at the last logged step, how it moved, the invariance residuals and the findings; says
+    so when nothing of lnmonitor was logged.  ``watched``: the finding kinds the run judged; ``start``:
+    the ``(step, growth)`` they judged the growth from; ``settings``: the monitor's settings that differ
+    from the defaults (each None: not known)."""
+    if not any(points for tag, points in curves.items() if parse(tag)):
         return f"{title}: no lnmonitor metric logged" if title else "no lnmonitor metric logged"
-    head = [f"lnmonitor summary{': ' + title if title else ''}", *settings_lines(settings)]
-    return "\n".join([*head, *ladder_lines(curves, start), *invariance_lines(curves),
+    return "\n".join([f"lnmonitor summary{': ' + title if title else ''}", *settings_lines(settings),
+                      *ladder_lines(curves, start), *invariance_lines(curves),
                       *health_lines(curves, watched)])
 
 
@@ -166,15 +149,13 @@ def settings_lines(settings: Mapping[str, object] | None) -> list[str]:
 
 
 def _setting(value: object) -> str:
-    """A setting as the summary prints it: a function by its name, anything else as Python writes it."""
+    """A function by its name, anything else as ``repr``."""
     return getattr(value, "__qualname__", None) or repr(value) if callable(value) else repr(value)
 
 
 def health_lines(curves: Curves, watched: Sequence[str] | None = None) -> list[str]:
-    """The findings of the run (``lnmonitor/health/<kind>``, docs/findings.md): the step each was
-    raised at and whether it still held at its last logged step; where the run judged
-    ``watched`` kinds and none was raised, ``findings: none`` with what was watched, so that
-    nothing found and findings off do not look alike."""
+    """The run's findings (docs/findings.md): the step each was raised at and whether it still held at
+    its last logged step; ``findings: none`` with what was ``watched`` when none was raised."""
     kinds = sorted(m.statistic for t, m in zip(curves, map(parse, curves), strict=True)
                    if m and m.group == "health" and curves[t])
     if not kinds and watched is not None:
@@ -191,8 +172,8 @@ def health_lines(curves: Curves, watched: Sequence[str] | None = None) -> list[s
 
 
 def ladder_lines(curves: Curves, fit_start: tuple[int, float] | None = None) -> list[str]:
-    """The ladder and the shares at the last logged step, and how the ladder moved; ``fit_start``:
-    the fit's start the findings judged from (None: the first logged growth)."""
+    """The ladder and the shares at the last logged step, and how the ladder moved since ``fit_start``
+    (None: the first logged growth)."""
     rungs, others = ladder_of(curves)
     if not rungs and not others:
         return []
@@ -261,9 +242,8 @@ def invariance_lines(curves: Curves) -> list[str]:
 
 
 def comparison_lines(runs: Mapping[str, Curves]) -> list[str]:
-    """Runs side by side, one row each, at their last logged step: the ladder's attenuation
-    and growth, the final norm's 1/sigma, eps/var and median share (against the random
-    median), the scale_3 delta-loss and the validation loss when one was logged."""
+    """Runs side by side, one row each, at their last logged step: the ladder, the final norm's figures,
+    the scale_3 delta-loss and the validation loss."""
     header = ("run", "last step", "atten.", "growth", "final 1/sig", "final eps/var", "final share",
               "random", "scale_3 dL", "val loss")
     rows = [header]

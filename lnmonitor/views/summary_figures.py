@@ -1,12 +1,5 @@
-"""The figures of ``lnmonitor summarize``, from a run's curves (``{tag: [(step, value)]}``).
-
-* :func:`figure_heatmap`: 1/sigma of every rung against depth and step;
-* :func:`figure_shares`: each norm's dead-plane share (median, p90, max) at the last
-  logged step against the random direction's median and max;
-* :func:`figure_ladders`: several runs' 1/sigma ladders at their last logged step.
-
-Each returns False, writing nothing, when the run logged too little for it.
-"""
+"""The figures of ``lnmonitor summarize``, from a run's curves; each returns False, writing nothing, when
+the run logged too little for it."""
 
 from __future__ import annotations
 
@@ -31,6 +24,7 @@ TITLE_CHARS = 13  # characters of a 9 pt title per inch
 
 
 def figure_heatmap(curves: Curves, title: str, path: Path) -> bool:
+    """1/sigma of every rung against depth and step."""
     from PIL import Image
 
     rungs, steps, grid = ladder_grid(curves)
@@ -44,6 +38,8 @@ def figure_heatmap(curves: Curves, title: str, path: Path) -> bool:
 
 
 def figure_shares(curves: Curves, title: str, path: Path) -> bool:
+    """Each norm's dead-plane share (median, p90, max) at the last logged step, against the random
+    direction's median and max."""
     rungs, others = ladder_of(curves)
     names = [n for n in rungs + others if math.isfinite(last(curves, per_norm("share_median", n)))]
     if not names:
@@ -75,6 +71,7 @@ def figure_shares(curves: Curves, title: str, path: Path) -> bool:
 
 
 def figure_ladders(runs: Mapping[str, Curves], path: Path) -> bool:
+    """Several runs' 1/sigma ladders at their last logged step."""
     fig = new_figure(7.0, 4.2)
     ax = fig.add_subplot()
     drawn = 0
