@@ -1,10 +1,11 @@
 """Every name a short fit logs is in docs/design.md's list of metric names, and every name
 there that applies to the fit is logged: the list is the public interface.  docs/metrics.md is
-what ``python -m lnmonitor.views.metric_table`` writes, and holds every name a fit logs."""
+what ``python tools/metrics_doc.py`` writes, and holds every name a fit logs."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,9 @@ from conftest import char_data, trainer
 from lnmonitor import FinalNormInvarianceMonitor, LayerNormMonitor
 from lnmonitor.core.findings.reader import KINDS
 from lnmonitor.core.output.metric_names import (
-    FAMILIES,
     INVARIANCE_CASES,
     Metric,
     baseline_metric,
-    family_of,
     health_metric,
     hist_metric,
     invariance_metric,
@@ -27,8 +26,10 @@ from lnmonitor.core.output.metric_names import (
     run_metric,
     unsplit,
 )
-from lnmonitor.views.metric_table import DOC, render
 from lnmonitor.views.summary import RunCurves, summary_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from metrics_doc import DOC, FAMILIES, family_of, render  # noqa: E402
 
 DESIGN = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
 
@@ -100,7 +101,7 @@ def test_every_kind_of_name_is_built_and_parsed_by_the_codec():
 
 
 def test_docs_metrics_is_generated_from_the_families_and_holds_every_name_a_fit_logs(fit):
-    assert DOC.read_text(encoding="utf-8") == render(), "run: python -m lnmonitor.views.metric_table"
+    assert DOC.read_text(encoding="utf-8") == render(), "run: python tools/metrics_doc.py"
     ln, inv = fit
     logged = {tag for h in ln.history + inv.history for tag in h if tag != "step"}
     # and what this fit does not log: findings, the structure probe, histograms, pictures, settings

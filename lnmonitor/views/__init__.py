@@ -2,5 +2,5 @@
 (``summary``) and what a run shows beside its metrics (``run_views``: the pictures and summary a
 monitor draws), ``lnmonitor summarize``'s event-file readers and figures (``events``,
 ``summary_figures``), the TensorBoard HPARAMS session (``hparams_session``), the short names of
-norms in every text and figure (``names``), matplotlib figures written atomically
-(``plotting``) and docs/metrics.md written from the logged names (``metric_table``)."""
+norms in every text and figure (``names``) and matplotlib figures written
+atomically (``plotting``)."""
