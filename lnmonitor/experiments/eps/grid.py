@@ -61,7 +61,7 @@ def data_fingerprint(text: str) -> dict:
 
 def experiment_config(recipe: Recipe, text: str) -> dict:
     """What must match for runs to be compared: the recipe without eps, seed and ``val_every`` (training does
-    not depend on it), the precision and the data; not the accelerator, so shards may run on other machines."""
+    not depend on it), the precision and the data; not the accelerator: shards may run on other machines."""
     fields = recipe.to_dict()
     for name in ("eps", "seed", "val_every"):
         fields.pop(name)
