@@ -78,7 +78,8 @@ def _shares(a: Analysis) -> list[str]:
 
 
 def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
-    """``(quantity, this model, study)`` rows; this model's figures are the meter's but the study's rows."""
+    """``(quantity, this model, study)`` rows; this model's figures are the meter's (what a monitor logs)
+    except those marked the study's."""
     width = int(a.config.get("width", 0))
     vocab = len(a.config.get("vocab", ""))
     rows = [("validation loss, nats/char", f"{a.val_loss:.3f} ({vocab} symbols)", REFERENCE["val_loss"])]
@@ -318,7 +319,8 @@ def to_json(a: Analysis) -> dict:
                      "growth": figures.growth}
     if a.invariance is not None:
         out["invariance"] = dataclasses.asdict(a.invariance)
-    out["headline"] = [dict(zip(("quantity", "this_model", "study"), r, strict=True)) for r in headline_rows(a)]
+    columns = ("quantity", "this_model", "study")
+    out["headline"] = [dict(zip(columns, r, strict=True)) for r in headline_rows(a)]
     return finite(out)
 
 
