@@ -22,14 +22,10 @@ __all__ = [
 ]
 
 FIGURES = {
-    "val_loss": "val_loss_curves.png",
-    "loss_gap": "loss_gap_over_training.png",
-    "dose_response": "dose_response.png",
-    "training_curves": "transmission_and_rms_over_training.png",
-    "transmission_by_norm": "transmission_by_norm.png",
-    "ladder": "inv_sigma_ladder.png",
-    "invariance": "invariance_vs_eps_over_var.png",
-    "shares": "share_medians.png",
+    "val_loss": "val_loss_curves.png", "loss_gap": "loss_gap_over_training.png",
+    "dose_response": "dose_response.png", "training_curves": "transmission_and_rms_over_training.png",
+    "transmission_by_norm": "transmission_by_norm.png", "ladder": "inv_sigma_ladder.png",
+    "invariance": "invariance_vs_eps_over_var.png", "shares": "share_medians.png",
 }
 
 
@@ -63,11 +59,10 @@ def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bo
     for (eps, _), curve in sorted(curves.items()):
         if not curve:
             continue
-        steps, values = zip(*curve, strict=True)
         label = None if eps in labelled else f"eps={eps_label(eps)}"
         labelled.add(eps)
-        ax.plot(steps, values, color=colors[eps], marker="o", markersize=3, linewidth=1.2, alpha=0.8,
-                label=label)
+        ax.plot(*zip(*curve, strict=True), color=colors[eps], marker="o", markersize=3, linewidth=1.2,
+                alpha=0.8, label=label)
     ax.set_xlabel("optimizer step")
     return _finish(fig, ax, path, "validation loss (nats/char)", "Validation loss, one line per seed")
 

@@ -101,9 +101,7 @@ def _headline(m) -> dict:
     shares = [f.stats.share_median for f in figures.norms if f.stats.share_rows]
     at = {p.scale: p for p in inv.sweep}
     return {
-        "val_loss": m.val_loss,
-        "scale_slope": inv.slope,
-        "scale_constant": inv.constant,
+        "val_loss": m.val_loss, "scale_slope": inv.slope, "scale_constant": inv.constant,
         "dloss_scale_3": inv.cases["scale_3"].dloss,  # signed
         "dloss_scale_0.01": at[0.01].dloss if 0.01 in at else math.nan,
         "out_residual_scale_3": inv.cases["scale_3"].out_residual,
@@ -111,8 +109,7 @@ def _headline(m) -> dict:
         "first_transmission": first.transmission if first else math.nan,
         "final_transmission": final.transmission if final else math.nan,
         "max_transmission": float(np.nanmax([f.transmission for f in figures.norms])),
-        "attenuation": figures.attenuation,
-        "growth": figures.growth,
+        "attenuation": figures.attenuation, "growth": figures.growth,
         "final_share_median": final.stats.share_median if final else math.nan,
         "mean_share_median": float(np.mean(shares)) if shares else math.nan,
     }
@@ -189,21 +186,13 @@ def run_one(
     from lnmonitor.views.events import read_scalars
 
     record = {
-        "format": RECORD_FORMAT,
-        "config": experiment_config(experiment.recipe, text),
-        "eps": float(eps),
-        "seed": int(seed),
-        "steps": int(result.steps),
+        "format": RECORD_FORMAT, "config": experiment_config(experiment.recipe, text),
+        "eps": float(eps), "seed": int(seed), "steps": int(result.steps),
         "resumed_from_step": state["step"] if state else None,
-        "val_loss": measured["headline"]["val_loss"],
-        "fit_val_loss": result.val_loss,
-        "train_seconds": train_seconds,
-        "measure_seconds": measure_seconds,
-        "monitors": bool(monitor),
-        "data_name": data_name,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "val_loss": measured["headline"]["val_loss"], "fit_val_loss": result.val_loss,
+        "train_seconds": train_seconds, "measure_seconds": measure_seconds,
+        "monitors": bool(monitor), "data_name": data_name, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "threads": torch.get_num_threads(), "versions": _versions(),
         **measured,
         "curves": {tag: [[step, float(f"{value:.6g}")] for step, value in points]
                    for tag, points in read_scalars(folder, _is_curve).items()},
