@@ -162,10 +162,8 @@ def analyze(
     with eval_mode(module):
         with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:
             module(held_out[0][0][:1])
-        block_probes = [
-            probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name, rtol=rtol)
-            for name, block in blocks
-        ]
+        block_probes = [probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name,
+                                         rtol=rtol) for name, block in blocks]
         norm_probes = [probe_norm_jacobian(info, cap.norms[info.name][position], rtol=rtol)
                        for info in m.norms]
         by_name = {info.name: info for info in m.norms}

@@ -48,15 +48,11 @@ def check_checkpoint(state: dict | None, recipe: Recipe, vocab: str, path: Path)
     found = {k: state["hparams"].get(k) for k in expected}
     if found != expected:
         diffs = [f"{k}={found[k]!r} there, {expected[k]!r} now" for k in expected if found[k] != expected[k]]
-        raise UsageError(
-            f"checkpoint {str(path)!r} is from a different configuration ({'; '.join(diffs[:3])}): "
-            "use the same options, or pass another --out"
-        )
+        raise UsageError(f"checkpoint {str(path)!r} is from a different configuration "
+                         f"({'; '.join(diffs[:3])}): use the same options, or pass another --out")
     if state["step"] > recipe.max_steps:
-        raise UsageError(
-            f"checkpoint {str(path)!r} is at step {state['step']}, past --max-steps {recipe.max_steps}: "
-            "use the same options, or pass another --out"
-        )
+        raise UsageError(f"checkpoint {str(path)!r} is at step {state['step']}, past --max-steps "
+                         f"{recipe.max_steps}: use the same options, or pass another --out")
 
 
 def record_measurement(module, batches) -> dict:
@@ -168,9 +164,8 @@ def run_one(
     else:
         echo(f"{tag}{name}: starting ({recipe.max_steps} steps)")
 
-    logger = TensorBoardLogger(
-        save_dir=str(out), name=f"eps={eps_label(eps)}", version=f"seed={seed}", default_hp_metric=False
-    )
+    logger = TensorBoardLogger(save_dir=str(out), name=f"eps={eps_label(eps)}", version=f"seed={seed}",
+                               default_hp_metric=False)
     write_hparams_session(logger, recipe, monitor)
     extra = [*(monitor_callbacks() if monitor else []), *callbacks]
     started = time.perf_counter()
