@@ -182,7 +182,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
     colors = _colors(eps_values)
     fig = new_figure()
     ax = fig.add_subplot()
-    drawn, baseline, names = False, None, []
+    baseline, names = None, []
     width = 0.8 / max(len(eps_values), 1)
     for i, eps in enumerate(eps_values):
         names_e, values = _per_norm(records, eps, "share_median")
@@ -197,8 +197,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
                label=f"eps={eps_label(eps)}")
         for r in (r for (e, _), r in records.items() if e == eps):
             baseline = baseline or (share_baseline(r) or {}).get("median")
-        drawn = True
-    if not drawn:
+    if not names:
         return False
     if baseline:
         ax.axhline(baseline, color="black", linestyle="--", linewidth=1,
