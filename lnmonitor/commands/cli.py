@@ -22,12 +22,10 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="lnmonitor", description="Watch what LayerNorm does to a transformer while it trains."
-    )
-    subparsers = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser
-    )
+    parser = _OneLineParser(prog="lnmonitor",
+                            description="Watch what LayerNorm does to a transformer while it trains.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=_OneLineParser)
     for name in COMMANDS:
         importlib.import_module(f"lnmonitor.commands.{name}").register(subparsers)
     return parser

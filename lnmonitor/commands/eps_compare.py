@@ -61,22 +61,18 @@ def run(args: argparse.Namespace) -> int:
     if str(args.devices) == "auto":
         args.devices = "1"  # one process per run; a multi-GPU "auto" would start DDP
     elif str(args.devices) != "1":
-        raise UsageError(
-            f"eps-compare trains each run on one device, got --devices {args.devices}: to use several "
-            "devices, start one shard per device (e.g. CUDA_VISIBLE_DEVICES=i ... --shard i/n)"
-        )
+        raise UsageError(f"eps-compare trains each run on one device, got --devices {args.devices}: to use "
+                         "several devices, start one shard per device (e.g. CUDA_VISIBLE_DEVICES=i ... "
+                         "--shard i/n)")
     recipe = recipe_from_args(args)
     text = load_corpus(args.data)
     from lnmonitor.tiny.data import CharDataModule  # torch and Lightning: after the checks that need neither
 
     CharDataModule(text, context=recipe.context)
-    experiment = Experiment(recipe, eps, seeds)
     try:
-        run_experiment(
-            experiment, text, args.out, shard=shard, force=args.force, monitor=not args.no_monitor,
-            progress=not args.no_progress, jobs=args.jobs, remeasure=args.remeasure,
-            data_name=corpus_name(args.data),
-        )
+        run_experiment(Experiment(recipe, eps, seeds), text, args.out, shard=shard, force=args.force,
+                       monitor=not args.no_monitor, progress=not args.no_progress, jobs=args.jobs,
+                       remeasure=args.remeasure, data_name=corpus_name(args.data))
     except RunInterrupted as err:
         print(f"lnmonitor eps-compare: {err}", file=sys.stderr)
         return 1

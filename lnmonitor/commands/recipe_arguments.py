@@ -1,6 +1,6 @@
 """The command-line options shared by the commands that train the tiny recipe (``train-tiny``,
-``eps-compare``, and ``--data`` for ``analyze``; research/stability's testbed uses them too), and
-the :class:`~lnmonitor.tiny.recipe.Recipe` they describe.  Imports no torch."""
+``eps-compare``, ``--data`` for ``analyze``; research/stability's testbed too) and the :class:`Recipe` they
+describe.  Imports no torch."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ __all__ = [
 
 
 def add_data_argument(parser: argparse.ArgumentParser, purpose: str) -> None:
-    """``--data``: a UTF-8 text file, or a built-in corpus by name (``python-help``, the default,
-    or ``python-source``); ``./NAME`` reads a file that has a built-in's name."""
+    """``--data``: a UTF-8 text file, or a built-in corpus by name (``./NAME`` reads a file of that name)."""
     names = " or ".join(BUILT_IN)
     parser.add_argument("--data", default=None, metavar="FILE_OR_CORPUS",
                         help=f"UTF-8 text file {purpose}, or a built-in corpus: {names} "
@@ -27,8 +26,7 @@ def add_data_argument(parser: argparse.ArgumentParser, purpose: str) -> None:
 
 
 def add_shard_argument(parser: argparse.ArgumentParser, unit: str, merged: str) -> None:
-    """``--shard I/N``: this invocation runs every N-th ``unit`` from the I-th (read with
-    :func:`parse_shard`), so N machines or processes share one grid."""
+    """``--shard I/N``: run every N-th ``unit`` from the I-th (read with :func:`parse_shard`)."""
     parser.add_argument("--shard", default=None, metavar="I/N",
                         help=f"run only every N-th {unit} starting at the I-th (I counts from 0), "
                         f"e.g. --shard $SLURM_ARRAY_TASK_ID/4; {merged}")
@@ -91,9 +89,8 @@ def trainer_kwargs(args: argparse.Namespace) -> dict:
 
 def recipe_from_args(args: argparse.Namespace, **overrides) -> Recipe:
     fields = dict(
-        norm=args.norm, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-        init=args.init, decay=args.decay,
-        width=args.width, depth=args.depth, heads=args.heads, context=args.context,
+        norm=args.norm, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, init=args.init,
+        decay=args.decay, width=args.width, depth=args.depth, heads=args.heads, context=args.context,
         val_every=min(args.val_every, args.max_steps) if args.max_steps > 0 else args.val_every,
         trainer_kwargs=trainer_kwargs(args),
     )

@@ -1,17 +1,7 @@
-"""The whole LayerNorm story of one tiny-GPT checkpoint, as one :class:`Analysis`.
-
-:func:`analyze` runs the held-out measurement every experiment shares
-(:func:`lnmonitor.experiments.measure.held_out_measurement`: the loss, the meter's result -- the
-figures the monitors log, under their names -- and the invariance probe) and the
-structural probes of :mod:`lnmonitor.core.probes.structure` at one position (each norm's Jacobian
-against autograd, block versus branch rank).  :mod:`lnmonitor.experiments.analysis_report`
-turns the result into tables, JSON and figures.
-
-The probes are model-agnostic; two things here are specific to the tiny GPT and say
-so: the loss (``module(x, y)`` returns ``(logits, loss)``) and the names of the
-residual-stream points in the ladder (the input of ``blocks.0.ln1`` is the embedding,
-of ``blocks.i.ln2`` the stream after block i's attention, of ``blocks.i+1.ln1`` /
-``lnf`` the stream after block i's MLP).
+"""The whole LayerNorm story of one tiny-GPT checkpoint as one :class:`Analysis` (:func:`analyze`): the
+held-out measurement every experiment shares and the structural probes (each norm's Jacobian against
+autograd, block versus branch rank) at one position.  Specific to the tiny GPT: the loss (``module(x, y)``
+returns ``(logits, loss)``) and the names of the residual-stream points (:func:`stream_labels`).
 """
 
 from __future__ import annotations
@@ -44,22 +34,12 @@ __all__ = [
 
 STUDY_SEQUENCES = 8  # the study's ladder used one batch of 8 sequences (docs/design.md)
 
-# The study this project grew out of (docs/design.md) (4 x 128 LayerNorm GPT, eps 1e-5,
-# 3,000 steps, a 65-symbol character corpus).
+# the study this project grew out of (docs/design.md): 4 x 128 LayerNorm GPT, eps 1e-5, 3,000 steps
 REFERENCE = {
-    "val_loss": "1.573 (65 symbols)",
-    "share_median": "0.087 .. 0.144",
-    "share_max_above": "9 of 9",
-    "final_share_max": "0.83",
-    "block_rank": "128/128",
-    "block_sv": "0.36 .. 2.50",
-    "branch_rank": "123",
-    "rms": "0.90 -> 3.90 (4.3x)",
-    "inv_sigma": "1.112 -> 0.323 (3.4x)",
-    "shift_scale": "0 / 0 (identical)",
-    "slope": "0.97 / 0.049",
-    "gain_spread": "< 2x",
-    "jacobian_error": "-",
+    "val_loss": "1.573 (65 symbols)", "share_median": "0.087 .. 0.144", "share_max_above": "9 of 9",
+    "final_share_max": "0.83", "block_rank": "128/128", "block_sv": "0.36 .. 2.50", "branch_rank": "123",
+    "rms": "0.90 -> 3.90 (4.3x)", "inv_sigma": "1.112 -> 0.323 (3.4x)", "shift_scale": "0 / 0 (identical)",
+    "slope": "0.97 / 0.049", "gain_spread": "< 2x", "jacobian_error": "-",
 }
 
 # what the rows marked "study's" compute, and what is not known of the study (docs/design.md)
@@ -74,12 +54,9 @@ STUDY_NOTE = (
 
 @dataclass(frozen=True)
 class StudyRung:
-    """One rung of the ladder as the study computed it, on the first :data:`STUDY_SEQUENCES`
-    held-out sequences: ``rms`` the global rms over all their rows and features, ``std`` the
-    median over rows of the per-row unbiased std (``h.std(-1).median()``, no eps).  Ours
-    (the meter's, :class:`~lnmonitor.core.meter.meter.NormFigures`) are medians over every measured
-    row, with ``sigma = sqrt(v + eps)``: different statistics of the same stream, shown beside
-    ours as the study's, never under a monitor's name."""
+    """One rung of the ladder as the study computed it on the first :data:`STUDY_SEQUENCES` held-out
+    sequences: ``rms`` the global rms over all their rows and features, ``std`` the median over rows of the
+    per-row unbiased std (no eps).  Shown beside the meter's statistics, never under a monitor's name."""
 
     name: str
     rms: float
@@ -87,9 +64,8 @@ class StudyRung:
 
 
 def study_ladder(module, x: torch.Tensor, norms) -> list[StudyRung]:
-    """The study's rms and std of the input of each of ``norms`` (in the given order) over the
-    first :data:`STUDY_SEQUENCES` sequences of the token batch ``x`` (``module(x)`` runs the
-    model)."""
+    """The study's rms and std of the input of each of ``norms`` over the first :data:`STUDY_SEQUENCES`
+    sequences of the token batch ``x``."""
     inputs: dict[str, torch.Tensor] = {}
 
     def keep(name: str):
@@ -110,11 +86,9 @@ def study_ladder(module, x: torch.Tensor, norms) -> list[StudyRung]:
 
 @dataclass
 class Analysis:
-    """Everything :func:`analyze` measured.  ``result`` is the meter's
-    (:class:`~lnmonitor.core.meter.meter.LadderResult`, read with its histograms): the norms with
-    their roles, their figures, the ladder over the rungs and the baselines, exactly as a
-    monitor logs them (``result.metrics()``); ``labels`` name the residual-stream point each
-    rung reads (the tiny GPT's, :func:`stream_labels`)."""
+    """Everything :func:`analyze` measured.  ``result`` is the meter's (with its histograms): the norms with
+    their roles, figures, ladder and baselines exactly as a monitor logs them; ``labels`` name the
+    residual-stream point each rung reads."""
 
     checkpoint: str
     step: int | None
@@ -140,8 +114,7 @@ class Analysis:
         return [by_name[name] for name in self.result.figures.rungs]
 
     def short(self, name: str) -> str:
-        """``name`` as this analysis's tables and figures show it, beside the other measured
-        norms (:func:`lnmonitor.views.names.short_name`)."""
+        """``name`` as this analysis's tables and figures show it, beside the other measured norms."""
         return short_name(name, [info.name for info in self.result.norms])
 
     def per_norm(self) -> list[tuple[NormFigures, RowStats]]:
@@ -150,8 +123,8 @@ class Analysis:
 
 
 def stream_labels(module) -> dict[str, str]:
-    """Names of the residual-stream points the tiny GPT's norms read (specific to TinyGPT:
-    pre-norm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``, final ``lnf``)."""
+    """Names of the residual-stream points a TinyGPT's norms read (pre-norm blocks, final ``lnf``); {} for
+    another model."""
     model = getattr(module, "model", module)
     if not isinstance(model, TinyGPT):
         return {}
@@ -170,21 +143,17 @@ def analyze(
     rtol: float | None = None, checkpoint: str = "", step: int | None = None,
     invariance: bool = True,
 ) -> Analysis:
-    """Run every probe on ``module`` (a :class:`TinyGPTModule`) over the ``held_out`` batches
-    ``(x, y)`` (:meth:`lnmonitor.tiny.data.CharDataModule.val_batches`).
+    """Run every probe on ``module`` (a :class:`TinyGPTModule`) over the ``held_out`` batches ``(x, y)``.
 
-    ``batches``: how many held-out batches to measure the shares and the ladder on (all
-    when None).  ``position``: the sequence position of the Jacobian probes.  The loss
-    covers every held-out window; the invariance cases and the scale sweep run on the
-    probe rows (:data:`lnmonitor.experiments.measure.PROBE_WINDOWS`).
+    ``batches``: how many held-out batches the shares and the ladder use (all when None); ``position``: the
+    sequence position of the Jacobian probes.  The loss covers every window, the invariance the probe rows.
     """
     started = time.perf_counter()
     hp = module.hparams
     context = int(hp["context"])
     if isinstance(position, bool) or not isinstance(position, int) or not -context <= position < context:
-        raise UsageError(
-            f"position must be an integer in [-{context}, {context}) (the context), got {position}"
-        )
+        raise UsageError(f"position must be an integer in [-{context}, {context}) (the context), "
+                         f"got {position}")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"batches must be a positive integer, got {batches!r}")
     m = held_out_measurement(module, held_out, norm_batches=batches, invariance=invariance, counts=True)
@@ -192,10 +161,8 @@ def analyze(
     with eval_mode(module):
         with torch.no_grad(), SequenceCapture(blocks, m.norms) as cap:
             module(held_out[0][0][:1])
-        block_probes = [
-            probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name, rtol=rtol)
-            for name, block in blocks
-        ]
+        block_probes = [probe_block_rank(block, cap.blocks[name], m.norms, position=position, name=name,
+                                         rtol=rtol) for name, block in blocks]
         norm_probes = [probe_norm_jacobian(info, cap.norms[info.name][position], rtol=rtol)
                        for info in m.norms]
         by_name = {info.name: info for info in m.norms}

@@ -1,6 +1,5 @@
-"""The PNG figures of an :class:`~lnmonitor.experiments.analysis.Analysis`: a norm's
-Jacobian spectrum, the share distributions against the random density, the 1/sigma
-ladder and the scale sweep."""
+"""The PNG figures of an :class:`~lnmonitor.experiments.analysis.Analysis`: a norm's Jacobian spectrum, the
+share distributions against the random density, the 1/sigma ladder and the scale sweep."""
 
 from __future__ import annotations
 
@@ -48,18 +47,17 @@ def _fig_shares(a: Analysis, path: Path) -> None:
     for i, (f, s) in enumerate(measured):
         ax = fig.add_subplot(rows, cols, i + 1)
         edges = s.layout.share_edges()
-        width = f.width
-        base_max = a.result.figures.baseline(f.name)[1]
         top = min(1.0, max(0.5, f.stats.share_max) * 1.05)
-        grid = np.linspace(0, top, 300)
         # the meter's share histogram (its bins), as a density
         ax.stairs(s.share_counts / (s.share_counts.sum() * np.diff(edges)), edges, fill=True, alpha=0.6,
                   label="observed")
         ax.set_xlim(0, top)
-        if width is not None:
-            ax.plot(grid, random_baseline.share_pdf(grid, width, geometry.dead_dim(f.kind)), "k-", lw=1,
+        if f.width is not None:
+            grid = np.linspace(0, top, 300)
+            ax.plot(grid, random_baseline.share_pdf(grid, f.width, geometry.dead_dim(f.kind)), "k-", lw=1,
                     label="random direction")
-        ax.axvline(base_max, color="k", ls=":", lw=1, label="random max, same rows")
+        ax.axvline(a.result.figures.baseline(f.name)[1], color="k", ls=":", lw=1,
+                   label="random max, same rows")
         ax.axvline(f.stats.share_max, color="C3", lw=1, label="observed max")
         ax.set_title(a.short(f.name), fontsize=9)
         ax.set_ylabel("density", fontsize=7)
@@ -96,9 +94,8 @@ def _fig_sweep(a: Analysis, path: Path) -> None:
     lines = {}
     if fitted:
         xs = np.logspace(-5, 1, 50)
-        label = f"|dloss| = {inv.constant:.3g} (eps/v)^{inv.slope:.2f}"
         ax.plot(xs, inv.constant * xs**inv.slope, "k-", lw=1)
-        lines[label] = "black"
+        lines[f"|dloss| = {inv.constant:.3g} (eps/v)^{inv.slope:.2f}"] = "black"
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("eps / v at the final norm (after scaling by a)")

@@ -1,8 +1,5 @@
-"""``analysis.md``, ``analysis.json`` and the terminal tables of an :class:`Analysis`.
-
-Every table puts the model's figures next to the study's (docs/design.md).  The figures
-themselves come from :mod:`lnmonitor.experiments.analysis_figures`.
-"""
+"""``analysis.md``, ``analysis.json`` and the terminal tables of an :class:`Analysis`, the model's figures
+next to the study's (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -51,8 +48,8 @@ RTOLS = (1e-12, 1e-9, 1e-6, 1e-3)
 
 
 def float32_rtol(width: int) -> float:
-    """``torch.linalg.matrix_rank``'s default tolerance for a float32 matrix of ``width`` rows
-    and columns, relative to its largest singular value: ``width * 2^-23``."""
+    """``torch.linalg.matrix_rank``'s default tolerance for a square float32 matrix, relative to its largest
+    singular value: ``width * 2^-23``."""
     return width * 2.0**-23
 
 
@@ -81,8 +78,8 @@ def _shares(a: Analysis) -> list[str]:
 
 
 def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
-    """``(quantity, this model, study)`` rows: the compact side-by-side table.  Every figure
-    of this model is the meter's (what a monitor logs), except those marked the study's."""
+    """``(quantity, this model, study)`` rows; this model's figures are the meter's (what a monitor logs)
+    except those marked the study's."""
     width = int(a.config.get("width", 0))
     vocab = len(a.config.get("vocab", ""))
     rows = [("validation loss, nats/char", f"{a.val_loss:.3f} ({vocab} symbols)", REFERENCE["val_loss"])]
@@ -93,18 +90,13 @@ def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
         first = a.blocks[0]
         rows += [
             ("block rank at one position", f"{'/'.join(map(str, ranks))}/{width}", REFERENCE["block_rank"]),
-            (
-                "block singular values, all blocks pooled",
-                f"{_f(min(b.block_sv_min for b in a.blocks))} .. {_f(max(b.block_sv_max for b in a.blocks))}",
-                "(one block: next row)",
-            ),
+            ("block singular values, all blocks pooled",
+             f"{_f(min(b.block_sv_min for b in a.blocks))} .. {_f(max(b.block_sv_max for b in a.blocks))}",
+             "(one block: next row)"),
             (f"block singular values, {a.short(first.name)} alone",
              f"{_f(first.block_sv_min)} .. {_f(first.block_sv_max)}", REFERENCE["block_sv"]),
-            (
-                f"branch rank ({first.branch})",
-                f"{_range(b.branch_rank for b in a.blocks)} ({loose} at rtol 1e-6)",
-                REFERENCE["branch_rank"],
-            ),
+            (f"branch rank ({first.branch})",
+             f"{_range(b.branch_rank for b in a.blocks)} ({loose} at rtol 1e-6)", REFERENCE["branch_rank"]),
             (f"branch rank, {a.short(first.name)}, sv > {width} x 2^-23 s_max (torch's float32 default)",
              str(_rank_at(first.branch_singular_values, float32_rtol(width))), REFERENCE["branch_rank"]),
         ]
@@ -115,11 +107,9 @@ def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
             ("residual rms, first -> last rung (ours: median row; growth)",
              f"{_f(first.rms, 2)} -> {_f(last.rms, 2)} ({figures.growth:.1f}x)",
              "(another statistic: below)"),
-            (
-                "1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)",
-                f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({figures.attenuation:.1f}x)",
-                "(another statistic: below)",
-            ),
+            ("1/sigma, first -> last rung (ours: median row's sqrt(v + eps); attenuation)",
+             f"{_f(first.inv_sigma)} -> {_f(last.inv_sigma)} ({figures.attenuation:.1f}x)",
+             "(another statistic: below)"),
         ]
     if a.study:
         first, last, n = a.study[0], a.study[-1], a.study_sequences
@@ -134,12 +124,10 @@ def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
     if inv is not None:
         shift, scale = inv.cases.get("shift_5"), inv.cases.get("scale_3")
         rows += [
-            (
-                "dloss: shift 5 / scale 3",
-                f"{_f(shift.dloss) if shift else '-'} / {_f(scale.dloss) if scale else '-'} "
-                f"(float32 ulp of the loss {_f(float(np.spacing(np.float32(inv.base_loss))), 2)})",
-                REFERENCE["shift_scale"],
-            ),
+            ("dloss: shift 5 / scale 3",
+             f"{_f(shift.dloss) if shift else '-'} / {_f(scale.dloss) if scale else '-'} "
+             f"(float32 ulp of the loss {_f(float(np.spacing(np.float32(inv.base_loss))), 2)})",
+             REFERENCE["shift_scale"]),
             ("scale error vs eps/v: slope / constant", f"{_f(inv.slope, 2)} / {_f(inv.constant)}",
              REFERENCE["slope"]),
         ]
@@ -147,11 +135,8 @@ def headline_rows(a: Analysis) -> list[tuple[str, str, str]]:
         rows += [
             ("gain spread, max over norms", f"{_f(max(n.gain_spread for n in a.norms), 2)}x",
              REFERENCE["gain_spread"]),
-            (
-                "Jacobian vs autograd, max abs error",
-                f"{_f(max(n.max_abs_error for n in a.norms), 1)} (float64)",
-                REFERENCE["jacobian_error"],
-            ),
+            ("Jacobian vs autograd, max abs error",
+             f"{_f(max(n.max_abs_error for n in a.norms), 1)} (float64)", REFERENCE["jacobian_error"]),
         ]
     return rows
 
@@ -161,14 +146,11 @@ def _table(headers: list[str], rows: list[list[str]], markdown: bool) -> list[st
         def cells(values):
             return "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"
 
-        out = [cells(headers), "|" + "|".join("---" for _ in headers) + "|"]
-        out += [cells(r) for r in rows]
-        return out
+        return [cells(headers), "|" + "|".join("---" for _ in headers) + "|"] + [cells(r) for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
-    out = [line.rstrip(), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return out
+    return [line.rstrip(), "  ".join("-" * w for w in widths)] + [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _cost(share: float, digits: int = 2) -> str:
@@ -182,12 +164,9 @@ def _norm_rows(a: Analysis) -> list[list[str]]:
     out = []
     for f, _ in a.per_norm():
         s, n = f.stats, probes.get(f.name)
-        out.append([
-            a.short(f.name), roles.get(f.name) or "-", _f(s.share_median), _f(s.share_p90),
-            _f(s.share_max),
-            _f(a.result.figures.baseline(f.name)[1]), _cost(s.share_median), _f(f.rms, 2), _f(f.inv_sigma),
-            _f(f.eps_over_var, 1), _f(n.gain_spread, 2) if n else "-",
-        ])
+        out.append([a.short(f.name), roles.get(f.name) or "-", _f(s.share_median), _f(s.share_p90),
+                    _f(s.share_max), _f(a.result.figures.baseline(f.name)[1]), _cost(s.share_median),
+                    _f(f.rms, 2), _f(f.inv_sigma), _f(f.eps_over_var, 1), _f(n.gain_spread, 2) if n else "-"])
     return out
 
 
@@ -211,11 +190,9 @@ def _header(a: Analysis) -> list[str]:
 def to_terminal(a: Analysis) -> str:
     """The compact tables printed by ``lnmonitor analyze``."""
     lines = _header(a) + [""]
-    lines += _table(["quantity", "this model", "study"],
-                    [list(r) for r in headline_rows(a)], markdown=False)
-    lines += [STUDY_NOTE]
-    lines += ["", "per norm (the monitors' figures: dead-plane shares of w = g * dL/dy, medians over "
-              "the measured rows; gain spread at one row):"]
+    lines += _table(["quantity", "this model", "study"], [list(r) for r in headline_rows(a)], markdown=False)
+    lines += [STUDY_NOTE, "", "per norm (the monitors' figures: dead-plane shares of w = g * dL/dy, medians "
+              "over the measured rows; gain spread at one row):"]
     lines += _table(NORM_HEADERS, _norm_rows(a), markdown=False)
     if a.blocks:
         lines += ["", f"block vs branch Jacobian at position {a.position} ({a.blocks[0].rank_rule}):"]
@@ -223,17 +200,13 @@ def to_terminal(a: Analysis) -> str:
             ["block", "rank", "sv min", "sv max", "branch", "rank", "@rtol 1e-6", "sv min", "sv max"],
             [[a.short(b.name), f"{b.block_rank}/{b.width}", _f(b.block_sv_min), _f(b.block_sv_max),
               b.branch, f"{b.branch_rank}/{b.width}", str(_rank_at(b.branch_singular_values, 1e-6)),
-              _f(b.branch_sv_min), _f(b.branch_sv_max)]
-             for b in a.blocks],
-            markdown=False,
-        )
+              _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks], markdown=False)
     return "\n".join(lines)
 
 
 def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
     """``analysis.md``: every table, with the figures linked (``figures``: name -> file name)."""
-    md = ["# lnmonitor analyze", ""]
-    md += [f"- {line}" for line in _header(a)]
+    md = ["# lnmonitor analyze", ""] + [f"- {line}" for line in _header(a)]
     md += ["", "## Headline figures, next to the study", ""]
     md += _table(["quantity", "this model", "study"], [list(r) for r in headline_rows(a)], True)
     md += ["", "The study used a 65-symbol corpus; a different text changes the loss and the vocabulary, "
@@ -249,9 +222,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
          "transmission eps/(v+eps) at this row", "gain spread", "gain sv min .. max"],
         [[a.short(n.name), _f(n.max_abs_error, 1), _f(n.max_abs_entry), f"{n.rank}/{n.width}",
           f"{n.rank_eps0}/{n.width}", _f(n.inv_sigma), _f(n.transmission, 2), _f(n.gain_spread, 3),
-          f"{_f(n.gain_sv_min)} .. {_f(n.gain_sv_max)}"] for n in a.norms],
-        True,
-    )
+          f"{_f(n.gain_sv_min)} .. {_f(n.gain_sv_max)}"] for n in a.norms], True)
     if a.blocks:
         md += ["", "## Block versus branch rank at one position", "",
                f"d block(h)[p] / d h[p] at p = {a.position}, other positions held fixed (float64). "
@@ -260,9 +231,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
             ["block", "rank", "tol", "sv min", "sv max", "branch", "rank", "tol", "sv min", "sv max"],
             [[a.short(b.name), f"{b.block_rank}/{b.width}", _f(b.block_tol, 2), _f(b.block_sv_min),
               _f(b.block_sv_max), b.branch, f"{b.branch_rank}/{b.width}", _f(b.branch_tol, 2),
-              _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks],
-            True,
-        )
+              _f(b.branch_sv_min), _f(b.branch_sv_max)] for b in a.blocks], True)
         width = a.blocks[0].width
         rtols = sorted((*RTOLS, float32_rtol(width)))
         rtols_note = (f"{float32_rtol(width):.2g} = {width} x 2^-23 is torch.linalg.matrix_rank's default "
@@ -274,9 +243,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
         md += _table(
             ["block", *(f"block @{r:.2g}" for r in rtols), *(f"branch @{r:.2g}" for r in rtols)],
             [[a.short(b.name), *(str(_rank_at(b.block_singular_values, r)) for r in rtols),
-              *(str(_rank_at(b.branch_singular_values, r)) for r in rtols)] for b in a.blocks],
-            True,
-        )
+              *(str(_rank_at(b.branch_singular_values, r)) for r in rtols)] for b in a.blocks], True)
     md += _share_section(a)
     md += _ladder_section(a)
     if a.study:
@@ -290,9 +257,7 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
             ["norm", "rms, median row (ours)", "global rms (study)", "sigma, median row (ours)",
              "median unbiased std (study)"],
             [[a.short(r.name), _f(ours[r.name].rms), _f(r.rms), _f(ours[r.name].sigma), _f(r.std)]
-             for r in a.study],
-            True,
-        )
+             for r in a.study], True)
     inv = a.invariance
     if inv is not None:
         md += ["", "## Final-norm invariance", "",
@@ -301,21 +266,15 @@ def to_markdown(a: Analysis, figures: dict[str, str] | None = None) -> str:
         md += _table(
             ["case", "dloss", "max dlogit", "norm-output residual", "expected |a sigma/sigma_a - 1|"],
             [[c.case, _f(c.dloss, 2), _f(c.max_dlogit, 2), _f(c.out_residual, 2),
-              _f(c.expected_residual, 2)] for c in inv.cases.values()],
-            True,
-        )
+              _f(c.expected_residual, 2)] for c in inv.cases.values()], True)
         md += ["", "### Scale sweep", ""]
-        md += _table(
-            ["a", "eps/v", "dloss", "in fit", "float32 rounding"],
-            [[f"{p.scale:g}", _f(p.eps_over_var, 2), _f(p.dloss, 2), "yes" if p.in_fit else "",
-              "yes" if p.rounding else ""] for p in inv.sweep],
-            True,
-        )
+        md += _table(["a", "eps/v", "dloss", "in fit", "float32 rounding"], [
+            [f"{p.scale:g}", _f(p.eps_over_var, 2), _f(p.dloss, 2), "yes" if p.in_fit else "",
+             "yes" if p.rounding else ""] for p in inv.sweep], True)
         md += ["", f"Fit of log|dloss| against log(eps/v): slope {_f(inv.slope)}, "
                f"constant {_f(inv.constant)}."]
     if figures:
-        md += ["", "## Figures", ""]
-        md += [f"![{name}]({fname})" for name, fname in figures.items()]
+        md += ["", "## Figures", ""] + [f"![{name}]({fname})" for name, fname in figures.items()]
     return "\n".join(md) + "\n"
 
 
@@ -340,19 +299,16 @@ def _ladder_section(a: Analysis) -> list[str]:
     md = ["", "## The 1/sigma ladder", "",
           f"Medians over rows of the stream each rung reads (the norms that read the residual stream, "
           f"in forward order; final norm {a.short(figures.final) if figures.final else 'none'}).", ""]
-    md += _table(
-        ["point", "norm", "rms", "sigma", "1/sigma", "eps/v"],
-        [[a.labels.get(r.name, f"input of {r.name}"), a.short(r.name), _f(r.rms), _f(r.sigma),
-          _f(r.inv_sigma), _f(r.eps_over_var, 2)] for r in a.rungs],
-        True,
-    )
+    md += _table(["point", "norm", "rms", "sigma", "1/sigma", "eps/v"], [
+        [a.labels.get(r.name, f"input of {r.name}"), a.short(r.name), _f(r.rms), _f(r.sigma),
+         _f(r.inv_sigma), _f(r.eps_over_var, 2)] for r in a.rungs], True)
     return md + ["", f"Attenuation 1/sigma(first) / 1/sigma(last) = {_f(figures.attenuation)}; "
                  f"growth rms(last) / rms(first) = {_f(figures.growth)}."]
 
 
 def to_json(a: Analysis) -> dict:
-    """A JSON-ready dict; non-finite numbers are null.  ``metrics`` are the meter's figures under
-    the names a monitor logs them; ``roles`` and ``ladder`` say which norms are rungs."""
+    """A JSON-ready dict (non-finite numbers null); ``metrics`` are the meter's figures under the monitors'
+    names, ``roles`` and ``ladder`` say which norms are rungs."""
     out = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "result"}
     for key in ("norms", "blocks", "study"):
         out[key] = [dataclasses.asdict(x) for x in out[key]]

@@ -1,22 +1,9 @@
-"""Measure a trained model on held-out text: the one pipeline behind ``lnmonitor analyze``
-and ``lnmonitor eps-compare``.
-
-:func:`held_out_measurement` takes a module whose ``forward(x, y)`` returns ``(logits, loss)`` (the
-tiny GPT's contract) and the fixed held-out batches ``(x, y)``, and returns a
-:class:`Measurement`:
-
-* the loss over every held-out window (eval mode, nats per token);
-* every norm's statistics over the first ``norm_batches`` batches, measured by a
-  :class:`~lnmonitor.core.meter.meter.LadderMeter` as one step (:mod:`lnmonitor.core.meter.heldout`): the
-  same role assignment, ladder, baselines and logged names as the monitors';
-* the final norm's invariance cases and scale sweep (:mod:`lnmonitor.core.invariance.measure`) on the
-  *probe rows*: the first :data:`~lnmonitor.core.invariance.measure.PROBE_WINDOWS` held-out windows
-  (spread over the held-out text), whatever ``norm_batches`` is -- the rows the
-  invariance monitor probes by default too (:func:`lnmonitor.core.invariance.probe_rows.first_samples`),
-  so every tool measures one checkpoint on the same rows.  The final norm is the meter's
-  (the last residual-stream norm to run).
-
-The norms are found once, by the meter, and passed down to every measurement.
+"""Measure a trained model on held-out text, the one pipeline behind ``lnmonitor analyze`` and ``lnmonitor
+eps-compare`` (:func:`held_out_measurement`), for a module whose ``forward(x, y)`` returns ``(logits, loss)``:
+the loss over every held-out window; every norm's statistics, measured by a
+:class:`~lnmonitor.core.meter.meter.LadderMeter` as one step (the monitors' roles, ladder, baselines and
+names); the final norm's invariance cases and scale sweep on the probe rows, the first
+:data:`~lnmonitor.core.invariance.results.PROBE_WINDOWS` held-out windows, as the invariance monitor probes.
 """
 
 from __future__ import annotations
@@ -42,10 +29,8 @@ Batch = tuple[Tensor, Tensor]
 
 @dataclass
 class Measurement:
-    """What :func:`held_out_measurement` found.  ``windows`` counts the held-out windows behind each part
-    (``loss``, ``norms``, ``invariance``); ``result`` is the meter's (the norms with their roles,
-    row statistics and figures; ``result.metrics()`` are the monitors' logged names); ``order``
-    lists the norms' names in the order the forward first calls them."""
+    """What :func:`held_out_measurement` found.  ``windows`` counts the held-out windows behind ``loss``,
+    ``norms`` and ``invariance``; ``result`` is the meter's; ``order`` lists the norms in call order."""
 
     val_loss: float
     windows: dict[str, int]
@@ -75,8 +60,7 @@ def held_out_loss(module: nn.Module, batches: Sequence[Batch]) -> float:
 
 
 def held_out_probe(batches: Sequence[Batch], windows: int = PROBE_WINDOWS) -> Batch:
-    """The probe rows: the first ``windows`` held-out windows as one batch, chosen as the
-    invariance monitor chooses them from its validation loader."""
+    """The probe rows: the first ``windows`` held-out windows as one batch, as the invariance monitor does."""
     return probe_batch(first_samples(iter(batches), windows), windows)
 
 
@@ -84,11 +68,8 @@ def held_out_measurement(
     module: nn.Module, batches: Sequence[Batch], *, norm_batches: int | None = None,
     invariance: bool = True, counts: bool = False,
 ) -> Measurement:
-    """Measure ``module`` on the held-out ``batches`` (see the module docstring).
-
-    ``norm_batches``: how many batches the norm statistics use (all when None); ``counts``:
-    keep the row statistics' histograms (:func:`lnmonitor.core.meter.heldout.held_out_result`).
-    """
+    """Measure ``module`` on the held-out ``batches``.  ``norm_batches``: how many batches the norm statistics
+    use (all when None); ``counts``: keep the row statistics' histograms."""
     val_loss = held_out_loss(module, batches)
     norm_set = list(batches if norm_batches is None else batches[:norm_batches])
     meter = LadderMeter(module, name="lnmonitor")

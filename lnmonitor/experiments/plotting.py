@@ -1,6 +1,5 @@
-"""What the experiments' figures share beside :mod:`lnmonitor.views.plotting`: the scale
-sweep's points drawn by why each is in its fit or not (norms' names on an axis:
-:mod:`lnmonitor.views.names`)."""
+"""What the experiments' figures share beside :mod:`lnmonitor.views.plotting`: the scale sweep's points drawn
+by why each is in its fit or not."""
 
 from __future__ import annotations
 
@@ -10,17 +9,15 @@ from lnmonitor.core.invariance.sweep import REASONS, sweep_reason
 
 __all__ = ["scatter_sweep", "sweep_legend"]
 
-
 # marker and fill of a sweep point, per reason (lnmonitor.core.invariance.sweep.REASONS)
 _SWEEP_STYLE = {"fitted": ("o", True), "too_few": ("s", False), "sign": ("D", False),
                 "outside": ("o", False), "rounding": ("x", True)}
 
 
 def scatter_sweep(ax, points, fitted: bool, color: str) -> set[str]:
-    """One run's scale-sweep points ``(eps_over_var, dloss, in_fit, rounding)`` on ``ax``
-    (log-log, abs(delta loss)), each drawn in the style of its reason
-    (:func:`lnmonitor.core.invariance.sweep.sweep_reason`); points whose loss did not move have no
-    logarithm and are left out.  Returns the reasons drawn, for :func:`sweep_legend`."""
+    """One run's scale-sweep points ``(eps_over_var, dloss, in_fit, rounding)`` on ``ax`` (log-log, abs(delta
+    loss)), each in the style of its reason; points whose loss did not move are left out.  Returns the
+    reasons drawn, for :func:`sweep_legend`."""
     drawn: set[str] = set()
     for reason, (marker, filled) in _SWEEP_STYLE.items():
         sel = [(x, abs(d)) for x, d, in_fit, rounding in points if x > 0 and d != 0 and math.isfinite(d)

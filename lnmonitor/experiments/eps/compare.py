@@ -1,28 +1,9 @@
-"""The eps comparison: train the tiny recipe at several eps and seeds, measure each.
+"""The eps comparison: train the tiny recipe at every (eps, seed) of a grid, measure each run and publish
+the merged results (:func:`run_experiment`).  Imports torch only inside the functions that train or measure.
 
-For every (eps, seed) pair the recipe is trained with the monitors, TensorBoard logs in
-``<out>/eps=<eps>/seed=<seed>/``, then the finished model is measured on the fixed
-held-out windows (:func:`lnmonitor.experiments.measure.held_out_measurement`, the pipeline
-``lnmonitor analyze`` runs too) and a run record ``result.json`` is written there
-atomically. The merged ``<out>/results.json``, ``report.md`` and the figures are
-rebuilt from the records after every run (:func:`lnmonitor.experiments.eps.report.publish`).
-This module imports torch only inside the functions that train or measure, so the
-command line can show its help and check its input without it.
-
-Reliability:
-
-* a record's presence means the run finished: it is never retrained (``force`` redoes it);
-* an interrupted run resumes from its ``last.ckpt`` (saved every ``val_every`` steps);
-* ``shard=(i, n)`` runs only the pairs whose index in the grid is ``i`` modulo ``n``, so
-  several processes sharing a file system split the work; each writes only its own
-  records, and whichever publishes last merges everything present;
-* ``jobs=n`` runs n fits side by side in worker processes, the torch threads split
-  between them;
-* the grid of an output folder grows: a later invocation with other eps or seeds adds
-  its pairs to the ones asked for before;
-* everything that can be wrong with the input (eps, seeds, shard, a corrupt or foreign
-  ``results.json``, record or checkpoint) raises :class:`UsageError` before anything is
-  written.
+Finished runs (those with a record) are skipped, interrupted ones resume from ``last.ckpt``; ``shard=(i, n)``
+runs the pairs whose grid index is i modulo n, and whichever shard publishes last merges every record; the
+grid of an output folder grows with each invocation; bad input raises UsageError before anything is written.
 """
 
 from __future__ import annotations
@@ -39,8 +20,6 @@ from lnmonitor.errors import UsageError
 from lnmonitor.experiments.eps.grid import Experiment, experiment_config
 from lnmonitor.experiments.eps.report import publish, results_pairs
 from lnmonitor.experiments.eps.run import RunInterrupted, check_checkpoint, remeasure_run, run_one
-
-__all__ = ["DEFAULT_OUT", "check_out", "run_experiment"]
 from lnmonitor.experiments.eps.store import (
     RECORD_NAME,
     RESULTS_NAME,
@@ -51,24 +30,21 @@ from lnmonitor.experiments.eps.store import (
     scan_records,
 )
 
-DEFAULT_OUT = Path("runs/eps-compare")
+__all__ = ["DEFAULT_OUT", "check_out", "run_experiment"]
 
-# ---------------------------------------------------------------------------
-# the whole grid
-# ---------------------------------------------------------------------------
+DEFAULT_OUT = Path("runs/eps-compare")
 
 
 def _discard(folder: Path) -> None:
-    """Remove a run folder for --force: renamed away first (atomic), so a kill mid-delete
-    never leaves a half-deleted run folder that a later attempt would append to."""
+    """Remove a run folder for --force, renamed away first so a kill mid-delete leaves no half run."""
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{time.time_ns()}")
     folder.rename(trash)
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def check_out(out: Path, config: dict) -> dict:
-    """Refuse an ``out`` whose results or records come from another configuration (or are
-    corrupt); returns the records already there. Writes nothing."""
+    """Refuse an ``out`` whose results or records are corrupt or another configuration's; returns the
+    records already there. Writes nothing."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
@@ -79,20 +55,15 @@ def check_out(out: Path, config: dict) -> dict:
 
 
 def run_experiment(
-    experiment: Experiment, text: str, out: Path, *, shard: tuple[int, int] = (0, 1),
-    force: bool = False, monitor: bool = True, callbacks: Sequence = (), progress: bool = True,
-    echo: Callable[[str], None] = print, data_name: str | None = None, jobs: int = 1,
-    remeasure: bool = False,
+    experiment: Experiment, text: str, out: Path, *, shard: tuple[int, int] = (0, 1), force: bool = False,
+    monitor: bool = True, callbacks: Sequence = (), progress: bool = True, jobs: int = 1,
+    echo: Callable[[str], None] = print, data_name: str | None = None, remeasure: bool = False,
 ) -> dict:
-    """Run this shard's pairs of the grid (skipping finished ones) and publish the results.
+    """Run this shard's unfinished pairs of the grid (every pair asked for in ``out`` so far) and publish.
 
-    The grid of ``out`` grows: it is every pair asked for there so far, so a dose-response
-    can be added to a two-eps comparison later.  ``jobs`` runs that many fits side by side
-    in their own processes, the torch threads split between them (``callbacks`` need
-    ``jobs=1``).  ``remeasure`` trains nothing: it measures this shard's finished runs
-    again from their checkpoints (:func:`remeasure_run`).  Returns the merged results (the
-    content of ``results.json``); raises :class:`RunInterrupted` after the others finished
-    when a run did not reach its last step.
+    ``jobs`` fits run side by side in worker processes, the torch threads split between them (``callbacks``
+    need ``jobs=1``); ``remeasure`` trains nothing and measures the finished runs again. Returns the merged
+    results (``results.json``); raises :class:`RunInterrupted`, after the other runs, when one stopped early.
     """
     if jobs > 1 and callbacks:
         raise ValueError("extra callbacks cannot travel to worker processes: use jobs=1")
@@ -147,7 +118,7 @@ def run_experiment(
 
 
 def _check_checkpoints(experiment: Experiment, text: str, out: Path, pairs: Sequence) -> None:
-    """Refuse before anything is written when a checkpoint to resume from is another recipe's."""
+    """Refuse, before anything is written, a checkpoint to resume from that is another recipe's."""
     from lnmonitor.tiny.checkpoint import checkpoint_state
     from lnmonitor.tiny.data import CharVocab
 
@@ -159,8 +130,7 @@ def _check_checkpoints(experiment: Experiment, text: str, out: Path, pairs: Sequ
 
 def _to_run(out: Path, mine: Sequence, records: dict, force: bool,
             echo: Callable[[str], None]) -> list[tuple[float, int, str]]:
-    """``(eps, seed, tag)`` of this shard's runs to train: the finished ones are skipped (said),
-    or with ``force`` discarded and trained again."""
+    """``(eps, seed, tag)`` of the runs to train: finished ones skipped, or with ``force`` discarded."""
     todo = []
     for i, (eps, seed) in enumerate(mine, start=1):
         tag = f"[{i}/{len(mine)}] "
@@ -169,9 +139,8 @@ def _to_run(out: Path, mine: Sequence, records: dict, force: bool,
             (folder / RECORD_NAME).unlink(missing_ok=True)  # first: an unfinished run has no record
             _discard(folder)
         elif (eps, seed) in records:
-            record = records[(eps, seed)]
             echo(f"{tag}eps={eps_label(eps)} seed={seed}: skipped, finished before "
-                 f"(val loss {record['val_loss']:.4f} nats/char)")
+                 f"(val loss {records[(eps, seed)]['val_loss']:.4f} nats/char)")
             continue
         todo.append((eps, seed, tag))
     return todo
@@ -180,20 +149,15 @@ def _to_run(out: Path, mine: Sequence, records: dict, force: bool,
 def _side_by_side(jobs: int, todo: Sequence, published: Callable[[], dict], echo: Callable[[str], None],
                   experiment: Experiment, out: Path, text: str, monitor: bool,
                   data_name: str | None) -> list[str]:
-    """Run ``todo`` in ``jobs`` worker processes, the torch threads split between them, calling
-    ``published()`` after each; returns what failed, one line each (the others go on)."""
+    """Run ``todo`` in ``jobs`` worker processes, calling ``published()`` after each; returns the failures."""
     import torch
 
     failures: list[str] = []
     threads = max(1, torch.get_num_threads() // jobs)
     echo(f"eps-compare: {jobs} runs side by side, {threads} torch thread(s) each")
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {
-            pool.submit(_run_in_worker, threads, experiment, eps, seed, out, text, monitor, tag,
-                        data_name): (eps, seed)
-            for eps, seed, tag in todo
-        }
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_in_worker, threads, experiment, eps, seed, out, text, monitor, tag,
+                               data_name): (eps, seed) for eps, seed, tag in todo}
         for future in as_completed(futures):
             eps, seed = futures[future]
             try:
@@ -206,11 +170,9 @@ def _side_by_side(jobs: int, todo: Sequence, published: Callable[[], dict], echo
 
 def _run_in_worker(threads: int, experiment: Experiment, eps: float, seed: int, out: Path, text: str,
                    monitor: bool, tag: str, data_name: str | None) -> None:
-    """One run in a worker process of ``run_experiment(jobs > 1)``: its share of the threads,
-    no progress bar (lines from several fits would interleave)."""
+    """One run in a worker process: its share of the threads, no progress bar (fits would interleave)."""
     import torch
 
     torch.set_num_threads(threads)
     run_one(experiment, eps, seed, out, text, monitor=monitor, progress=False,
             echo=lambda line: print(line, flush=True), tag=tag, data_name=data_name)
-

@@ -1,5 +1,5 @@
-"""The eps comparison's grid: eps x seeds over one recipe, checked, and what must match
-for runs to be compared (the recipe, the precision and the data)."""
+"""The eps comparison's grid (eps x seeds over one recipe, checked) and what must match for runs to be
+compared (the recipe, the precision and the data)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lnmonitor.errors import UsageError
-from lnmonitor.experiments.eps.store import (
-    eps_label,
-    grid_pairs,
-)
+from lnmonitor.experiments.eps.store import eps_label, grid_pairs
 from lnmonitor.tiny.recipe import Recipe
 
 __all__ = ["DEFAULT_EPS", "DEFAULT_SEEDS", "Experiment", "data_fingerprint", "experiment_config", "parse_eps",
@@ -20,10 +17,6 @@ __all__ = ["DEFAULT_EPS", "DEFAULT_SEEDS", "Experiment", "data_fingerprint", "ex
 
 DEFAULT_EPS = (1e-5, 1e-1)
 DEFAULT_SEEDS = (0, 1, 2)
-
-# ---------------------------------------------------------------------------
-# input
-# ---------------------------------------------------------------------------
 
 
 def parse_eps(values: Sequence) -> tuple[float, ...]:
@@ -67,18 +60,13 @@ def data_fingerprint(text: str) -> dict:
 
 
 def experiment_config(recipe: Recipe, text: str) -> dict:
-    """What must match for runs to be compared: the recipe without eps and seed, the
-    numerical precision and the data. Left out on purpose: accelerator and devices, so
-    shards may run on different machines, and ``val_every``, which sets only how often the
-    curve is sampled and the checkpoint saved (training does not depend on it)."""
+    """What must match for runs to be compared: the recipe without eps, seed and ``val_every`` (training does
+    not depend on it), the precision and the data; not the accelerator: shards may run on other machines."""
     fields = recipe.to_dict()
     for name in ("eps", "seed", "val_every"):
         fields.pop(name)
-    return {
-        "recipe": fields,
-        "precision": str(recipe.trainer_kwargs.get("precision") or "32-true"),
-        "data": data_fingerprint(text),
-    }
+    return {"recipe": fields, "precision": str(recipe.trainer_kwargs.get("precision") or "32-true"),
+            "data": data_fingerprint(text)}
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,6 @@
-"""An eps comparison over training, from the curves in the run records: when the loss gap
-opens, whether the first norm ever starts normalising, and how the stream grows.
-
-* :func:`loss_gap` -- per validation step, the validation loss at an eps minus at the
-  baseline eps, paired by seed, with its Student-t interval
-  (:func:`lnmonitor.experiments.eps.statistics.interval`);
-* :func:`curve_mean` -- the geometric mean over seeds of one monitor curve;
-* :func:`markdown` -- the report's section: the gap's table and when it is first resolved,
-  the first norm's transmission (start, least, end, the step it first falls below half its
-  start) and the stream rms at the first and the final norm (start, peak, end).
-"""
+"""An eps comparison over training, from the curves in the run records: when the validation-loss gap
+opens (:func:`loss_gap`, paired by seed), whether the first norm ever starts normalising, and how the stream
+grows (:func:`curve_mean`); :func:`markdown` is the report's section."""
 
 from __future__ import annotations
 
@@ -23,14 +15,13 @@ from lnmonitor.experiments.eps.store import eps_label, record_final, record_rung
 __all__ = ["curve_mean", "first_below_half", "ladder_ends", "loss_gap", "markdown"]
 
 
-
 def _curve(record: dict, tag: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in (record.get("curves") or {}).get(tag, []) if v is not None}
 
 
 def loss_gap(records: dict, eps: float, base: float) -> list[dict]:
-    """Per validation step logged by every pair: ``{"step", **interval}`` of the validation
-    loss at ``eps`` minus at ``base``, paired by seed (``seeds`` lists them)."""
+    """Per validation step logged by every pair: ``{"step", "seeds", **interval}`` of the validation loss at
+    ``eps`` minus at ``base``, paired by seed."""
     seeds = sorted(s for (e, s) in records if e == eps and (base, s) in records)
     pairs = {s: (_curve(records[(eps, s)], VAL_LOSS), _curve(records[(base, s)], VAL_LOSS)) for s in seeds}
     steps = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs.values()))) if pairs else []
@@ -49,8 +40,7 @@ def curve_mean(runs: Sequence[dict], tag: str) -> tuple[list[int], list[float]]:
 
 
 def first_below_half(record: dict, tag: str) -> int | None:
-    """The first logged step at which the curve is below half its value at the first logged
-    step; None if it never is."""
+    """The first logged step at which the curve is below half its first logged value; None if never."""
     curve = sorted(_curve(record, tag).items())
     return next((s for s, v in curve if v < curve[0][1] / 2), None) if curve else None
 
@@ -84,10 +74,8 @@ def _gap_table(gaps: dict[float, list[dict]]) -> list[str]:
             span = "" if g is None or g["lo"] is None else f" ({g['lo']:+.4f} to {g['hi']:+.4f})"
             cells.append("" if g is None else f"{g['mean']:+.4f}{span}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    lines.append("")
-    for e in shown:
-        lines.append(f"- eps={eps_label(e)} ({len(gaps[e][0]['seeds'])} paired seeds): {_resolved(gaps[e])}.")
-    return lines
+    return lines + [""] + [f"- eps={eps_label(e)} ({len(gaps[e][0]['seeds'])} paired seeds): "
+                           f"{_resolved(gaps[e])}." for e in shown]
 
 
 def _first_norm_row(eps: float, runs: list[dict], first: str, final: str) -> str | None:

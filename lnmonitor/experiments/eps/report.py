@@ -1,12 +1,6 @@
-"""The report of an eps comparison: merge the run records, write ``results.json``,
-``report.md`` and the figures.
-
-Everything here works from the run records alone (``results.json`` or the per-run
-``result.json`` files, which carry their training curves), so ``lnmonitor report``
-rebuilds the report without torch, Lightning, event files or any training.  The statistics are
-:mod:`lnmonitor.experiments.eps.statistics`; the figures are
-:mod:`lnmonitor.experiments.eps.report_figures`.
-"""
+"""The report of an eps comparison: merge the run records, write ``results.json``, ``report.md`` and the
+figures.  Works from the run records alone (they carry their training curves), so ``lnmonitor report``
+rebuilds it without torch, Lightning, event files or training."""
 
 from __future__ import annotations
 
@@ -18,18 +12,9 @@ from pathlib import Path
 from lnmonitor.core.output.files import atomic_write_json, atomic_write_text
 from lnmonitor.core.output.metric_names import VAL_LOSS
 from lnmonitor.errors import UsageError
+from lnmonitor.experiments.eps import report_figures
 from lnmonitor.experiments.eps.over_training import markdown as over_training
-from lnmonitor.experiments.eps.report_figures import (
-    FIGURES,
-    figure_dose_response,
-    figure_invariance,
-    figure_ladder,
-    figure_loss_gap,
-    figure_shares,
-    figure_training_curves,
-    figure_transmission_by_norm,
-    figure_val_loss,
-)
+from lnmonitor.experiments.eps.report_figures import FIGURES
 from lnmonitor.experiments.eps.statistics import aggregate, paired_difference
 from lnmonitor.experiments.eps.store import (
     RESULTS_FORMAT,
@@ -62,15 +47,9 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
 )
 
 
-
-# ---------------------------------------------------------------------------
-# merging the run records
-# ---------------------------------------------------------------------------
-
-
 def merge_results(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -> dict:
-    """The merged results of the grid ``pairs`` ((eps, seed), every invocation's so far)
-    from the records now on disk."""
+    """The merged results of the grid ``pairs`` ((eps, seed), every invocation's so far) from the records
+    now on disk."""
     on_disk = scan_records(out, config)
     pairs = [(float(e), int(s)) for e, s in pairs]
     records = {p: on_disk[p] for p in pairs if p in on_disk}
@@ -88,9 +67,7 @@ def merge_results(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -
         "not_in_grid": [{"eps": e, "seed": s} for (e, s) in sorted(on_disk) if (e, s) not in set(pairs)],
         "baseline_eps": base,
         "aggregates": aggregate(records, eps_values),
-        "differences": {
-            eps_label(e): paired_difference(records, e, base) for e in eps_values if e != base
-        },
+        "differences": {eps_label(e): paired_difference(records, e, base) for e in eps_values if e != base},
         "seconds": {"train": train, "measure": measure, "total": train + measure,
                     "occupied": occupied_seconds(records.values())},
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -98,10 +75,8 @@ def merge_results(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -
 
 
 def occupied_seconds(runs: Iterable[dict]) -> float:
-    """The wall time ``runs`` occupied: the union of their spans, each ending at its record's
-    ``finished`` time and lasting its training and measurement time, so runs trained side by
-    side count once and the gaps between invocations not at all (runs without a finish time
-    have no span)."""
+    """The wall time ``runs`` occupied: the union of their spans, each ending at its record's ``finished``
+    time and lasting its training and measurement time (runs side by side count once, gaps not at all)."""
     spans = []
     for r in runs:
         if r.get("finished"):
@@ -127,11 +102,8 @@ def records_of(results: dict) -> dict:
 
 
 def publish(out: Path, config: dict, pairs: Sequence[tuple[float, int]]) -> dict:
-    """Rebuild ``results.json``, ``report.md`` and the figures from the records on disk.
-
-    Repeats until no record appeared meanwhile, so when several shards finish at once the
-    last one to write has merged every record (each shard publishes after its own writes).
-    """
+    """Rebuild ``results.json``, ``report.md`` and the figures from the records on disk, again until no
+    record appeared meanwhile (so the last of several shards finishing at once merges every record)."""
     while True:
         results = merge_results(out, config, pairs)
         atomic_write_json(Path(out) / RESULTS_NAME, results)
@@ -148,16 +120,14 @@ def load_folder(out: Path) -> dict:
         raise UsageError(f"{str(out)!r} is not a folder: pass the --out folder of an eps-compare run")
     results = load_results(out)
     if results is None:
-        raise UsageError(
-            f"{str(out / RESULTS_NAME)!r} does not exist: pass the --out folder of an eps-compare run"
-        )
+        raise UsageError(f"{str(out / RESULTS_NAME)!r} does not exist: pass the --out folder of an "
+                         "eps-compare run")
     return results
 
 
 def rebuild(outs: Sequence[Path]) -> dict[str, dict]:
-    """``lnmonitor report``: re-merge the records under each folder of ``outs`` and rewrite its
-    report (no training); every folder is checked before anything is written.  Returns the
-    merged results by folder, as given."""
+    """``lnmonitor report``: re-merge the records under each folder of ``outs`` and rewrite its report,
+    every folder checked before anything is written.  Returns the merged results by folder."""
     names = [str(out) for out in outs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -166,28 +136,18 @@ def rebuild(outs: Sequence[Path]) -> dict[str, dict]:
     return {name: publish(Path(name), r["config"], results_pairs(r)) for name, r in loaded.items()}
 
 
-# ---------------------------------------------------------------------------
-# report.md
-# ---------------------------------------------------------------------------
-
-
 def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
 def _table(agg: dict) -> list[str]:
-    lines = [
-        "| figure | mean | 95% interval | seeds |",
-        "|---|---:|---:|---:|",
-    ]
+    lines = ["| figure | mean | 95% interval | seeds |", "|---|---:|---:|---:|"]
     for key, label, spec in HEADLINE:
         cell = agg["figures"].get(key)
         if cell is None or cell["n"] == 0:
             continue
-        if cell["half_width"] is None:
-            span = "undefined (one seed)"
-        else:
-            span = f"{_fmt(cell['lo'], spec)} to {_fmt(cell['hi'], spec)}"
+        span = ("undefined (one seed)" if cell["half_width"] is None
+                else f"{_fmt(cell['lo'], spec)} to {_fmt(cell['hi'], spec)}")
         lines.append(f"| {label} | {_fmt(cell['mean'], spec)} | {span} | {cell['n']} |")
     return lines
 
@@ -203,8 +163,8 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     present, missing = results["runs"], results["missing"]
     data = config.get("data", {})
     data_name = next((r["data_name"] for r in present if r.get("data_name")), "the training text")
-    lines = ["# eps comparison", ""]
-    lines.append(
+    lines = [
+        "# eps comparison", "",
         f"Tiny GPT (width {recipe.get('width')}, depth {recipe.get('depth')}, heads {recipe.get('heads')}, "
         f"context {recipe.get('context')}, {recipe.get('norm')} norm, {recipe.get('init', 'default')} "
         f"initialisation), {recipe.get('max_steps')} steps of batch {recipe.get('batch_size')}, peak lr "
@@ -214,10 +174,9 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         f"eps {', '.join(eps_label(e) for e in grid['eps'])}; seeds {', '.join(map(str, grid['seeds']))}. "
         "Intervals are Student-t 95% intervals across seeds, computed on the logarithms for the figures "
         "that are positive by nature (their geometric mean then); measurements are on the fixed "
-        "held-out windows, the invariance on the probe rows."
-    )
-    lines.append("")
-    lines.append(f"Runs finished: {len(present)} of {len(present) + len(missing)}.")
+        "held-out windows, the invariance on the probe rows.",
+    ]
+    lines += ["", f"Runs finished: {len(present)} of {len(present) + len(missing)}."]
     if missing:
         shown = ", ".join(f"eps={eps_label(m['eps'])} seed={m['seed']}" for m in missing)
         lines.append(f"**Missing** (not finished, or left to another shard): {shown}. "
@@ -225,9 +184,8 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     if results.get("not_in_grid"):
         shown = ", ".join(f"eps={eps_label(m['eps'])} seed={m['seed']}" for m in results["not_in_grid"])
         lines.append(f"Also on disk but not in this grid (left out): {shown}.")
-    lines.append("")
 
-    lines += ["## Verdict", ""]
+    lines += ["", "## Verdict", ""]
     diffs = results["differences"]
     if not diffs:
         lines.append("Only one eps in the grid: nothing to compare.")
@@ -235,9 +193,8 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         lines.append(f"- {diff['verdict']}")
     if len(diffs) > 1:
         lines.append("- Each interval covers one comparison; none is corrected for the several made here.")
-    lines.append("")
 
-    lines += [f"## Validation loss against eps={eps_label(base)} (paired by seed)", ""]
+    lines += ["", f"## Validation loss against eps={eps_label(base)} (paired by seed)", ""]
     if diffs:
         lines += ["| eps | mean difference (nats/char) | 95% interval | paired seeds | per seed |",
                   "|---|---:|---:|---:|---|"]
@@ -255,24 +212,18 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
         if not agg["seeds"]:
             lines += ["No finished run yet.", ""]
             continue
-        lines.append(f"Seeds: {', '.join(map(str, agg['seeds']))}.")
-        lines.append("")
-        lines += _table(agg)
+        lines += [f"Seeds: {', '.join(map(str, agg['seeds']))}.", ""] + _table(agg)
         notes = [((r.get("invariance") or {}).get("fit_note") or "") for r in present
                  if eps_label(r["eps"]) == label]
         fitted = sum(1 for n in notes if n.startswith("fitted"))
         unfit = sorted({n for n in notes if n.startswith("no fit")})
         lines += ["", f"Scale sweep fitted in {fitted} of {len(notes)} runs"
-                  + (f"; otherwise {'; '.join(unfit)}." if unfit else ".")]
-        lines.append("")
+                  + (f"; otherwise {'; '.join(unfit)}." if unfit else "."), ""]
 
     baseline = next((share_baseline(r) for r in present if share_baseline(r)), None)
     if baseline:
-        lines.append(
-            f"Random baseline for the dead-plane share (a uniformly random direction, d={baseline.get('d')}, "
-            f"k={baseline.get('k')}): median {baseline.get('median'):.4f}."
-        )
-        lines.append("")
+        lines += [f"Random baseline for the dead-plane share (a uniformly random direction, "
+                  f"d={baseline.get('d')}, k={baseline.get('k')}): median {baseline.get('median'):.4f}.", ""]
 
     lines += over_training(records_of(results), [float(e) for e in grid["eps"]], base)
     lines += ["## Figures", ""]
@@ -290,11 +241,8 @@ def render_markdown(results: dict, figures: dict[str, bool], out: Path) -> str:
     missing = {"dose_response": "needs finished runs at three or more eps values",
                "loss_gap": "needs a larger eps with validation curves paired by seed"}
     for key, name in FIGURES.items():
-        if figures.get(key):
-            lines.append(f"![{captions[key]}]({name})")
-        else:
-            lines.append(f"- {captions[key]}: {missing.get(key, 'no data yet')}.")
-        lines.append("")
+        lines += [f"![{captions[key]}]({name})" if figures.get(key)
+                  else f"- {captions[key]}: {missing.get(key, 'no data yet')}.", ""]
 
     seconds = results["seconds"]
     lines += ["## Wall time", ""]
@@ -322,19 +270,14 @@ def write_report(out: Path, results: dict) -> Path:
     curves = {p: [tuple(point) for point in (r.get("curves") or {}).get(VAL_LOSS, [])]
               for p, r in records.items()}
     figures = {
-        "val_loss": figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),
-        "loss_gap": figure_loss_gap(records, eps_values, results["baseline_eps"], out / FIGURES["loss_gap"]),
-        "dose_response": figure_dose_response(records, eps_values, out / FIGURES["dose_response"]),
-        "training_curves": figure_training_curves(records, eps_values, out / FIGURES["training_curves"]),
-        "transmission_by_norm": figure_transmission_by_norm(
-            records, eps_values, out / FIGURES["transmission_by_norm"]),
-        "ladder": figure_ladder(records, eps_values, out / FIGURES["ladder"]),
-        "invariance": figure_invariance(records, eps_values, out / FIGURES["invariance"]),
-        "shares": figure_shares(records, eps_values, out / FIGURES["shares"]),
+        "val_loss": report_figures.figure_val_loss(curves, eps_values, out / FIGURES["val_loss"]),
+        "loss_gap": report_figures.figure_loss_gap(records, eps_values, results["baseline_eps"],
+                                                   out / FIGURES["loss_gap"]),
     }
+    for key in ("dose_response", "training_curves", "transmission_by_norm", "ladder", "invariance", "shares"):
+        figures[key] = getattr(report_figures, f"figure_{key}")(records, eps_values, out / FIGURES[key])
     for key, drawn in figures.items():
         if not drawn:  # no data (any more): no stale picture either
             (out / FIGURES[key]).unlink(missing_ok=True)
-    path = out / REPORT_NAME
-    atomic_write_text(path, render_markdown(results, figures, out))
-    return path
+    atomic_write_text(out / REPORT_NAME, render_markdown(results, figures, out))
+    return out / REPORT_NAME

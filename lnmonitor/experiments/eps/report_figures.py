@@ -22,14 +22,10 @@ __all__ = [
 ]
 
 FIGURES = {
-    "val_loss": "val_loss_curves.png",
-    "loss_gap": "loss_gap_over_training.png",
-    "dose_response": "dose_response.png",
-    "training_curves": "transmission_and_rms_over_training.png",
-    "transmission_by_norm": "transmission_by_norm.png",
-    "ladder": "inv_sigma_ladder.png",
-    "invariance": "invariance_vs_eps_over_var.png",
-    "shares": "share_medians.png",
+    "val_loss": "val_loss_curves.png", "loss_gap": "loss_gap_over_training.png",
+    "dose_response": "dose_response.png", "training_curves": "transmission_and_rms_over_training.png",
+    "transmission_by_norm": "transmission_by_norm.png", "ladder": "inv_sigma_ladder.png",
+    "invariance": "invariance_vs_eps_over_var.png", "shares": "share_medians.png",
 }
 
 
@@ -37,6 +33,10 @@ def _colors(eps_values: Sequence[float]) -> dict[float, str]:
     palette = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink")
     return {e: palette[i % len(palette)] for i, e in enumerate(sorted(eps_values))}
 
+
+def _runs(records: dict, eps: float) -> list[dict]:
+    """The records at ``eps``, by seed."""
+    return [r for (e, _), r in sorted(records.items()) if e == eps]
 
 
 def _finish(fig, ax, path: Path, ylabel: str, title: str) -> bool:
@@ -48,6 +48,7 @@ def _finish(fig, ax, path: Path, ylabel: str, title: str) -> bool:
     save_png(fig, path)
     return True
 
+
 def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bool:
     if not any(curves.values()):
         return False
@@ -58,18 +59,16 @@ def figure_val_loss(curves: dict, eps_values: Sequence[float], path: Path) -> bo
     for (eps, _), curve in sorted(curves.items()):
         if not curve:
             continue
-        steps, values = zip(*curve, strict=True)
         label = None if eps in labelled else f"eps={eps_label(eps)}"
         labelled.add(eps)
-        ax.plot(steps, values, color=colors[eps], marker="o", markersize=3, linewidth=1.2, alpha=0.8,
-                label=label)
+        ax.plot(*zip(*curve, strict=True), color=colors[eps], marker="o", markersize=3, linewidth=1.2,
+                alpha=0.8, label=label)
     ax.set_xlabel("optimizer step")
     return _finish(fig, ax, path, "validation loss (nats/char)", "Validation loss, one line per seed")
 
 
 def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, path: Path) -> bool:
-    """Per eps, the validation loss minus at ``base`` against the step, paired by seed: the
-    mean with its 95% interval (where two or more seeds pair)."""
+    """Per eps, the validation loss minus at ``base`` by step, paired by seed: mean and 95% interval."""
     colors = _colors(eps_values)
     fig = new_figure()
     ax = fig.add_subplot()
@@ -94,9 +93,9 @@ def figure_loss_gap(records: dict, eps_values: Sequence[float], base: float, pat
 
 
 def _per_norm(records: dict, eps: float, field: str, rungs: bool = False) -> tuple[list[str], np.ndarray]:
-    """Norm names (every norm, or the ladder's ``rungs``, in the first run's forward order) and
-    a (runs, norms) array of one held-out statistic (:func:`lnmonitor.experiments.eps.store.norm_value`)."""
-    runs = [r for (e, _), r in sorted(records.items()) if e == eps and record_norms(r)]
+    """Norm names (every norm, or the ladder's ``rungs``, in the first run's order) and a (runs, norms) array
+    of one held-out statistic."""
+    runs = [r for r in _runs(records, eps) if record_norms(r)]
     if not runs:
         return [], np.empty((0, 0))
     names = record_rungs(runs[0]) if rungs else record_norms(runs[0])
@@ -127,20 +126,17 @@ def figure_ladder(records: dict, eps_values: Sequence[float], path: Path) -> boo
 
 
 def figure_invariance(records: dict, eps_values: Sequence[float], path: Path) -> bool:
-    """Left: each run's scale sweep, abs(delta loss) against eps/var of the final norm's input,
-    with its fitted line ``constant * (eps/var)^slope``; each point's marker says why it is in
-    the fit or not (:data:`lnmonitor.core.invariance.sweep.REASONS`). Right: one point per run, the
-    float64 output residual and abs(delta loss) of the scale-3 case against the run's own
-    eps/var, so the eps values line up along one law."""
+    """Left: each run's scale sweep, abs(delta loss) against eps/var of the final norm's input, each point
+    marked by why it is in the fit or not, with the fitted line.  Right: per run, the scale-3 case's float64
+    output residual and abs(delta loss) against the run's own eps/var."""
     colors = _colors(eps_values)
     fig = new_figure(11.0, 4.5)
     ax_sweep, ax_runs = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     reasons: set[str] = set()
     for eps in eps_values:
-        runs = [r for (e, _), r in sorted(records.items()) if e == eps]
+        runs = _runs(records, eps)
         for r in runs:
-            slope = r["headline"].get("scale_slope")
-            const = r["headline"].get("scale_constant")
+            slope, const = r["headline"].get("scale_slope"), r["headline"].get("scale_constant")
             fitted = slope is not None and _pos(const)
             sweep = [(p.get("eps_over_var"), p.get("dloss"), p.get("in_fit"), p.get("rounding"))
                      for p in (r.get("invariance") or {}).get("sweep") or []]
@@ -186,7 +182,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
     colors = _colors(eps_values)
     fig = new_figure()
     ax = fig.add_subplot()
-    drawn, baseline, names = False, None, []
+    baseline, names = None, []
     width = 0.8 / max(len(eps_values), 1)
     for i, eps in enumerate(eps_values):
         names_e, values = _per_norm(records, eps, "share_median")
@@ -201,8 +197,7 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
                label=f"eps={eps_label(eps)}")
         for r in (r for (e, _), r in records.items() if e == eps):
             baseline = baseline or (share_baseline(r) or {}).get("median")
-        drawn = True
-    if not drawn:
+    if not names:
         return False
     if baseline:
         ax.axhline(baseline, color="black", linestyle="--", linewidth=1,
@@ -216,15 +211,10 @@ def figure_shares(records: dict, eps_values: Sequence[float], path: Path) -> boo
     return True
 
 
-def _by_eps(records: dict, eps_values: Sequence[float]) -> dict[float, list[dict]]:
-    return {e: [r for (x, _), r in sorted(records.items()) if x == e] for e in eps_values}
-
-
 def figure_dose_response(records: dict, eps_values: Sequence[float], path: Path) -> bool:
-    """Three panels against eps (log): the validation loss per seed with the mean and its
-    95% interval; the transmission eps/(var+eps) at the first and the final norm (geometric
-    mean over seeds); the ladder's attenuation and the stream's growth.  Needs 3 eps."""
-    runs = _by_eps(records, eps_values)
+    """Against eps (log), needing three: the validation loss per seed with its mean and 95% interval; the
+    transmission at the first and final norm (geometric mean); the ladder's attenuation and growth."""
+    runs = {e: _runs(records, e) for e in eps_values}
     eps = [e for e in sorted(eps_values) if runs[e]]
     if len(eps) < 3:
         return False
@@ -261,9 +251,9 @@ def figure_dose_response(records: dict, eps_values: Sequence[float], path: Path)
 
 
 def figure_training_curves(records: dict, eps_values: Sequence[float], path: Path) -> bool:
-    """Over training, per eps (geometric mean over seeds, from the monitors' logs): the
-    transmission at the first and the final norm, and the rms of the stream they read."""
-    runs = _by_eps(records, eps_values)
+    """Over training, per eps (geometric mean over seeds): the transmission at the first and the final norm,
+    and the rms of the stream they read."""
+    runs = {e: _runs(records, e) for e in eps_values}
     ends = next((ladder_ends(r) for rs in runs.values() for r in rs if record_rungs(r)), None)
     if not ends or not any(r.get("curves") for rs in runs.values() for r in rs):
         return False
@@ -291,14 +281,13 @@ def figure_training_curves(records: dict, eps_values: Sequence[float], path: Pat
 
 
 def figure_transmission_by_norm(records: dict, eps_values: Sequence[float], path: Path) -> bool:
-    """For the largest eps with a finished run: every norm's transmission over training
-    (geometric mean over seeds) as a heatmap, norms in forward order: which norms stop
-    normalising, when."""
+    """For the largest eps with a finished run, every norm's transmission over training (geometric mean over
+    seeds) as a heatmap: which norms stop normalising, when."""
     finished = [e for e in eps_values if any(x == e for x, _ in records)]
     if not finished:
         return False
     eps = max(finished)
-    runs = [r for (e, _), r in sorted(records.items()) if e == eps]
+    runs = _runs(records, eps)
     names = next((record_norms(r) for r in runs if record_norms(r)), None)
     if not names or not any(r.get("curves") for r in runs):
         return False

@@ -1,11 +1,6 @@
-"""The statistics of an eps comparison: intervals across seeds, the loss difference
-paired by seed, and a verdict that claims no more than its interval.
-
-Intervals are Student-t 95% intervals across seeds, ``mean +/- t(0.975, n-1) s / sqrt(n)``;
-with one seed the interval is undefined and the result says so rather than inventing
-one.  The loss difference between an eps and the smallest eps is paired by seed (the same
-seed gives the same initialisation and batch stream) and uses the paired t interval.
-"""
+"""The statistics of an eps comparison: Student-t 95% intervals across seeds (undefined, not invented, with
+one seed), the loss difference paired by seed (same seed, same initialisation and batches) and a verdict
+that claims no more than its interval."""
 
 from __future__ import annotations
 
@@ -22,15 +17,10 @@ CONFIDENCE = 0.95
 
 
 def interval(values: Sequence[float], confidence: float = CONFIDENCE, log: bool = False) -> dict:
-    """Mean and two-sided Student-t interval of ``values`` (non-finite values are dropped).
-
-    ``half_width``, ``lo``, ``hi`` and ``sd`` are None when fewer than two values remain:
-    one seed says nothing about the spread across seeds.  With ``log`` (for a quantity that
-    is positive by nature: a residual, eps/var, a transmission) the interval is computed
-    on the logarithms, so it cannot reach below zero: ``mean`` is the geometric mean,
-    ``lo``/``hi`` its multiplicative interval, ``sd`` and ``half_width`` in log units;
-    values that are not positive are dropped.
-    """
+    """``{"n", "mean", "sd", "half_width", "lo", "hi", "log"}``: mean and two-sided Student-t interval of the
+    finite ``values``; all but ``n`` and ``mean`` are None below two values.  With ``log`` (for a quantity
+    positive by nature) it is computed on the logarithms of the positive values: ``mean`` is the geometric
+    mean, ``lo``/``hi`` its multiplicative interval, ``sd`` and ``half_width`` in log units."""
     x = np.asarray([v for v in values if v is not None and math.isfinite(v) and (v > 0 or not log)],
                    dtype=float)
     n = int(x.size)
@@ -70,26 +60,21 @@ def paired_difference(records: dict, eps: float, base: float, key: str = "val_lo
 
 def verdict(diff: dict) -> str:
     """Plain words for a paired loss difference that claim no more than its interval allows."""
-    e, b, n, d, h = (
-        eps_label(diff["eps"]), eps_label(diff["baseline_eps"]), diff["n"], diff["mean"], diff["half_width"]
-    )
+    e, b = eps_label(diff["eps"]), eps_label(diff["baseline_eps"])
+    n, d, h = diff["n"], diff["mean"], diff["half_width"]
     if n == 0:
         return f"eps={e}: no seed has finished at both eps={e} and eps={b} yet: nothing to compare."
     if h is None:
-        return (
-            f"eps={e} minus eps={b}: {d:+.4f} nats/char from a single seed. A 95% interval needs at "
-            "least two seeds, so no difference is resolved at this number of seeds."
-        )
+        return (f"eps={e} minus eps={b}: {d:+.4f} nats/char from a single seed. A 95% interval needs at "
+                "least two seeds, so no difference is resolved at this number of seeds.")
     pct = f", {abs(diff['relative']) * 100:.1f}% of the eps={b} loss" if diff.get("relative") else ""
     span = f"95% interval {diff['lo']:+.4f} to {diff['hi']:+.4f}, {n} paired seeds"
     if diff["lo"] > 0:
         return f"eps={e} is worse than eps={b} by {d:.4f} +/- {h:.4f} nats/char{pct} ({span})."
     if diff["hi"] < 0:
         return f"eps={e} is better than eps={b} by {-d:.4f} +/- {h:.4f} nats/char{pct} ({span})."
-    return (
-        f"No difference resolved at this number of seeds: eps={e} minus eps={b} is "
-        f"{d:+.4f} +/- {h:.4f} nats/char ({span}; the interval includes 0)."
-    )
+    return (f"No difference resolved at this number of seeds: eps={e} minus eps={b} is "
+            f"{d:+.4f} +/- {h:.4f} nats/char ({span}; the interval includes 0).")
 
 
 # headline figures that are positive by nature: their intervals are computed on log scale
@@ -98,8 +83,7 @@ LOG_SCALE = ("scale_constant", "out_residual_scale_3", "final_eps_over_var", "fi
 
 
 def aggregate(records: dict, eps_values: Sequence[float]) -> dict:
-    """Per eps, the interval of every headline figure across the seeds present (on log scale
-    for the figures of :data:`LOG_SCALE`)."""
+    """Per eps, the interval of every headline figure across the seeds present (:data:`LOG_SCALE` on logs)."""
     out = {}
     for eps in eps_values:
         runs = [r for (e, _), r in sorted(records.items()) if e == eps]

@@ -1,24 +1,11 @@
-"""Files of an eps comparison: atomic writes, per-run records and the merged results.
+"""Files of an eps comparison under ``<out>``, all written atomically: the merged ``results.json`` (with
+``report.md`` and the PNGs rebuilt from the records), and per finished run
+``eps=<eps>/seed=<seed>/result.json`` (its presence means finished) beside its checkpoints and event files.
 
-Layout under ``<out>``::
-
-    results.json                     merged view: configuration, grid, runs, aggregates
-    report.md, *.png                 rebuilt from results.json and the event files
-    eps=<eps>/seed=<seed>/result.json    one record per finished run (its presence = finished)
-    eps=<eps>/seed=<seed>/checkpoints/last.ckpt, events.out.tfevents.*
-
-Every file is written atomically (:mod:`lnmonitor.core.output.files`). Concurrent shards
-write only their own run records; the merged ``results.json`` is rebuilt from whatever
-records are on disk.
-
-A run record's held-out figures (format ``/2``) are the meter's result as a monitor logs it:
-``metrics`` (``lnmonitor/<statistic>/<norm>``, the ladder, the baselines), with the norms'
-roles (``rungs``, ``final_norm``, ``norm_info``).  Records of format ``/1`` (the stored grids
-under ``results/``) kept a hand-built ``norms`` table, every norm a rung; both are read here,
-by :func:`norm_value`, :func:`record_rungs`, :func:`record_final` and
-:func:`share_baseline`, and nowhere else.
-
-This module imports only the standard library: ``lnmonitor report`` needs no torch.
+A record of format ``/2`` holds the meter's ``metrics`` and the norms' roles (``rungs``, ``final_norm``,
+``norm_info``); one of format ``/1`` (the stored grids under ``results/``) a hand-built ``norms`` table, every
+norm a rung.  Only :func:`norm_value`, :func:`record_rungs`, :func:`record_final` and :func:`share_baseline`
+read either.  Imports only the standard library (``lnmonitor report`` needs no torch).
 """
 
 from __future__ import annotations
@@ -57,11 +44,6 @@ def run_dir(out: Path, eps: float, seed: int) -> Path:
     return Path(out) / f"eps={eps_label(eps)}" / f"seed={int(seed)}"
 
 
-# ---------------------------------------------------------------------------
-# configuration guard
-# ---------------------------------------------------------------------------
-
-
 def _flatten(obj, prefix: str = "") -> dict:
     if not isinstance(obj, dict):
         return {prefix: obj}
@@ -83,13 +65,12 @@ def config_differences(expected: dict, found: dict) -> list[str]:
 
 
 def check_config(found: dict | None, expected: dict, where: Path) -> None:
+    """UsageError naming the differences when ``found``, the configuration in ``where``, differs."""
     if found != expected:
         diffs = config_differences(expected, found or {})
         shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
-        raise UsageError(
-            f"{str(where)!r} is from a different configuration ({shown}): "
-            "use the same options, or pass another --out"
-        )
+        raise UsageError(f"{str(where)!r} is from a different configuration ({shown}): "
+                         "use the same options, or pass another --out")
 
 
 def load_results(out: Path) -> dict | None:
@@ -99,10 +80,9 @@ def load_results(out: Path) -> dict | None:
         return None
     results = read_json(path, "results file")
     if results.get("format") != RESULTS_FORMAT or not isinstance(results.get("config"), dict):
-        raise UsageError(
-            f"results file {str(path)!r} is not an eps-compare results file (format "
-            f"{results.get('format')!r}, expected {RESULTS_FORMAT!r}); move it away or choose another --out"
-        )
+        raise UsageError(f"results file {str(path)!r} is not an eps-compare results file (format "
+                         f"{results.get('format')!r}, expected {RESULTS_FORMAT!r}); move it away or choose "
+                         "another --out")
     grid = results.get("grid")
     if not (isinstance(grid, dict) and (isinstance(grid.get("pairs"), list)
                                         or all(isinstance(grid.get(k), list) for k in ("eps", "seeds")))):
@@ -110,40 +90,28 @@ def load_results(out: Path) -> dict | None:
     return results
 
 
-# ---------------------------------------------------------------------------
-# per-run records
-# ---------------------------------------------------------------------------
-
-
 def read_record(path: Path, config: dict) -> dict:
     """A run record, checked against the experiment's configuration."""
     record = read_json(path, "run record")
     if record.get("format") not in RECORD_FORMATS:
-        raise UsageError(
-            f"run record {str(path)!r} has format {record.get('format')!r}, expected one of "
-            f"{', '.join(map(repr, RECORD_FORMATS))}; move it away (the run will be redone)"
-        )
+        raise UsageError(f"run record {str(path)!r} has format {record.get('format')!r}, expected one of "
+                         f"{', '.join(map(repr, RECORD_FORMATS))}; move it away (the run will be redone)")
     check_config(record.get("config"), config, path)
     for key in ("eps", "seed", "steps", "val_loss"):
         if key not in record:
             raise UsageError(f"run record {str(path)!r} is corrupt (no {key!r}); move it away to redo it")
     eps, seed = record["eps"], record["seed"]
     if path.parent != run_dir(path.parent.parent.parent, eps, seed):
-        raise UsageError(
-            f"run record {str(path)!r} says eps={eps!r} seed={seed!r}, which is not its folder; move it away"
-        )
+        raise UsageError(f"run record {str(path)!r} says eps={eps!r} seed={seed!r}, which is not its folder; "
+                         "move it away")
     return record
 
 
 def scan_records(out: Path, config: dict) -> dict[tuple[float, int], dict]:
     """Every run record under ``out`` (any eps, any seed), keyed by ``(eps, seed)``."""
     records: dict[tuple[float, int], dict] = {}
-    out = Path(out)
-    if not out.is_dir():
-        return records
-    for eps_dir in sorted(out.iterdir()):
-        if not (eps_dir.is_dir() and _EPS_DIR.match(eps_dir.name)):
-            continue
+    eps_dirs = sorted(Path(out).iterdir()) if Path(out).is_dir() else []
+    for eps_dir in (d for d in eps_dirs if d.is_dir() and _EPS_DIR.match(d.name)):
         for seed_dir in sorted(eps_dir.iterdir()):
             path = seed_dir / RECORD_NAME
             if seed_dir.is_dir() and _SEED_DIR.match(seed_dir.name) and path.is_file():
@@ -158,26 +126,19 @@ def grid_pairs(eps: Iterable[float], seeds: Iterable[int]) -> list[tuple[float, 
     return [(float(e), int(s)) for e in eps for s in seeds]
 
 
-# ---------------------------------------------------------------------------
-# a record's held-out figures, whatever its format
-# ---------------------------------------------------------------------------
-
-
 def record_norms(record: dict) -> list[str]:
     """The record's norms, in the order the forward calls them."""
     return list(record.get("norm_order") or record.get("norm_info") or record.get("norms") or [])
 
 
 def record_rungs(record: dict) -> list[str]:
-    """The ladder's rungs, in forward order with the final norm last: the meter's (format /2);
-    a /1 record made every norm a rung, in call order."""
+    """The ladder's rungs in forward order, the final norm last (a /1 record: every norm, in call order)."""
     rungs = record.get("rungs")
     return list(rungs) if rungs is not None else record_norms(record)
 
 
 def record_final(record: dict) -> str | None:
-    """The final norm: the meter's (the last residual-stream norm to run); a /1 record's is
-    its last norm to run."""
+    """The final norm (the last residual-stream norm to run; a /1 record's last norm to run)."""
     if "final_norm" in record:
         return record["final_norm"]
     names = record_norms(record)
@@ -185,9 +146,8 @@ def record_final(record: dict) -> str | None:
 
 
 def norm_value(record: dict, name: str | None, statistic: str) -> float | None:
-    """The held-out ``statistic`` of norm ``name`` (``sigma``, ``inv_sigma``, ``rms``,
-    ``eps_over_var``, ``transmission``, ``share_median``, ...): the value logged as
-    ``lnmonitor/<statistic>/<name>``; None when the record has none."""
+    """The held-out ``statistic`` (``inv_sigma``, ``transmission``, ``share_median``, ...) of norm ``name``
+    logged as ``lnmonitor/<statistic>/<name>``; None when the record has none."""
     if name is None:
         return None
     if "metrics" in record:
@@ -198,8 +158,8 @@ def norm_value(record: dict, name: str | None, statistic: str) -> float | None:
 
 
 def share_baseline(record: dict) -> dict | None:
-    """``{"median": m, "d": width, "k": dead dimension}`` of the random share baseline shared by
-    every norm, or None (no record of it, or the norms have their own)."""
+    """``{"median", "d": width, "k": dead dimension}`` of the random share baseline every norm shares, or
+    None (not recorded, or the norms have their own)."""
     if "metrics" not in record:
         return record.get("share_baseline") or None
     median = record["metrics"].get(baseline_metric("median"))
