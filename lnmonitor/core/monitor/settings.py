@@ -25,7 +25,8 @@ __all__ = ["Settings"]
 @dataclass(frozen=True)
 class Settings:
     """What a monitor measures, when, and what it shows.  Raises
-    :class:`~lnmonitor.core.monitor.arguments.ArgumentError` naming the setting and what to pass."""
+    :class:`~lnmonitor.core.monitor.arguments.ArgumentError` naming the setting and what to pass (the
+    Lightning callbacks raise it as Lightning's ``MisconfigurationException``, same message)."""
 
     every_n_steps: int | None = None
     """Measure every this many optimizer steps (and the last one when known); None: the framework's log
