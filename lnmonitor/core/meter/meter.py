@@ -28,8 +28,9 @@ The path of one number, a norm's dead-plane share median, from the hook to the l
       -> hist_quantiles -> RowStats          the median read from its histogram
     meter.norm_figures -> NormFigures -> LadderFigures -> LadderResult
       -> finite_metrics -> dict[str, float]  the finite metrics, by their logged names
-    monitor.Monitor.log -> lightning.loggers.Loggers.log   (the plain loop's and the Trainer's
-                                             monitors end at their own writers instead)
+    monitor.Monitor.log -> lightning.loggers.Loggers.log   (a TensorBoard logger's through
+                                             output.writers.write_scalars; the plain loop's and the
+                                             Trainer's monitors end at their own writers instead)
 """
 
 from __future__ import annotations
